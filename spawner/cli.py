@@ -1,0 +1,218 @@
+"""``gpuhub``: the admin's command line over the GPU ledger.
+
+    gpuhub limits show
+    gpuhub limits set --default 1 | --group students 2 | --user alice 4 [--gpu-hours H] [--window-hours W]
+    gpuhub limits unset --user alice
+    gpuhub gpus
+    gpuhub usage [--since 2026-11-01 | --since 7d] [--user alice]
+    gpuhub db upgrade
+
+It reads the hub's ``jupyterhub_config.py`` (``--config``; by default the one in the
+current directory, if any) for ``c.GpuHub.*``; ``--db-url`` overrides the ledger URL.
+Run it as the hub's account: the ledger is readable only by the hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from traitlets.config import Config, PyFileConfigLoader
+
+from . import db
+from .inventory import InventoryError
+from .ledger import Ledger, utcnow
+from .policy import DEFAULT_WINDOW_HOURS, Limit
+from .settings import GpuHub
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse_count_or_unlimited(text: str) -> int | None:
+    if text.lower() in ("unlimited", "none"):
+        return None
+    if not text.isdigit():
+        raise UsageError(f"a limit is a whole number of GPUs or 'unlimited'; got {text!r}")
+    return int(text)
+
+
+def parse_when(text: str, now: datetime) -> datetime:
+    """``2026-11-01``, ``2026-11-01T12:00`` or a span back from now: ``7d``, ``12h``."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([dh])", text.strip())
+    if m:
+        n = float(m.group(1))
+        return now - (timedelta(days=n) if m.group(2) == "d" else timedelta(hours=n))
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        raise UsageError(
+            f"cannot read the date {text!r}; use 2026-11-01, 2026-11-01T12:00, 7d or 12h"
+        ) from None
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt_limit(limit: Limit) -> tuple[str, str]:
+    gpus = "unlimited" if limit.max_gpus is None else str(limit.max_gpus)
+    hours = "-" if limit.gpu_hours is None else f"{limit.gpu_hours:g} per {limit.window_hours:g} h"
+    return gpus, hours
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpuhub", description="Admin commands for the gpuhub GPU ledger.")
+    p.add_argument("--config", "-f", help="jupyterhub_config.py to read c.GpuHub from")
+    p.add_argument("--db-url", help="ledger database URL (overrides c.GpuHub.db_url)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    limits = sub.add_parser("limits", help="show and set GPU limits").add_subparsers(
+        dest="action", required=True
+    )
+    limits.add_parser("show", help="every limit in force and where it comes from")
+    lset = limits.add_parser("set", help="set a limit (wins over c.GpuHub.*_limit(s))")
+    who = lset.add_mutually_exclusive_group(required=True)
+    who.add_argument("--default", metavar="N", help="GPUs anyone may hold at once")
+    who.add_argument("--group", nargs=2, metavar=("GROUP", "N"))
+    who.add_argument("--user", nargs=2, metavar=("USER", "N"))
+    lset.add_argument("--gpu-hours", type=float, help="GPU-hours allowed per window")
+    lset.add_argument("--window-hours", type=float, default=DEFAULT_WINDOW_HOURS)
+    lunset = limits.add_parser("unset", help="remove a ledger limit, returning to the config's")
+    who = lunset.add_mutually_exclusive_group(required=True)
+    who.add_argument("--default", action="store_true")
+    who.add_argument("--group", metavar="GROUP")
+    who.add_argument("--user", metavar="USER")
+
+    sub.add_parser("gpus", help="every GPU: node, index, model, holder, since when, for what")
+    usage = sub.add_parser("usage", help="GPU-hours per user")
+    usage.add_argument("--since", default="30d", help="start: a date or a span such as 7d (default 30d)")
+    usage.add_argument("--until", help="end (default: now)")
+    usage.add_argument("--user")
+    dbp = sub.add_parser("db", help="ledger database").add_subparsers(dest="action", required=True)
+    dbp.add_parser("upgrade", help="migrate the ledger to this gpuhub's schema")
+    return p
+
+
+def load_settings(args: argparse.Namespace) -> GpuHub:
+    path = args.config
+    if path is None and os.path.exists("jupyterhub_config.py"):
+        path = "jupyterhub_config.py"
+    config = Config()
+    if path:
+        if not os.path.exists(path):
+            raise UsageError(f"no config file at {path}")
+        loader = PyFileConfigLoader(os.path.basename(path), path=os.path.dirname(os.path.abspath(path)))
+        config = loader.load_config()
+    settings = GpuHub(config=config)
+    if args.db_url:
+        settings.db_url = args.db_url
+    elif os.environ.get("GPUHUB_DB_URL"):
+        settings.db_url = os.environ["GPUHUB_DB_URL"]
+    return settings
+
+
+def open_ledger(settings: GpuHub, out) -> Ledger:
+    ledger = settings.open_ledger(sync=False)
+    try:
+        ledger.sync_inventory(settings.read_inventory())
+    except InventoryError as e:
+        print(f"warning: inventory not refreshed: {e}", file=sys.stderr)
+    return ledger
+
+
+def run(args: argparse.Namespace, out=sys.stdout) -> int:
+    settings = load_settings(args)
+    if args.command == "db":
+        db.upgrade(settings.db_url)
+        print(f"ledger {db.safe_url(settings.db_url)} is at schema {db.head_revision()}", file=out)
+        return 0
+    ledger = open_ledger(settings, out)
+    if args.command == "limits":
+        return _limits(args, ledger, out)
+    if args.command == "gpus":
+        rows = []
+        for st in ledger.gpu_table():
+            h = st.holder
+            rows.append(
+                (
+                    st.gpu.node,
+                    st.gpu.index,
+                    st.gpu.model,
+                    "" if st.present else "gone",
+                    h.user if h else "free",
+                    (h.started or h.created).strftime("%Y-%m-%d %H:%M") if h else "",
+                    f"{h.purpose} {h.server_name}".strip() + f" (#{h.id})" if h else "",
+                )
+            )
+        print(format_table(("NODE", "GPU", "MODEL", "", "HOLDER", "SINCE (UTC)", "FOR"), rows), file=out)
+        return 0
+    if args.command == "usage":
+        now = utcnow()
+        since = parse_when(args.since, now)
+        until = parse_when(args.until, now) if args.until else now
+        if until <= since:
+            raise UsageError("--until must be after --since")
+        hours = ledger.usage(since, until, user=args.user)
+        rows = [(u, f"{h:.2f}") for u, h in sorted(hours.items())]
+        print(f"GPU-hours from {since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M} UTC", file=out)
+        print(format_table(("USER", "GPU-HOURS"), rows), file=out)
+        return 0
+    raise UsageError(f"unknown command {args.command}")  # argparse keeps this unreachable
+
+
+def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
+    if args.action == "show":
+        rows = []
+        for e in ledger.limit_entries():
+            gpus, hours = _fmt_limit(e.limit)
+            rows.append((e.scope, e.name or "*", gpus, hours, e.origin))
+        print(format_table(("SCOPE", "NAME", "MAX GPUS", "GPU-HOURS", "FROM"), rows), file=out)
+        return 0
+    if args.default is not None and args.default is not False:
+        scope, name, value = "default", "", args.default
+    elif args.group:
+        scope, name, value = ("group", *args.group) if args.action == "set" else ("group", args.group, None)
+    else:
+        scope, name, value = ("user", *args.user) if args.action == "set" else ("user", args.user, None)
+    if args.action == "unset":
+        if ledger.unset_limit(scope, name):
+            print(f"removed the ledger's {scope} limit{' for ' + name if name else ''}", file=out)
+            return 0
+        print(f"no ledger {scope} limit{' for ' + name if name else ''} to remove", file=out)
+        return 1
+    limit = Limit(
+        max_gpus=parse_count_or_unlimited(value),
+        gpu_hours=args.gpu_hours,
+        window_hours=args.window_hours,
+    )
+    try:
+        ledger.set_limit(scope, name, limit)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    gpus, hours = _fmt_limit(limit)
+    print(f"{scope} limit{' for ' + name if name else ''}: {gpus} GPUs, GPU-hours {hours}", file=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (UsageError, db.SchemaError, InventoryError) as e:
+        print(f"gpuhub: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Engine, sessions and schema version of the ledger database.
+
+- SQLite: WAL journal, a busy timeout, foreign keys on, and every transaction opened with
+  ``BEGIN IMMEDIATE`` so that a read-check-write admission is one atomic step across
+  processes (a deferred transaction would read, then fail to upgrade its lock).
+- Any other SQLAlchemy URL (PostgreSQL in production) relies on the ``ledger_lock`` row.
+- The schema is owned by Alembic (``spawner/migrations``). A new, empty database is
+  created at head; a database behind head is refused with the command that upgrades it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine, event, inspect
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+class SchemaError(RuntimeError):
+    """The ledger database is not at the schema this gpuhub needs."""
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_connect(dbapi_conn, _record):
+            # take transaction control away from the driver so BEGIN IMMEDIATE is ours
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    assert head is not None  # the package always ships migrations
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(url: str, engine: Engine | None = None) -> None:
+    """Bring the database at ``url`` to the newest schema (what ``gpuhub db upgrade`` runs)."""
+    cfg = alembic_config(url)
+    if engine is not None:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+    else:
+        command.upgrade(cfg, "head")
+
+
+def ensure_schema(engine: Engine, url: str) -> None:
+    """Create a new database at head; refuse one that is behind or unknown."""
+    current = current_revision(engine)
+    head = head_revision()
+    if current == head:
+        return
+    if current is None:
+        tables = set(inspect(engine).get_table_names())
+        if tables:
+            raise SchemaError(
+                f"The gpuhub ledger database {safe_url(url)} has tables ({', '.join(sorted(tables))}) "
+                "but no schema version. Point c.GpuHub.db_url at a database of its own."
+            )
+        upgrade(url, engine)
+        return
+    scripts = ScriptDirectory.from_config(alembic_config(url))
+    known = {rev.revision for rev in scripts.walk_revisions()}
+    if current not in known:
+        raise SchemaError(
+            f"The gpuhub ledger database {safe_url(url)} is at schema {current}, newer than this "
+            f"gpuhub knows (head {head}). Upgrade the jupyterhub-gpuhub package."
+        )
+    raise SchemaError(
+        f"The gpuhub ledger database {safe_url(url)} is at schema {current}; this gpuhub needs "
+        f"{head}. Back it up, then run: gpuhub db upgrade --db-url '{safe_url(url)}'"
+    )
+
+
+def safe_url(url: str) -> str:
+    """The URL with any password hidden, for messages and logs."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)

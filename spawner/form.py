@@ -1,0 +1,129 @@
+"""The spawn form and the ``user_options`` it produces, as pure functions.
+
+``user_options`` for a GPU server (from the form, or the REST API's ``user_options``):
+
+    {"gpus": 2, "gpu_model": "A100"}    # gpu_model optional; "" or absent means any
+
+The form sends strings; the REST API may send numbers. ``parse_gpu_options`` accepts
+both and refuses anything else with a message that says what it takes: the server never
+trusts the form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from html import escape
+from typing import Any
+
+from .ledger import Allowance
+from .policy import Refusal
+
+OPTION_KEYS = ("gpus", "gpu_model")
+MAX_COUNT_DIGITS = 6
+USAGE = 'gpuhub servers take "gpus" (a whole number, 0 for none) and optionally "gpu_model".'
+
+
+@dataclass(frozen=True)
+class GpuOptions:
+    count: int
+    model: str | None = None
+
+
+def _single(value: Any) -> Any:
+    """Form data arrives as lists of strings; one value is what a field means."""
+    if isinstance(value, list | tuple):
+        if len(value) != 1:
+            raise Refusal(f"Give one value per option; got {len(value)}. {USAGE}", reason="bad_request")
+        return value[0]
+    return value
+
+
+def parse_count(raw: Any) -> int:
+    raw = _single(raw)
+    if isinstance(raw, bool):
+        raise Refusal(f"The GPU count must be a whole number; got {raw!r}. {USAGE}", reason="bad_request")
+    if isinstance(raw, int):
+        count = raw
+    elif isinstance(raw, float) and raw.is_integer():
+        count = int(raw)
+    elif isinstance(raw, str) and raw.strip().lstrip("+-").isdigit() and len(raw.strip()) <= MAX_COUNT_DIGITS:
+        count = int(raw.strip())
+    else:
+        shown = raw if not isinstance(raw, str) else raw[:40]
+        raise Refusal(f"The GPU count must be a whole number; got {shown!r}. {USAGE}", reason="bad_request")
+    if count < 0:
+        raise Refusal(
+            f"The GPU count cannot be negative; got {count}. Ask for 0 or more.", reason="bad_request"
+        )
+    return count
+
+
+def parse_gpu_options(user_options: Mapping[str, Any] | None, *, default_gpus: int) -> GpuOptions:
+    """Check the shape of ``user_options``; whether the model exists is the policy's call."""
+    options = dict(user_options or {})
+    unknown = sorted(k for k in options if k not in OPTION_KEYS)
+    if unknown:
+        raise Refusal(
+            f"Unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}. {USAGE}",
+            reason="bad_request",
+        )
+    count = parse_count(options["gpus"]) if "gpus" in options else default_gpus
+    model = _single(options.get("gpu_model")) or None
+    if model is not None and not isinstance(model, str):
+        raise Refusal(f"gpu_model must be a model name; got {model!r}.", reason="bad_request")
+    return GpuOptions(count=count, model=model)
+
+
+def options_from_form(formdata: Mapping[str, list[str]]) -> dict[str, Any]:
+    """Form fields to ``user_options``: one value each; fields starting with ``_`` (XSRF) dropped."""
+    return {k: (v[0] if len(v) == 1 else v) for k, v in formdata.items() if not k.startswith("_")}
+
+
+def _allowance_text(a: Allowance) -> str:
+    lim = a.effective.limit
+    if lim.max_gpus is None:
+        limit = f"no limit ({a.effective.source})"
+    else:
+        limit = f"a limit of {lim.max_gpus} ({a.effective.source})"
+    quota = ""
+    if lim.gpu_hours is not None:
+        quota = (
+            f' You have used <span data-gpuhub="gpu-hours">{a.gpu_hours:.1f}</span> of '
+            f"{lim.gpu_hours:g} GPU-hours over the last {lim.window_hours:g} hours."
+        )
+    return (
+        f'You hold <span data-gpuhub="held">{a.held}</span> GPU(s) of {escape(limit)}: '
+        f'you may take <span data-gpuhub="fits">{a.fits}</span> now.{quota}'
+    )
+
+
+def render_form(allowance: Allowance, models: Sequence[str], default_gpus: int) -> str:
+    """The spawn form's HTML (Bootstrap 5 classes, as JupyterHub 5+ pages use)."""
+    value = min(default_gpus, allowance.fits)
+    parts = [
+        '<div class="mb-3" id="gpuhub-form">',
+        '  <label for="gpuhub-gpus" class="form-label">GPUs</label>',
+        f'  <input type="number" class="form-control" id="gpuhub-gpus" name="gpus" min="0" '
+        f'step="1" value="{value}" aria-describedby="gpuhub-gpus-help">',
+        '  <div class="form-text" id="gpuhub-gpus-help">',
+        f'    <span data-gpuhub="free">{allowance.free}</span> of '
+        f'<span data-gpuhub="total">{allowance.total}</span> GPUs are free now. '
+        + _allowance_text(allowance),
+        "  </div>",
+        "</div>",
+    ]
+    if len(models) > 1:
+        options = ['    <option value="">Any model</option>'] + [
+            f'    <option value="{escape(m)}">{escape(m)} ({allowance.free_by_model.get(m, 0)} free)</option>'
+            for m in models
+        ]
+        parts += [
+            '<div class="mb-3">',
+            '  <label for="gpuhub-model" class="form-label">GPU model</label>',
+            '  <select class="form-select" id="gpuhub-model" name="gpu_model">',
+            *options,
+            "  </select>",
+            "</div>",
+        ]
+    return "\n".join(parts)

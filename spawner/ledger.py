@@ -1,0 +1,440 @@
+"""The GPU ledger: the single source of truth for who holds which GPU.
+
+Every method is one short transaction. Admission (``allocate``) reads what exists, what is
+free and what the user holds, asks :mod:`spawner.policy`, and writes the answer, all under
+the database's write lock (``BEGIN IMMEDIATE`` on SQLite, the ``ledger_lock`` row
+elsewhere), so several processes can allocate against one database without exceeding a
+limit; the partial unique index on held GPUs makes double-booking impossible even if
+that lock were bypassed.
+
+Limits come from two places: the ``c.GpuHub.*_limit(s)`` traits and the rows an admin
+writes with ``gpuhub limits set``. A row in the database wins over the trait for the same
+key (default, one group, one user); ``gpuhub limits unset`` returns that key to the trait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from . import policy
+from .db import ensure_schema, make_engine, make_session_factory
+from .models import (
+    ACTIVE_STATES,
+    PURPOSES,
+    SCOPES,
+    Allocation,
+    AllocationGpu,
+    Gpu,
+    LedgerLock,
+    LimitRow,
+    Node,
+)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+@dataclass(frozen=True)
+class AllocationInfo:
+    id: int
+    user: str
+    purpose: str
+    server_name: str
+    state: str
+    created: datetime
+    started: datetime | None
+    ended: datetime | None
+    backend: str
+    backend_job_id: str | None
+    end_reason: str | None
+    gpus: tuple[policy.Gpu, ...]
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(sorted({g.node for g in self.gpus}))
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(str(g.index) for g in self.gpus)
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What a user holds, may take, and what is free: the facts behind the spawn form."""
+
+    effective: policy.EffectiveLimit
+    held: int
+    gpu_hours: float
+    may_take: int | None  # more GPUs the limit allows; None = unlimited
+    total: int
+    free: int
+    free_by_model: dict[str, int] = field(default_factory=dict)
+    fits: int = 0  # what one request on one server could get now
+
+
+@dataclass(frozen=True)
+class GpuStatus:
+    gpu: policy.Gpu
+    present: bool
+    holder: AllocationInfo | None
+
+
+@dataclass(frozen=True)
+class LimitEntry:
+    scope: str
+    name: str
+    limit: policy.Limit
+    origin: str  # "config" or "ledger"
+
+
+def _info(a: Allocation) -> AllocationInfo:
+    gpus = tuple(sorted(_gpu(ag.gpu) for ag in a.gpus))
+    return AllocationInfo(
+        id=a.id,
+        user=a.user,
+        purpose=a.purpose,
+        server_name=a.server_name,
+        state=a.state,
+        created=a.created,
+        started=a.started,
+        ended=a.ended,
+        backend=a.backend,
+        backend_job_id=a.backend_job_id,
+        end_reason=a.end_reason,
+        gpus=gpus,
+    )
+
+
+def _gpu(g: Gpu) -> policy.Gpu:
+    return policy.Gpu(g.node.name, g.index, g.model, g.memory_mib, g.uuid)
+
+
+def _row_limit(row: LimitRow) -> policy.Limit:
+    return policy.Limit(
+        max_gpus=row.max_gpus,
+        gpu_hours=row.gpu_hours,
+        window_hours=row.window_hours or policy.DEFAULT_WINDOW_HOURS,
+    )
+
+
+class Ledger:
+    """One ledger database. Safe to use from several processes at once."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        config_rules: policy.LimitRules | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ):
+        self.url = url
+        self.config_rules = config_rules or policy.LimitRules()
+        self.clock = clock
+        self.engine = make_engine(url)
+        ensure_schema(self.engine, url)
+        self._sessions = make_session_factory(self.engine)
+        with self._sessions.begin() as s:
+            if s.get(LedgerLock, 1) is None:
+                s.add(LedgerLock(id=1, generation=0))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with self._sessions.begin() as s:
+            lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update())
+            lock.scalar_one()
+            yield s
+
+    # inventory ----------------------------------------------------------------------
+
+    def sync_inventory(self, gpus: Iterable[policy.Gpu]) -> None:
+        """Make the ledger's GPUs match the inventory, keeping every allocation.
+
+        New GPUs are added, known ones updated, missing ones marked absent (never deleted:
+        a live allocation or the usage history may still name them).
+        """
+        wanted = {(g.node, g.index): g for g in gpus}
+        with self._tx() as s:
+            nodes = {n.name: n for n in s.scalars(select(Node))}
+            seen = set()
+            for row in s.scalars(select(Gpu).options(selectinload(Gpu.node))):
+                key = (row.node.name, row.index)
+                seen.add(key)
+                g = wanted.get(key)
+                row.present = g is not None
+                if g is not None:
+                    row.model, row.memory_mib, row.uuid = g.model, g.memory_mib, g.uuid
+            for key, g in sorted(wanted.items()):
+                if key in seen:
+                    continue
+                node = nodes.get(g.node)
+                if node is None:
+                    node = nodes[g.node] = Node(name=g.node)
+                    s.add(node)
+                s.add(
+                    Gpu(
+                        node=node,
+                        index=g.index,
+                        model=g.model,
+                        memory_mib=g.memory_mib,
+                        uuid=g.uuid,
+                        present=True,
+                    )
+                )
+
+    def _inventory(self, s: Session) -> list[policy.Gpu]:
+        rows = s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
+        return sorted(_gpu(g) for g in rows)
+
+    def _held_gpu_ids(self, s: Session) -> set[int]:
+        return set(s.scalars(select(AllocationGpu.gpu_id).where(AllocationGpu.held)))
+
+    def _free(self, s: Session) -> list[policy.Gpu]:
+        held = self._held_gpu_ids(s)
+        rows = s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
+        return sorted(_gpu(g) for g in rows if g.id not in held)
+
+    # limits ---------------------------------------------------------------------------
+
+    def _rules(self, s: Session) -> policy.LimitRules:
+        base = self.config_rules
+        default, groups, users = base.default, dict(base.groups), dict(base.users)
+        for row in s.scalars(select(LimitRow)):
+            if row.scope == "default":
+                default = _row_limit(row)
+            elif row.scope == "group":
+                groups[row.name] = _row_limit(row)
+            else:
+                users[row.name] = _row_limit(row)
+        return policy.LimitRules(default=default, groups=groups, users=users)
+
+    def rules(self) -> policy.LimitRules:
+        with self._tx() as s:
+            return self._rules(s)
+
+    def limit_entries(self) -> list[LimitEntry]:
+        """Every limit in force with where it comes from (a ledger row hides the trait)."""
+        with self._tx() as s:
+            rows = {(r.scope, r.name): r for r in s.scalars(select(LimitRow))}
+        base = self.config_rules
+        entries = {("default", ""): LimitEntry("default", "", base.default, "config")}
+        entries |= {("group", k): LimitEntry("group", k, v, "config") for k, v in base.groups.items()}
+        entries |= {("user", k): LimitEntry("user", k, v, "config") for k, v in base.users.items()}
+        for key, row in rows.items():
+            entries[key] = LimitEntry(row.scope, row.name, _row_limit(row), "ledger")
+        order = {scope: i for i, scope in enumerate(SCOPES)}
+        return sorted(entries.values(), key=lambda e: (order[e.scope], e.name))
+
+    def set_limit(self, scope: str, name: str, limit: policy.Limit) -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}")
+        if scope == "default":
+            name = ""
+        elif not name:
+            raise ValueError(f"a {scope} limit needs the {scope}'s name")
+        if limit.max_gpus is not None and limit.max_gpus < 0:
+            raise ValueError("max GPUs must be 0 or more (or unlimited)")
+        if limit.gpu_hours is not None and limit.gpu_hours < 0:
+            raise ValueError("GPU-hours must be 0 or more (or unlimited)")
+        if limit.window_hours <= 0:
+            raise ValueError("the GPU-hours window must be longer than 0 hours")
+        with self._tx() as s:
+            row = s.scalars(
+                select(LimitRow).where(LimitRow.scope == scope, LimitRow.name == name)
+            ).one_or_none()
+            if row is None:
+                row = LimitRow(scope=scope, name=name)
+                s.add(row)
+            row.max_gpus = limit.max_gpus
+            row.gpu_hours = limit.gpu_hours
+            row.window_hours = limit.window_hours
+            row.updated = self.clock()
+
+    def unset_limit(self, scope: str, name: str = "") -> bool:
+        with self._tx() as s:
+            row = s.scalars(
+                select(LimitRow).where(
+                    LimitRow.scope == scope, LimitRow.name == ("" if scope == "default" else name)
+                )
+            ).one_or_none()
+            if row is None:
+                return False
+            s.delete(row)
+            return True
+
+    # holdings ------------------------------------------------------------------------
+
+    def _active(self, s: Session, **where) -> list[Allocation]:
+        q = (
+            select(Allocation)
+            .where(Allocation.state.in_(ACTIVE_STATES))
+            .options(selectinload(Allocation.gpus).selectinload(AllocationGpu.gpu).selectinload(Gpu.node))
+            .order_by(Allocation.id)
+        )
+        for key, value in where.items():
+            q = q.where(getattr(Allocation, key) == value)
+        return list(s.scalars(q))
+
+    def _holdings(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
+        held = sum(len(a.gpus) for a in self._active(s, user=user))
+        hours = 0.0
+        if limit.gpu_hours is not None:
+            hours = policy.gpu_hours_used(self._intervals(s, user=user), self.clock(), limit.window_hours)
+        return policy.Holdings(held=held, gpu_hours=hours)
+
+    def _intervals(self, s: Session, user: str | None = None):
+        q = select(Allocation).options(selectinload(Allocation.gpus))
+        if user is not None:
+            q = q.where(Allocation.user == user)
+        for a in s.scalars(q):
+            start = a.started or a.created
+            yield start, a.ended, len(a.gpus)
+
+    def allowance(self, user: str, groups: Iterable[str] = (), model: str | None = None) -> Allowance:
+        with self._tx() as s:
+            eff = policy.effective_limit(user, groups, self._rules(s))
+            holdings = self._holdings(s, user, eff.limit)
+            inventory, free = self._inventory(s), self._free(s)
+        room = policy.remaining(eff, holdings)
+        free_now = policy.largest_placeable(free, model, 1)
+        by_model: dict[str, int] = {}
+        for g in free:
+            by_model[g.model] = by_model.get(g.model, 0) + 1
+        return Allowance(
+            effective=eff,
+            held=holdings.held,
+            gpu_hours=holdings.gpu_hours,
+            may_take=room,
+            total=len(inventory),
+            free=len(free),
+            free_by_model=by_model,
+            fits=free_now if room is None else min(room, free_now),
+        )
+
+    def models(self) -> list[str]:
+        with self._tx() as s:
+            return sorted({g.model for g in self._inventory(s)})
+
+    # allocations -----------------------------------------------------------------------
+
+    def allocate(
+        self,
+        user: str,
+        groups: Iterable[str],
+        count: int,
+        *,
+        purpose: str = "server",
+        server_name: str = "",
+        model: str | None = None,
+        max_nodes: int | None = 1,
+        gpus_per_node: int | None = None,
+        backend: str = "local",
+    ) -> AllocationInfo:
+        """Admit and record a request, or raise :class:`policy.Refusal` leaving nothing behind."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}")
+        request = policy.Request(user, count, model, max_nodes, gpus_per_node)
+        with self._tx() as s:
+            eff = policy.effective_limit(user, groups, self._rules(s))
+            inventory, free = self._inventory(s), self._free(s)
+            policy.check_request(request, eff, self._holdings(s, user, eff.limit), inventory, free)
+            if count == 0:
+                raise policy.Refusal("An allocation needs at least 1 GPU.", reason="bad_request", fits=None)
+            chosen = policy.place(request, free, inventory)
+            if chosen is None:
+                raise policy.Refusal(
+                    f"{count} GPUs cannot be placed as asked right now "
+                    f"({gpus_per_node or 'any'} per node, at most {max_nodes or 'any'} nodes); "
+                    "try another split or try again later.",
+                    reason="no_capacity",
+                )
+            by_key = {
+                (g.node.name, g.index): g
+                for g in s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
+            }
+            now = self.clock()
+            alloc = Allocation(
+                user=user,
+                purpose=purpose,
+                server_name=server_name,
+                state="starting",
+                created=now,
+                backend=backend,
+            )
+            alloc.gpus = [AllocationGpu(gpu=by_key[(g.node, g.index)], held=True) for g in chosen]
+            s.add(alloc)
+            s.flush()
+            return _info(alloc)
+
+    def mark_running(self, allocation_id: int, backend_job_id: str | None = None) -> AllocationInfo:
+        with self._tx() as s:
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                raise LookupError(f"allocation {allocation_id} is not active")
+            a.state = "running"
+            a.started = a.started or self.clock()
+            if backend_job_id is not None:
+                a.backend_job_id = str(backend_job_id)
+            return _info(a)
+
+    def release(self, allocation_id: int, reason: str = "released") -> bool:
+        """Give the GPUs back. Idempotent: False when it was already released or unknown."""
+        with self._tx() as s:
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                return False
+            a.state = "released"
+            a.ended = self.clock()
+            a.end_reason = reason[:255]
+            for ag in a.gpus:
+                ag.held = False
+            return True
+
+    def get(self, allocation_id: int) -> AllocationInfo | None:
+        with self._tx() as s:
+            a = s.get(Allocation, allocation_id)
+            return None if a is None else _info(a)
+
+    def active(self, **where) -> list[AllocationInfo]:
+        """Live allocations, filtered by column values, e.g. ``user="alice"``."""
+        with self._tx() as s:
+            return [_info(a) for a in self._active(s, **where)]
+
+    def gpu_table(self) -> list[GpuStatus]:
+        with self._tx() as s:
+            holders: dict[int, AllocationInfo] = {}
+            for a in self._active(s):
+                info = _info(a)
+                for ag in a.gpus:
+                    holders[ag.gpu_id] = info
+            rows = s.scalars(select(Gpu).options(selectinload(Gpu.node)))
+            return sorted(
+                (GpuStatus(_gpu(g), g.present, holders.get(g.id)) for g in rows),
+                key=lambda st: st.gpu,
+            )
+
+    def usage(
+        self, since: datetime, until: datetime | None = None, user: str | None = None
+    ) -> dict[str, float]:
+        """GPU-hours per user between ``since`` and ``until`` (default: now)."""
+        until = until or self.clock()
+        window_hours = (until - since).total_seconds() / 3600.0
+        out: dict[str, float] = {}
+        with self._tx() as s:
+            users = sorted(set(s.scalars(select(Allocation.user).distinct())))
+            for name in users if user is None else [user]:
+                out[name] = policy.gpu_hours_used(self._intervals(s, user=name), until, window_hours)
+        return out

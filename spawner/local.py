@@ -1,0 +1,98 @@
+"""The local backend: GPU servers as processes on this machine.
+
+- ``gpu-local`` (:class:`GpuLocalProcessSpawner`): real Unix users, setuid, as
+  ``LocalProcessSpawner``. For a shared multi-GPU server.
+- ``gpu-local-simple`` (:class:`GpuSimpleLocalProcessSpawner`): every server runs as the
+  hub's user, as ``SimpleLocalProcessSpawner``. For the demo and one-person machines only.
+
+A server's "job id" in the ledger is its process id. When the hub process first opens the
+ledger it reconciles: a local server allocation whose process is gone (it died while the
+hub was down), or that was still starting when an earlier hub process stopped, is
+released. JupyterHub's own start-up poll of each known server then releases any other
+dead one through ``poll()``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC
+
+from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
+
+from .ledger import AllocationInfo, Ledger
+from .mixin import GpuSpawnerMixin
+
+PROCESS_STARTED = time.time()
+_reconciled: set[str] = set()
+_reconcile_lock = threading.Lock()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_local_allocations(
+    allocations: Iterable[AllocationInfo],
+    is_alive: Callable[[int], bool],
+    process_started: float,
+) -> list[tuple[AllocationInfo, str]]:
+    """Which live local server allocations have no live process, and why."""
+    stale = []
+    for a in allocations:
+        if a.purpose != "server" or a.backend != "local":
+            continue
+        if a.backend_job_id is None:
+            # still "starting": stale only if an earlier hub process began it
+            created = a.created.replace(tzinfo=UTC).timestamp()  # the ledger keeps naive UTC
+            if created < process_started - 1 and a.state == "starting":
+                stale.append((a, "hub stopped while the server was starting"))
+            continue
+        if not is_alive(int(a.backend_job_id)):
+            stale.append((a, "server died while the hub was down"))
+    return stale
+
+
+def reconcile_local(ledger: Ledger, log=None) -> int:
+    """Release local server allocations whose servers are gone. Returns how many."""
+    released = 0
+    allocations = ledger.active(purpose="server", backend="local")
+    for a, why in stale_local_allocations(allocations, pid_alive, PROCESS_STARTED):
+        if ledger.release(a.id, why):
+            released += 1
+            if log:
+                log.info("gpuhub: released allocation %s of %s (%s)", a.id, a.user, why)
+    return released
+
+
+class LocalGpuMixin(GpuSpawnerMixin):
+    backend_name = "local"
+
+    def backend_job_id(self) -> str | None:
+        return str(self.pid) if getattr(self, "pid", 0) else None
+
+    @property
+    def ledger(self) -> Ledger:
+        ledger = self.gpuhub.open_ledger()
+        if ledger.url not in _reconciled:
+            with _reconcile_lock:
+                if ledger.url not in _reconciled:
+                    reconcile_local(ledger, self.log)
+                    _reconciled.add(ledger.url)
+        return ledger
+
+
+class GpuLocalProcessSpawner(LocalGpuMixin, LocalProcessSpawner):
+    """LocalProcessSpawner with exclusive GPUs from the gpuhub ledger."""
+
+
+class GpuSimpleLocalProcessSpawner(LocalGpuMixin, SimpleLocalProcessSpawner):
+    """SimpleLocalProcessSpawner with exclusive GPUs: demo and single-user machines only."""

@@ -1,0 +1,200 @@
+"""GpuSpawnerMixin: GPUs from the ledger for any JupyterHub spawner.
+
+Lifecycle, whatever the backend:
+
+1. the spawn form shows what is free and what the user may still take;
+2. ``start()`` validates ``user_options`` (form or REST alike), admits the request in the
+   ledger *before* the backend starts anything, puts the GPUs in the server's environment,
+   and gives them back if the backend fails to start;
+3. ``stop()``, and ``poll()`` finding the server dead, release the GPUs;
+4. the allocation id travels in ``get_state``/``load_state``, so a restarted hub knows it.
+
+A refusal is a ``SpawnException`` with the policy's message and reason: the spawn page
+shows it in the form, the REST API answers it as a 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from jupyterhub.spawner import SpawnException
+from traitlets import Any, Instance, Int, List, default
+from traitlets.config import Configurable
+
+from . import form, policy
+from .ledger import AllocationInfo, Ledger
+from .settings import GpuHub
+
+STATE_KEY = "gpuhub_allocation_id"
+
+
+def make_gpu_env(allocation: AllocationInfo | None) -> dict[str, str]:
+    """The variables a GPU server gets: its GPUs, in PCI bus order, and its allocation."""
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    if allocation is None:
+        # no GPUs asked for: hide every GPU rather than expose them all
+        env.update(CUDA_VISIBLE_DEVICES="", GPUHUB_GPUS="", GPUHUB_ALLOCATION_ID="")
+        return env
+    env.update(
+        CUDA_VISIBLE_DEVICES=allocation.cuda_visible_devices,
+        GPUHUB_ALLOCATION_ID=str(allocation.id),
+        GPUHUB_GPUS=",".join(g.label for g in allocation.gpus),
+        GPUHUB_NODE=",".join(allocation.nodes),
+        GPUHUB_GPU_MODEL=",".join(sorted({g.model for g in allocation.gpus})),
+    )
+    return env
+
+
+class GpuSpawnerMixin(Configurable):
+    """Mix in before a JupyterHub spawner class: ``class S(GpuSpawnerMixin, LocalProcessSpawner)``."""
+
+    backend_name = "local"
+
+    default_gpus = Int(
+        1,
+        help="""GPUs a server gets when the request names none (a REST call without
+        ``user_options``). The form starts at this value, capped at what the user may take.
+        ``c.Spawner.default_gpus = 0``
+        """,
+    ).tag(config=True)
+
+    allocation_id = Int(0, help="The ledger allocation of the running server (0: none).")
+    gpu_allocation = Any(None, allow_none=True, help="The running server's AllocationInfo.")
+    _gpuhub_events = List()
+    _gpuhub_changed = Instance(asyncio.Event, allow_none=True)
+
+    @default("options_form")
+    def _default_options_form(self):
+        return self._render_gpu_form
+
+    @default("options_from_form")
+    def _default_options_from_form(self):
+        return form.options_from_form
+
+    # ledger access --------------------------------------------------------------------
+
+    @property
+    def gpuhub(self) -> GpuHub:
+        return GpuHub(parent=self)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.gpuhub.open_ledger()
+
+    def _groups(self) -> list[str]:
+        return [g.name for g in getattr(self.user, "groups", [])]
+
+    def _progress(self, progress: int, message: str) -> None:
+        self._gpuhub_events.append({"progress": progress, "message": message})
+        if self._gpuhub_changed is not None:
+            self._gpuhub_changed.set()
+
+    async def progress(self):
+        changed = self._gpuhub_changed = asyncio.Event()
+        sent = 0
+        while True:
+            changed.clear()
+            while sent < len(self._gpuhub_events):
+                yield self._gpuhub_events[sent]
+                sent += 1
+            if not self._spawn_pending:
+                return
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=1)
+            except TimeoutError:
+                pass
+
+    async def _render_gpu_form(self, _spawner=None) -> str:
+        ledger = self.ledger
+        allowance, models = await asyncio.to_thread(
+            lambda: (ledger.allowance(self.user.name, self._groups()), ledger.models())
+        )
+        return form.render_form(allowance, models, self.default_gpus)
+
+    # lifecycle ------------------------------------------------------------------------
+
+    def backend_job_id(self) -> str | None:
+        """The backend's handle on the server once started (a pid, a Slurm job id)."""
+        return None
+
+    def get_env(self):
+        env = super().get_env()
+        env.update(make_gpu_env(self.gpu_allocation))
+        return env
+
+    async def _admit(self) -> AllocationInfo | None:
+        try:
+            opts = form.parse_gpu_options(self.user_options, default_gpus=self.default_gpus)
+            if opts.count == 0:
+                return None
+            ledger = self.ledger
+            return await asyncio.to_thread(
+                ledger.allocate,
+                self.user.name,
+                self._groups(),
+                opts.count,
+                purpose="server",
+                server_name=self.name,
+                model=opts.model,
+                backend=self.backend_name,
+            )
+        except policy.Refusal as e:
+            raise SpawnException(e.message, reason=f"gpuhub_{e.reason}", status_code=e.status_code) from None
+
+    async def start(self):
+        self._gpuhub_events = []
+        self._progress(5, "Checking your GPU allowance")
+        allocation = await self._admit()
+        self.gpu_allocation = allocation
+        self.allocation_id = allocation.id if allocation else 0
+        if allocation:
+            gpus = ", ".join(g.label for g in allocation.gpus)
+            self._progress(20, f"Allocated {len(allocation.gpus)} GPU(s): {gpus}")
+        else:
+            self._progress(20, "Starting without GPUs")
+        try:
+            url = await super().start()
+        except BaseException:
+            if allocation:
+                await asyncio.to_thread(self.ledger.release, allocation.id, "server failed to start")
+                self.allocation_id = 0
+            raise
+        if allocation:
+            self.gpu_allocation = await asyncio.to_thread(
+                self.ledger.mark_running, allocation.id, self.backend_job_id()
+            )
+        self._progress(60, "Server process started; waiting for it to answer")
+        return url
+
+    async def _release(self, allocation_id: int, reason: str) -> None:
+        if allocation_id:
+            await asyncio.to_thread(self.ledger.release, allocation_id, reason)
+        if self.allocation_id == allocation_id:
+            self.allocation_id = 0
+            self.gpu_allocation = None
+
+    async def stop(self, now=False):
+        allocation_id = self.allocation_id
+        await super().stop(now=now)
+        await self._release(allocation_id, "server stopped")
+
+    async def poll(self):
+        allocation_id = self.allocation_id  # super().poll() may clear the state
+        status = await super().poll()
+        if status is not None and allocation_id:
+            self.log.info("Server %s is gone; releasing its GPUs", self._log_name)
+            await self._release(allocation_id, "server exited")
+        return status
+
+    def get_state(self):
+        state = super().get_state()
+        if self.allocation_id:
+            state[STATE_KEY] = self.allocation_id
+        return state
+
+    def load_state(self, state):
+        super().load_state(state)
+        self.allocation_id = int(state.get(STATE_KEY) or 0)
+        if self.allocation_id:
+            info = self.ledger.get(self.allocation_id)
+            self.gpu_allocation = info if info and info.active else None

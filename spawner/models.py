@@ -1,0 +1,144 @@
+"""The ledger's tables: SQLAlchemy 2.0 typed models, in a database of their own.
+
+The schema is what makes double-booking impossible: ``allocation_gpus`` has a partial
+unique index on ``gpu_id`` over the rows still ``held``, so two live allocations can never
+name the same GPU, whichever process writes them. Changes to this file need an Alembic
+revision in ``spawner/migrations/versions``; ``tests/test_ledger.py`` checks that the
+migrations and these models agree.
+
+Times are naive UTC.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+    text,
+    true,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+ACTIVE_STATES = ("starting", "running")
+STATES = (*ACTIVE_STATES, "released")
+PURPOSES = ("server", "distributed")
+SCOPES = ("default", "group", "user")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    gpus: Mapped[list[Gpu]] = relationship(back_populates="node", order_by="Gpu.index")
+
+
+class Gpu(Base):
+    __tablename__ = "gpus"
+    __table_args__ = (UniqueConstraint("node_id", "index", name="uq_gpus_node_index"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"))
+    index: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(255))
+    memory_mib: Mapped[int | None] = mapped_column(Integer)
+    uuid: Mapped[str | None] = mapped_column(String(255))
+    # False once the inventory no longer reports it; kept for history and live holders
+    present: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    node: Mapped[Node] = relationship(back_populates="gpus")
+
+
+class LimitRow(Base):
+    __tablename__ = "limits"
+    __table_args__ = (
+        UniqueConstraint("scope", "name", name="uq_limits_scope_name"),
+        CheckConstraint("scope IN ('default', 'group', 'user')", name="scope"),
+        CheckConstraint("max_gpus IS NULL OR max_gpus >= 0", name="max_gpus"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    scope: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(255))  # "" for the default
+    max_gpus: Mapped[int | None] = mapped_column(Integer)
+    gpu_hours: Mapped[float | None] = mapped_column(Float)
+    window_hours: Mapped[float | None] = mapped_column(Float)
+    updated: Mapped[datetime] = mapped_column(DateTime)
+
+
+class Allocation(Base):
+    __tablename__ = "allocations"
+    __table_args__ = (
+        CheckConstraint("state IN ('starting', 'running', 'released')", name="state"),
+        CheckConstraint("purpose IN ('server', 'distributed')", name="purpose"),
+        Index("ix_allocations_user_state", "user", "state"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    user: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(16))
+    server_name: Mapped[str] = mapped_column(String(255), default="")
+    state: Mapped[str] = mapped_column(String(16))
+    created: Mapped[datetime] = mapped_column(DateTime)
+    started: Mapped[datetime | None] = mapped_column(DateTime)
+    ended: Mapped[datetime | None] = mapped_column(DateTime)
+    backend: Mapped[str] = mapped_column(String(32), default="local")
+    backend_job_id: Mapped[str | None] = mapped_column(String(64))
+    end_reason: Mapped[str | None] = mapped_column(String(255))
+    gpus: Mapped[list[AllocationGpu]] = relationship(
+        back_populates="allocation", cascade="all, delete-orphan"
+    )
+
+
+class AllocationGpu(Base):
+    __tablename__ = "allocation_gpus"
+    __table_args__ = (
+        # The guarantee: a GPU is held by at most one allocation at a time.
+        Index(
+            "uq_allocation_gpus_held_gpu",
+            "gpu_id",
+            unique=True,
+            sqlite_where=text("held = 1"),
+            postgresql_where=text("held"),
+        ),
+    )
+
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id"), primary_key=True)
+    gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id"), primary_key=True)
+    held: Mapped[bool] = mapped_column(Boolean, default=True)
+    allocation: Mapped[Allocation] = relationship(back_populates="gpus")
+    gpu: Mapped[Gpu] = relationship()
+
+
+class LedgerLock(Base):
+    """One row that every writing transaction locks first (``SELECT ... FOR UPDATE``).
+
+    It serialises admission on databases with row locks (PostgreSQL); SQLite gets the
+    same from ``BEGIN IMMEDIATE``.
+    """
+
+    __tablename__ = "ledger_lock"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    generation: Mapped[int] = mapped_column(Integer, default=0)

@@ -1,0 +1,149 @@
+"""Admin settings shared by the hub, the spawners and the ``gpuhub`` CLI: ``c.GpuHub.*``.
+
+Every setting is a traitlets trait, so it lives in ``jupyterhub_config.py`` beside the
+rest of the hub's configuration, and ``gpuhub --config jupyterhub_config.py`` reads the
+same file.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from traitlets import CaselessStrEnum, Dict, Int, List, Unicode, Union
+from traitlets.config import Configurable
+
+from . import inventory
+from .ledger import Ledger
+from .policy import DEFAULT_WINDOW_HOURS, Gpu, Limit, LimitRules
+
+LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
+
+
+def parse_limit(value: Any, where: str) -> Limit:
+    """A limit from config: ``2`` (max GPUs), ``None`` (unlimited), or a dict of
+    ``max_gpus``, ``gpu_hours``, ``window_hours``."""
+    if value is None:
+        return Limit(max_gpus=None)
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: a limit is a number of GPUs, not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{where}: a limit must be 0 or more; got {value}")
+        return Limit(max_gpus=value)
+    if isinstance(value, Mapping):
+        unknown = set(value) - LIMIT_KEYS
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown keys {sorted(unknown)}; use {sorted(LIMIT_KEYS)}, "
+                'e.g. {"max_gpus": 4, "gpu_hours": 200, "window_hours": 168}'
+            )
+        lim = Limit(
+            max_gpus=value.get("max_gpus"),
+            gpu_hours=value.get("gpu_hours"),
+            window_hours=float(value.get("window_hours", DEFAULT_WINDOW_HOURS)),
+        )
+        if lim.max_gpus is not None and (not isinstance(lim.max_gpus, int) or lim.max_gpus < 0):
+            raise ValueError(f"{where}: max_gpus must be a whole number >= 0 or None")
+        if lim.gpu_hours is not None and lim.gpu_hours < 0:
+            raise ValueError(f"{where}: gpu_hours must be >= 0 or None")
+        if lim.window_hours <= 0:
+            raise ValueError(f"{where}: window_hours must be > 0")
+        return lim
+    raise ValueError(f"{where}: a limit is an int, None or a dict; got {value!r}")
+
+
+_LEDGERS: dict[str, Ledger] = {}
+
+
+class GpuHub(Configurable):
+    """Where the ledger lives, which GPUs exist, and how many each user may hold."""
+
+    db_url = Unicode(
+        "sqlite:///gpuhub.sqlite",
+        help="""SQLAlchemy URL of the GPU ledger, a database of its own (never the hub's).
+
+        Default: a SQLite file ``gpuhub.sqlite`` in the hub's working directory, beside
+        ``jupyterhub.sqlite``. For several hub processes on several machines use PostgreSQL:
+        ``c.GpuHub.db_url = "postgresql://gpuhub:secret@db/gpuhub"``
+        """,
+    ).tag(config=True)
+
+    inventory = CaselessStrEnum(
+        ["nvml", "simulated"],
+        default_value="nvml",
+        help="""Where the list of GPUs comes from: ``"nvml"`` (the NVIDIA driver on this
+        machine) or ``"simulated"`` (``simulated_gpus``, for machines without GPUs).
+        ``c.GpuHub.inventory = "simulated"``
+        """,
+    ).tag(config=True)
+
+    node_name = Unicode(
+        help="""Name of this machine in the ledger for the NVML inventory. Default: the host name.
+        ``c.GpuHub.node_name = "gpu-server-1"``
+        """,
+    ).tag(config=True)
+
+    simulated_gpus = List(
+        Dict(),
+        default_value=[{"count": 4, "model": "Simulated GPU", "memory_mib": 16384}],
+        help="""The simulated inventory: one entry per node with ``count`` GPUs of ``model``
+        (``node`` defaults to the host name; ``memory_mib`` and ``first_index`` optional).
+        Default: 4 GPUs on this machine.
+        ``c.GpuHub.simulated_gpus = [{"node": "sim1", "count": 8, "model": "A100", "memory_mib": 40960}]``
+        """,
+    ).tag(config=True)
+
+    default_limit = Union(
+        [Int(), Dict()],
+        allow_none=True,
+        default_value=1,
+        help="""GPUs any user may hold at once unless a group or user limit says otherwise.
+        An int (max GPUs), None (unlimited) or a dict with ``max_gpus``, ``gpu_hours`` and
+        ``window_hours`` (GPU-hours over a rolling window, default 168 h). Default: 1.
+        ``gpuhub limits set --default N`` overrides it from the ledger.
+        ``c.GpuHub.default_limit = {"max_gpus": 2, "gpu_hours": 100}``
+        """,
+    ).tag(config=True)
+
+    group_limits = Dict(
+        help="""Limits per JupyterHub group, same values as ``default_limit``. A user in several
+        groups gets the most generous value of each field. A ledger row written by
+        ``gpuhub limits set --group NAME N`` wins over the entry here.
+        ``c.GpuHub.group_limits = {"students": 2, "staff": {"max_gpus": 8}}``
+        """,
+    ).tag(config=True)
+
+    user_limits = Dict(
+        help="""Limits per user, winning over their groups and the default. A ledger row
+        written by ``gpuhub limits set --user NAME N`` wins over the entry here.
+        ``c.GpuHub.user_limits = {"alice": 4}``
+        """,
+    ).tag(config=True)
+
+    def limit_rules(self) -> LimitRules:
+        return LimitRules(
+            default=parse_limit(self.default_limit, "c.GpuHub.default_limit"),
+            groups={
+                str(k): parse_limit(v, f"c.GpuHub.group_limits[{k!r}]") for k, v in self.group_limits.items()
+            },
+            users={
+                str(k): parse_limit(v, f"c.GpuHub.user_limits[{k!r}]") for k, v in self.user_limits.items()
+            },
+        )
+
+    def read_inventory(self) -> tuple[Gpu, ...]:
+        if self.inventory == "simulated":
+            return inventory.parse_simulated(self.simulated_gpus)
+        return inventory.nvml_gpus(self.node_name or socket.gethostname())
+
+    def open_ledger(self, sync: bool = True) -> Ledger:
+        """The process's ledger for ``db_url``, opened (and synced) once per process."""
+        ledger = _LEDGERS.get(self.db_url)
+        if ledger is None:
+            ledger = Ledger(self.db_url, config_rules=self.limit_rules())
+            if sync:
+                ledger.sync_inventory(self.read_inventory())
+            _LEDGERS[self.db_url] = ledger
+        return ledger
