@@ -1,0 +1,27 @@
+"""gpuhub on one shared multi-GPU server: real Unix users, the GPUs NVML reports.
+
+Copy to the hub's directory as ``jupyterhub_config.py`` and adjust. Run the hub as root
+(it starts each user's server as that user). ``gpuhub`` in the same directory reads this
+file, so ``gpuhub limits set --group students 2`` and ``gpuhub gpus`` work there.
+"""
+
+c = get_config()  # noqa: F821 - provided by JupyterHub when it loads this file
+
+c.JupyterHub.bind_url = "http://0.0.0.0:8000"  # put TLS in front, or set ssl_cert/ssl_key
+c.JupyterHub.authenticator_class = "pam"  # Unix accounts of this machine
+c.Authenticator.admin_users = {"gpuadmin"}
+c.Authenticator.allow_all = True  # or allowed_users / allowed_groups
+
+# servers survive a hub restart; gpuhub reconciles the ledger with them when it starts
+c.JupyterHub.cleanup_servers = False
+
+c.JupyterHub.spawner_class = "gpu-local"  # LocalProcessSpawner + exclusive GPUs
+c.GpuHub.inventory = "nvml"  # every GPU the driver sees; indices in PCI bus order
+c.GpuHub.db_url = "sqlite:////srv/jupyterhub/gpuhub.sqlite"  # readable by root only
+c.Spawner.default_gpus = 1
+
+# limits: the ledger's own rows (``gpuhub limits set``) win over these
+c.GpuHub.default_limit = 1
+c.GpuHub.group_limits = {"students": 2, "staff": {"max_gpus": 4, "gpu_hours": 500}}
+c.GpuHub.user_limits = {}
+c.Spawner.default_url = "/lab"

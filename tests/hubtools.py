@@ -1,0 +1,199 @@
+"""A real JupyterHub with the real configurable-http-proxy, for end-to-end tests.
+
+Each hub gets its own directory (SQLite files, cookie secret, logs) and free loopback
+ports. Waits are on conditions with deadlines, never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import unquote
+
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = REPO / "hub_config" / "demo.py"
+DEMO_PASSWORD = "gpuhub-demo"
+JUPYTERHUB = Path(sys.executable).with_name("jupyterhub")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (requests.ConnectionError, OSError) as e:
+            last_error = e
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+
+
+def xsrf_from(html: str) -> str:
+    """The page's XSRF token: a hidden field, or the query of the form's action URL."""
+    m = re.search(r'name="_xsrf"\s+value="([^"]+)"', html) or re.search(r"[?&]_xsrf=([^&\"']+)", html)
+    assert m, "no _xsrf in the page"
+    return unquote(m.group(1).replace("&amp;", "&"))
+
+
+class Hub:
+    def __init__(self, workdir: Path, extra_config: str = "", base_config: Path = DEMO_CONFIG):
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.hub_port = free_port()
+        self.proxy_api_port = free_port()
+        self.token = secrets.token_hex(16)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra_config = extra_config
+        self.base_config = base_config
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.dir / "jupyterhub.log"
+
+    @property
+    def ledger_url(self) -> str:
+        return f"sqlite:///{self.dir / 'gpuhub.sqlite'}"
+
+    def write_config(self) -> Path:
+        cfg = self.dir / "jupyterhub_config.py"
+        cfg.write_text(
+            f"""
+c = get_config()
+load_subconfig({str(self.base_config)!r})
+c.JupyterHub.bind_url = {self.url!r}
+c.JupyterHub.hub_port = {self.hub_port}
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{self.proxy_api_port}"
+c.ConfigurableHTTPProxy.should_start = True
+c.JupyterHub.db_url = "sqlite:///{self.dir / "jupyterhub.sqlite"}"
+c.GpuHub.db_url = {self.ledger_url!r}
+c.JupyterHub.cookie_secret_file = "{self.dir / "cookie_secret"}"
+c.SimpleLocalProcessSpawner.home_dir_template = "{self.dir}/home/{{username}}"
+c.JupyterHub.services = [{{"name": "gpuhub-test", "api_token": {self.token!r}}}]
+c.JupyterHub.load_roles = [{{
+    "name": "gpuhub-test",
+    "scopes": ["admin:users", "admin:servers", "admin:server_state", "admin:groups",
+               "access:servers", "tokens"],
+    "services": ["gpuhub-test"],
+}}]
+c.Spawner.start_timeout = 60
+c.Spawner.http_timeout = 60
+c.Spawner.poll_interval = 1
+{self.extra_config}
+"""
+        )
+        return cfg
+
+    def start(self, timeout: float = 90) -> Hub:
+        cfg = self.write_config()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{Path(sys.executable).parent}:{env['PATH']}"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [str(JUPYTERHUB), "-f", str(cfg)],
+            cwd=self.dir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+
+        def up():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the hub exited ({self.proc.returncode}):\n{self.log()}")
+            return requests.get(f"{self.url}/hub/api/", timeout=2).status_code == 200
+
+        wait_for(up, timeout, "the hub to answer")
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.proc = None
+
+    # REST -----------------------------------------------------------------------------
+
+    def api(self, method: str, path: str, **kw) -> requests.Response:
+        headers = {"Authorization": f"token {self.token}", **kw.pop("headers", {})}
+        return requests.request(method, f"{self.url}/hub/api{path}", headers=headers, timeout=30, **kw)
+
+    def ensure_user(self, name: str) -> None:
+        r = self.api("GET", f"/users/{name}")
+        if r.status_code == 404:
+            assert self.api("POST", f"/users/{name}").status_code == 201
+
+    def server(self, user: str, name: str = "") -> dict | None:
+        r = self.api("GET", f"/users/{user}")
+        r.raise_for_status()
+        return r.json()["servers"].get(name)
+
+    def spawn(self, user: str, user_options: dict | None = None, name: str = "") -> requests.Response:
+        self.ensure_user(user)
+        body = {} if user_options is None else {"user_options": user_options}
+        return self.api("POST", f"/users/{user}/servers/{name}", json=body)
+
+    def wait_ready(self, user: str, name: str = "", timeout: float = 90) -> dict:
+        def ready():
+            s = self.server(user, name)
+            if s is None:
+                raise AssertionError(f"{user}'s server is gone:\n{self.log()}")
+            return s if s["ready"] else None
+
+        return wait_for(ready, timeout, f"{user}'s server to be ready", interval=0.25)
+
+    def stop_server(self, user: str, name: str = "", timeout: float = 60) -> None:
+        r = self.api("DELETE", f"/users/{user}/servers/{name}")
+        assert r.status_code in (202, 204), r.text
+        wait_for(lambda: self.server(user, name) is None, timeout, f"{user}'s server to stop")
+
+    def server_pid(self, user: str, name: str = "") -> int:
+        return int(self.server(user, name)["state"]["pid"])
+
+    def server_env(self, user: str, name: str = "") -> dict[str, str]:
+        """The environment of the running server process, read from /proc."""
+        return process_environ(self.server_pid(user, name))
+
+    # browser-less login ----------------------------------------------------------------
+
+    def login(self, user: str, password: str = DEMO_PASSWORD) -> requests.Session:
+        s = requests.Session()
+        page = s.get(f"{self.url}/hub/login", timeout=30)
+        page.raise_for_status()
+        r = s.post(
+            f"{self.url}/hub/login?next=",
+            data={"username": user, "password": password, "_xsrf": xsrf_from(page.text)},
+            timeout=30,
+            allow_redirects=False,
+        )
+        assert r.status_code == 302, f"login failed for {user}: {r.status_code}"
+        return s

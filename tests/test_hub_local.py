@@ -1,0 +1,179 @@
+"""End to end on a real JupyterHub + configurable-http-proxy with the local GPU spawner.
+
+The hub runs the demo configuration (4 simulated GPUs; alice may hold 3, bob and carol 2
+as students, dave 1) on free loopback ports. What a server got is read from the running
+server process, not from the spawner object.
+"""
+
+import html
+import re
+
+import pytest
+
+from spawner.ledger import Ledger
+
+from .hubtools import Hub, xsrf_from
+
+pytestmark = pytest.mark.hub
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("hub")).start()
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def ledger(hub):
+    led = Ledger(hub.ledger_url)
+    yield led
+    led.close()
+
+
+@pytest.fixture
+def clean(hub):
+    """Every test starts and ends with no servers running."""
+    yield
+    for user in ("alice", "bob", "carol", "dave"):
+        r = hub.api("GET", f"/users/{user}")
+        if r.status_code == 200 and r.json()["servers"]:
+            for name in r.json()["servers"]:
+                hub.stop_server(user, name)
+
+
+def holders(ledger):
+    return {st.gpu.label: st.holder.user for st in ledger.gpu_table() if st.holder}
+
+
+def visible(env):
+    return set(env["CUDA_VISIBLE_DEVICES"].split(",")) - {""}
+
+
+def test_rest_and_form_spawns_get_their_own_gpus(hub, ledger, clean):
+    # alice through the REST API
+    r = hub.spawn("alice", {"gpus": 2})
+    assert r.status_code in (201, 202), r.text
+    hub.wait_ready("alice")
+
+    # carol through the HTML form, logged in through the real login page
+    browser = hub.login("carol")
+    page = browser.get(f"{hub.url}/hub/spawn")
+    assert page.status_code == 200
+    assert re.search(r'data-gpuhub="free">2<', page.text)  # alice holds 2 of 4
+    assert re.search(r'data-gpuhub="fits">2<', page.text)  # carol: students limit 2
+    posted = browser.post(
+        f"{hub.url}/hub/spawn",
+        data={"gpus": "2", "_xsrf": xsrf_from(page.text)},
+        allow_redirects=False,
+    )
+    assert posted.status_code == 302, posted.text[-2000:]
+    hub.wait_ready("carol")
+
+    alice, carol = hub.server_env("alice"), hub.server_env("carol")
+    assert len(visible(alice)) == 2 and len(visible(carol)) == 2
+    assert not visible(alice) & visible(carol)
+    for env in (alice, carol):
+        assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        allocation = ledger.get(int(env["GPUHUB_ALLOCATION_ID"]))
+        assert allocation.state == "running"
+        assert allocation.cuda_visible_devices == env["CUDA_VISIBLE_DEVICES"]
+        assert allocation.backend_job_id == str(hub.server_pid(allocation.user))
+    assert sorted(holders(ledger).values()) == ["alice", "alice", "carol", "carol"]
+
+    # the machine is full: dave is refused with what he holds, his limit and what fits
+    before = holders(ledger)
+    r = hub.spawn("dave", {"gpus": 1})
+    assert r.status_code == 409, r.text
+    assert "only 0 are free" in r.json()["message"]
+    assert "You hold 0 of a limit of 1 (default)" in r.json()["message"]
+    assert holders(ledger) == before
+    assert hub.server("dave") is None
+
+    # stopping frees the GPUs, and the form shows them free again
+    hub.stop_server("alice")
+    assert sorted(holders(ledger).values()) == ["carol", "carol"]
+    page = hub.login("bob").get(f"{hub.url}/hub/spawn")
+    assert re.search(r'data-gpuhub="free">2<', page.text)
+
+
+def test_over_the_limit_is_refused_with_the_message(hub, ledger, clean):
+    r = hub.spawn("dave", {"gpus": 2})
+    assert r.status_code == 403, r.text
+    msg = r.json()["message"]
+    assert "You asked for 2 GPUs, but you hold 0 of a limit of 1 (default): at most 1 more" in msg
+    assert holders(ledger) == {}
+    # and on the spawn page, in the form, without a traceback
+    browser = hub.login("dave")
+    page = browser.get(f"{hub.url}/hub/spawn")
+    r = browser.post(f"{hub.url}/hub/spawn", data={"gpus": "2", "_xsrf": xsrf_from(page.text)})
+    assert r.status_code == 403
+    assert "at most 1 more would fit now" in r.text
+    assert "Traceback" not in r.text
+    assert 'id="gpuhub-gpus"' in r.text  # the form is shown again
+    assert holders(ledger) == {} and hub.server("dave") is None
+
+
+@pytest.mark.parametrize(
+    "options, status, words",
+    [
+        ({"gpus": "abc"}, 400, "must be a whole number; got 'abc'"),
+        ({"gpus": -1}, 400, "cannot be negative"),
+        ({"gpus": 2.5}, 400, "must be a whole number"),
+        ({"gpus": True}, 400, "must be a whole number"),
+        ({"gpus": None}, 400, "must be a whole number"),
+        ({"gpus": 99}, 400, "has at most 4"),
+        ({"gpus": 1, "gpu_model": "H100"}, 400, "no GPU model 'H100' here. Models here: Simulated A100"),
+        ({"gpus": 1, "cpus": 64}, 400, "Unknown option 'cpus'"),
+        ({"gpus": [1, 2]}, 400, "one value per option"),
+    ],
+)
+def test_bad_rest_user_options_are_refused(hub, ledger, clean, options, status, words):
+    before = holders(ledger)
+    r = hub.spawn("bob", options)
+    assert r.status_code == status, r.text
+    assert words in r.json()["message"]
+    assert holders(ledger) == before
+    assert hub.server("bob") is None
+    assert ledger.active(user="bob") == []
+
+
+@pytest.mark.parametrize(
+    "form, words",
+    [
+        ({"gpus": "two"}, "must be a whole number; got 'two'"),
+        ({"gpus": "-3"}, "cannot be negative"),
+        ({"gpus": "1", "gpu_model": "<b>H100</b>"}, "no GPU model '<b>H100</b>' here"),
+        ({"gpus": "1", "extra": "x"}, "Unknown option 'extra'"),
+    ],
+)
+def test_hand_crafted_form_posts_are_refused(hub, ledger, clean, form, words):
+    browser = hub.login("bob")
+    page = browser.get(f"{hub.url}/hub/spawn")
+    r = browser.post(f"{hub.url}/hub/spawn", data={**form, "_xsrf": xsrf_from(page.text)})
+    assert r.status_code == 400
+    assert words in html.unescape(r.text)
+    assert "<b>H100</b>" not in r.text  # escaped, never rendered
+    assert holders(ledger) == {} and hub.server("bob") is None
+
+
+def test_zero_gpus_hides_every_gpu(hub, ledger, clean):
+    assert hub.spawn("dave", {"gpus": 0}).status_code in (201, 202)
+    hub.wait_ready("dave")
+    env = hub.server_env("dave")
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["GPUHUB_ALLOCATION_ID"] == ""
+    assert holders(ledger) == {}
+
+
+def test_a_dead_server_gives_its_gpus_back(hub, ledger, clean):
+    import os
+    import signal
+
+    assert hub.spawn("bob", {"gpus": 2}).status_code in (201, 202)
+    hub.wait_ready("bob")
+    os.kill(hub.server_pid("bob"), signal.SIGKILL)
+    # the hub's poll notices the dead server: the GPUs come back without anyone stopping it
+    from .hubtools import wait_for
+
+    wait_for(lambda: holders(ledger) == {}, 90, "the ledger to release bob's GPUs")
+    assert ledger.active(user="bob") == []

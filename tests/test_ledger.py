@@ -1,0 +1,214 @@
+"""The ledger on a real SQLite file: admission, release, limits, inventory sync, schema."""
+
+from datetime import datetime, timedelta
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import IntegrityError
+
+from spawner import db
+from spawner.ledger import Ledger
+from spawner.models import Base
+from spawner.policy import Gpu, Limit, LimitRules, Refusal
+
+INV = [Gpu("n1", i, "A100", 40960) for i in range(4)] + [Gpu("n2", i, "V100") for i in range(2)]
+
+
+class Clock:
+    def __init__(self):
+        self.now = datetime(2026, 11, 1, 9, 0)
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, **kw):
+        self.now += timedelta(**kw)
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def url(tmp_path):
+    return f"sqlite:///{tmp_path / 'gpuhub.sqlite'}"
+
+
+@pytest.fixture
+def ledger(url, clock):
+    rules = LimitRules(default=Limit(max_gpus=2), groups={"staff": Limit(max_gpus=5)})
+    led = Ledger(url, config_rules=rules, clock=clock)
+    led.sync_inventory(INV)
+    yield led
+    led.close()
+
+
+def held(ledger):
+    return sorted(st.gpu.label for st in ledger.gpu_table() if st.holder)
+
+
+def test_allocate_gives_disjoint_gpus_and_release_frees_them(ledger):
+    a = ledger.allocate("alice", [], 2)
+    b = ledger.allocate("bob", [], 2)
+    assert not set(a.gpus) & set(b.gpus)
+    # best fit: the 2-GPU node first, which keeps n1 whole for as long as possible
+    assert [g.label for g in a.gpus] == ["n2:0", "n2:1"] and a.cuda_visible_devices == "0,1"
+    assert held(ledger) == ["n1:0", "n1:1", "n2:0", "n2:1"]
+    assert ledger.release(a.id, "done") is True
+    assert ledger.release(a.id, "again") is False  # idempotent
+    assert held(ledger) == ["n1:0", "n1:1"]
+    assert ledger.get(a.id).state == "released" and ledger.get(a.id).end_reason == "done"
+
+
+def test_refusal_leaves_nothing_behind(ledger):
+    ledger.allocate("alice", [], 2)
+    before = held(ledger)
+    with pytest.raises(Refusal) as err:
+        ledger.allocate("alice", [], 1)
+    assert err.value.reason == "over_limit"
+    assert "hold 2 of a limit of 2 (default)" in err.value.message
+    assert held(ledger) == before
+    assert len(ledger.active(user="alice")) == 1
+
+
+def test_group_limit_and_capacity(ledger):
+    ledger.allocate("carol", ["staff"], 4)  # all of n1
+    with pytest.raises(Refusal) as err:
+        ledger.allocate("dave", [], 2, model="A100")
+    assert err.value.reason == "no_capacity"
+    assert "only 0 are free" in err.value.message
+
+
+def test_ledger_limits_win_over_config_and_unset_returns_to_config(ledger):
+    assert ledger.allowance("erin", ["staff"]).effective.limit.max_gpus == 5
+    ledger.set_limit("group", "staff", Limit(max_gpus=1))
+    assert ledger.allowance("erin", ["staff"]).effective.source == "group staff"
+    with pytest.raises(Refusal):
+        ledger.allocate("erin", ["staff"], 2)
+    ledger.set_limit("user", "erin", Limit(max_gpus=3))
+    assert ledger.allocate("erin", ["staff"], 3).gpus
+    assert ledger.unset_limit("group", "staff") is True
+    assert ledger.unset_limit("group", "staff") is False
+    origins = {(e.scope, e.name): e.origin for e in ledger.limit_entries()}
+    assert origins == {("default", ""): "config", ("group", "staff"): "config", ("user", "erin"): "ledger"}
+
+
+@pytest.mark.parametrize(
+    "scope, name, limit",
+    [
+        ("planet", "x", Limit(max_gpus=1)),
+        ("user", "", Limit(max_gpus=1)),
+        ("user", "a", Limit(max_gpus=-1)),
+        ("user", "a", Limit(max_gpus=1, gpu_hours=-5)),
+        ("user", "a", Limit(max_gpus=1, window_hours=0)),
+    ],
+)
+def test_bad_limits_are_refused(ledger, scope, name, limit):
+    with pytest.raises(ValueError):
+        ledger.set_limit(scope, name, limit)
+    assert all(e.origin == "config" for e in ledger.limit_entries())
+
+
+def test_gpu_hours_quota_and_usage(ledger, clock):
+    ledger.set_limit("user", "frank", Limit(max_gpus=4, gpu_hours=3, window_hours=24))
+    a = ledger.allocate("frank", [], 2)
+    ledger.mark_running(a.id, "123")
+    clock.advance(hours=1)
+    ledger.release(a.id)
+    b = ledger.allocate("frank", [], 1)  # 2 GPU-hours used of 3
+    ledger.mark_running(b.id)
+    clock.advance(hours=1)  # 3 used
+    with pytest.raises(Refusal) as err:
+        ledger.allocate("frank", [], 1)
+    assert err.value.reason == "quota_exhausted"
+    assert ledger.usage(clock.now - timedelta(days=1))["frank"] == pytest.approx(3.0)
+    ledger.release(b.id)
+    clock.advance(hours=30)  # the window has moved past both
+    assert ledger.usage(clock.now - timedelta(hours=24)) == {"frank": 0.0}
+    assert ledger.allocate("frank", [], 1)
+
+
+def test_sync_inventory_keeps_allocations(ledger):
+    a = ledger.allocate("alice", [], 2, model="V100")
+    # n2 disappears from the inventory, n3 appears
+    ledger.sync_inventory([g for g in INV if g.node == "n1"] + [Gpu("n3", 0, "H100")])
+    table = {st.gpu.label: st for st in ledger.gpu_table()}
+    assert table["n2:0"].present is False and table["n2:0"].holder.id == a.id
+    assert table["n3:0"].present and table["n3:0"].holder is None
+    assert ledger.active(user="alice")[0].gpus == a.gpus
+    ledger.release(a.id)
+    with pytest.raises(Refusal) as err:  # absent GPUs are never handed out
+        ledger.allocate("bob", [], 1, model="V100")
+    assert err.value.reason == "unknown_model"
+
+
+def test_database_refuses_double_booking_even_without_the_policy(ledger, url):
+    a = ledger.allocate("alice", [], 1)
+    engine = create_engine(url)
+    with pytest.raises(IntegrityError), engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO allocations (user, purpose, server_name, state, created, backend) "
+                "VALUES ('mallory', 'server', '', 'running', '2026-01-01', 'local')"
+            )
+        )
+        gpu_id = conn.execute(
+            text("SELECT gpu_id FROM allocation_gpus WHERE allocation_id = :a"), {"a": a.id}
+        ).scalar()
+        conn.execute(
+            text(
+                "INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES (last_insert_rowid(), :g, 1)"
+            ),
+            {"g": gpu_id},
+        )
+    engine.dispose()
+
+
+def test_migrations_match_the_models(url):
+    engine = db.make_engine(url)
+    db.ensure_schema(engine, url)
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []
+    assert db.current_revision(engine) == db.head_revision()
+    engine.dispose()
+
+
+def test_schema_from_a_newer_gpuhub_is_refused(url):
+    engine = db.make_engine(url)
+    db.ensure_schema(engine, url)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '0000'"))
+    with pytest.raises(db.SchemaError, match="newer than this gpuhub knows"):
+        Ledger(url)
+    engine.dispose()
+
+
+def test_schema_behind_is_refused_with_upgrade_command(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    engine = db.make_engine(url)
+    db.ensure_schema(engine, url)
+    # pretend this gpuhub ships a newer head than the database has
+    monkeypatch.setattr(db, "head_revision", lambda: "0002")
+    with pytest.raises(db.SchemaError) as err:
+        db.ensure_schema(engine, url)
+    assert "gpuhub db upgrade --db-url" in str(err.value)
+    engine.dispose()
+
+
+def test_foreign_tables_are_not_adopted(tmp_path):
+    url = f"sqlite:///{tmp_path / 'hub.sqlite'}"
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE users (id INTEGER)"))
+    engine.dispose()
+    with pytest.raises(db.SchemaError, match="database of its own"):
+        Ledger(url)
+
+
+def test_sqlite_runs_in_wal_mode(ledger):
+    with ledger.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"

@@ -1,0 +1,198 @@
+"""Table tests of every allocation decision (spawner/policy.py)."""
+
+from datetime import datetime, timedelta
+
+import pytest
+
+from spawner.policy import (
+    EffectiveLimit,
+    Gpu,
+    Holdings,
+    Limit,
+    LimitRules,
+    Refusal,
+    Request,
+    check_request,
+    effective_limit,
+    gpu_hours_used,
+    place,
+)
+
+RULES = LimitRules(
+    default=Limit(max_gpus=1),
+    groups={
+        "students": Limit(max_gpus=2),
+        "staff": Limit(max_gpus=4, gpu_hours=100, window_hours=24),
+        "open": Limit(max_gpus=None),
+        "quota": Limit(max_gpus=3, gpu_hours=50),
+    },
+    users={"alice": Limit(max_gpus=6), "zero": Limit(max_gpus=0)},
+)
+
+
+@pytest.mark.parametrize(
+    "user, groups, max_gpus, gpu_hours, source",
+    [
+        ("bob", [], 1, None, "default"),
+        ("bob", ["unknown"], 1, None, "default"),
+        ("bob", ["students"], 2, None, "group students"),
+        ("alice", ["students"], 6, None, "user alice"),  # user over group
+        ("zero", ["staff"], 0, None, "user zero"),  # user over group, even when stricter
+        ("bob", ["students", "staff"], 4, None, "groups staff, students"),  # most generous
+        ("bob", ["staff", "quota"], 4, 100, "groups quota, staff"),
+        ("bob", ["students", "open"], None, None, "groups open, students"),  # None = unlimited
+    ],
+)
+def test_effective_limit(user, groups, max_gpus, gpu_hours, source):
+    eff = effective_limit(user, groups, RULES)
+    assert (eff.limit.max_gpus, eff.limit.gpu_hours, eff.source) == (max_gpus, gpu_hours, source)
+
+
+def test_effective_limit_keeps_the_window_of_the_chosen_quota():
+    eff = effective_limit("bob", ["staff", "quota"], RULES)
+    assert eff.limit.window_hours == 24
+
+
+def node(name, n, model="A100", start=0):
+    return [Gpu(name, start + i, model) for i in range(n)]
+
+
+INV = node("n1", 4) + node("n2", 4) + node("n3", 2, "V100")
+
+
+def labels(gpus):
+    return [g.label for g in gpus] if gpus is not None else None
+
+
+@pytest.mark.parametrize(
+    "count, free, model, max_nodes, per_node, expected",
+    [
+        (0, INV, None, 1, None, []),
+        (1, INV, None, 1, None, ["n3:0"]),  # best fit: the smallest node that fits
+        (1, INV, "A100", 1, None, ["n1:0"]),
+        (3, INV, None, 1, None, ["n1:0", "n1:1", "n1:2"]),
+        # n1 has 2 free, n2 whole: a 2-GPU request fills n1's hole, keeps n2 whole
+        (2, INV[2:], "A100", 1, None, ["n1:2", "n1:3"]),
+        (5, INV, None, 1, None, None),  # no single node has 5
+        # multi-node: whole nodes first, then the best fit for the rest
+        (6, INV, None, None, None, ["n1:0", "n1:1", "n1:2", "n1:3", "n3:0", "n3:1"]),
+        (8, INV, "A100", 2, None, labels(node("n1", 4) + node("n2", 4))),
+        (10, INV, None, 2, None, None),  # would need 3 nodes
+        (4, INV, None, None, 2, ["n1:0", "n1:1", "n3:0", "n3:1"]),  # 2 per node, fullest fits
+        (3, INV, None, None, 2, None),  # 3 is not a multiple of 2
+        (2, INV, "H100", 1, None, None),
+    ],
+)
+def test_place(count, free, model, max_nodes, per_node, expected):
+    got = place(Request("u", count, model, max_nodes, per_node), free, INV)
+    assert labels(got) == expected
+
+
+def test_place_is_deterministic_whatever_the_input_order():
+    free = list(reversed(INV))
+    a = place(Request("u", 3, None, 1), free, INV)
+    b = place(Request("u", 3, None, 1), INV, INV)
+    assert a == b
+
+
+def eff(max_gpus, source="default", gpu_hours=None):
+    return EffectiveLimit(Limit(max_gpus=max_gpus, gpu_hours=gpu_hours, window_hours=168), source)
+
+
+SMALL = node("n1", 4)
+
+
+@pytest.mark.parametrize(
+    "count, model, limit, holdings, free, reason, fits, words",
+    [
+        (-1, None, eff(2), Holdings(), SMALL, "bad_request", None, ["whole number of 0 or more"]),
+        ("2", None, eff(2), Holdings(), SMALL, "bad_request", None, ["'2'"]),
+        (1, "H100", eff(2), Holdings(), SMALL, "unknown_model", None, ["'H100'", "Models here: A100"]),
+        (5, None, eff(9), Holdings(), SMALL, "too_large", 4, ["5 GPUs", "at most 4", "4 or fewer"]),
+        (
+            3,
+            None,
+            eff(2, "group students"),
+            Holdings(held=0),
+            SMALL,
+            "over_limit",
+            2,
+            ["3 GPUs", "hold 0", "limit of 2 (group students)", "at most 2 more"],
+        ),
+        (
+            1,
+            None,
+            eff(2),
+            Holdings(held=2),
+            SMALL[2:],
+            "over_limit",
+            0,
+            ["hold 2", "limit of 2 (default)", "at most 0 more"],
+        ),
+        (
+            3,
+            None,
+            eff(4),
+            Holdings(held=0),
+            SMALL[2:],
+            "no_capacity",
+            2,
+            ["only 2 are free", "2 of 4 in use", "Ask for 2 or fewer"],
+        ),
+        (
+            1,
+            None,
+            eff(4, "user bob", gpu_hours=10),
+            Holdings(gpu_hours=12.5),
+            SMALL,
+            "quota_exhausted",
+            0,
+            ["12.5 of your 10 GPU-hours", "168 hours (user bob)"],
+        ),
+    ],
+)
+def test_check_request_refusals(count, model, limit, holdings, free, reason, fits, words):
+    with pytest.raises(Refusal) as err:
+        check_request(Request("bob", count, model), limit, holdings, SMALL, free)
+    assert err.value.reason == reason
+    assert err.value.fits == fits
+    for w in words:
+        assert w in err.value.message
+
+
+@pytest.mark.parametrize(
+    "count, limit, holdings, free",
+    [
+        (0, eff(0), Holdings(held=5), []),  # no GPUs is always allowed
+        (2, eff(2), Holdings(held=0), SMALL),
+        (4, eff(None), Holdings(held=7), SMALL),  # unlimited
+        (1, eff(3, gpu_hours=10), Holdings(held=1, gpu_hours=9.9), SMALL),
+    ],
+)
+def test_check_request_admits(count, limit, holdings, free):
+    check_request(Request("bob", count), limit, holdings, SMALL, free)
+
+
+@pytest.mark.parametrize(
+    "reason, status", [("bad_request", 400), ("over_limit", 403), ("no_capacity", 409), ("x", 400)]
+)
+def test_refusal_status_codes(reason, status):
+    assert Refusal("m", reason=reason).status_code == status
+
+
+T0 = datetime(2026, 1, 1, 12, 0)
+
+
+@pytest.mark.parametrize(
+    "intervals, now, window, expected",
+    [
+        ([], T0, 24, 0.0),
+        ([(T0 - timedelta(hours=2), T0 - timedelta(hours=1), 2)], T0, 24, 2.0),
+        ([(T0 - timedelta(hours=3), None, 1)], T0, 24, 3.0),  # still running: up to now
+        ([(T0 - timedelta(hours=30), T0 - timedelta(hours=20), 4)], T0, 24, 16.0),  # clipped
+        ([(T0 - timedelta(hours=30), T0 - timedelta(hours=25), 4)], T0, 24, 0.0),  # outside
+        ([(T0 + timedelta(hours=1), None, 4)], T0, 24, 0.0),  # after now
+    ],
+)
+def test_gpu_hours_used(intervals, now, window, expected):
+    assert gpu_hours_used(intervals, now, window) == pytest.approx(expected)
