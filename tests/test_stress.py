@@ -5,6 +5,7 @@ no GPU is ever held by two allocations at the same moment, and no user ever hold
 than their limit. It also runs concurrently with the workers on live snapshots.
 """
 
+import itertools
 import multiprocessing as mp
 import random
 from collections import defaultdict
@@ -75,7 +76,7 @@ def check_invariants(rows) -> list[str]:
             problems.append(f"allocation {aid} is {state} but its GPU {gpu_id} held={held}")
     for gpu_id, spans in per_gpu.items():
         spans.sort()
-        for (s1, e1, a1), (s2, _e2, a2) in zip(spans, spans[1:]):
+        for (_s1, e1, a1), (s2, _e2, a2) in itertools.pairwise(spans):
             if s2 < e1:
                 problems.append(f"GPU {gpu_id} held by {a1} and {a2} at once")
     events = sorted(
@@ -105,14 +106,14 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(tmp_path):
         for p in procs:
             p.join(timeout=0.2)
     assert all(p.exitcode == 0 for p in procs)
-    granted, refused = map(sum, zip(*[results.get(timeout=10) for _ in procs]))
+    granted, refused = map(sum, zip(*[results.get(timeout=10) for _ in procs], strict=True))
     assert granted > 50 and refused > 20, (granted, refused)  # both paths exercised
     assert live_problems == []
     assert check_invariants(history(url)) == []
     # the invariant checker itself catches a double booking and an over-limit user
     rows = history(url)
-    aid, user, created, ended, state, gpu_id, held = rows[0]
-    forged = [(10**6, "u1", created, None, "running", gpu_id, 1)] * 1
+    _aid, _user, created, _ended, _state, gpu_id, _held = rows[0]
+    forged = [(10**6, "u1", created, None, "running", gpu_id, 1)]
     forged += [(10**6 + k, "u1", created, None, "running", 10**6 + k, 1) for k in range(1, 3)]
     found = check_invariants(rows + forged)
     assert any("at once" in p for p in found) and any("over their limit" in p for p in found)
