@@ -160,7 +160,8 @@ def test_database_refuses_double_booking_even_without_the_policy(ledger, url):
         ).scalar()
         conn.execute(
             text(
-                "INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES (last_insert_rowid(), :g, 1)"
+                "INSERT INTO allocation_gpus (allocation_id, gpu_id, held) "
+                "VALUES (last_insert_rowid(), :g, 1)"
             ),
             {"g": gpu_id},
         )
