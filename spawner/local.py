@@ -31,13 +31,19 @@ _reconcile_lock = threading.Lock()
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie does not: in a container whose init never reaps,
+    a dead server stays a zombie and ``kill(pid, 0)`` alone would call it alive."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no procfs: trust kill()
 
 
 def stale_local_allocations(
@@ -78,6 +84,11 @@ class LocalGpuMixin(GpuSpawnerMixin):
 
     def backend_job_id(self) -> str | None:
         return str(self.pid) if getattr(self, "pid", 0) else None
+
+    async def _signal(self, sig):
+        if sig == 0:  # LocalProcessSpawner.poll's liveness check: count zombies as dead
+            return pid_alive(self.pid)
+        return await super()._signal(sig)
 
     @property
     def ledger(self) -> Ledger:

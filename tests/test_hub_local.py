@@ -7,6 +7,9 @@ server process, not from the spawner object.
 
 import html
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +180,15 @@ def test_a_dead_server_gives_its_gpus_back(hub, ledger, clean):
 
     wait_for(lambda: holders(ledger) == {}, 90, "the ledger to release bob's GPUs")
     assert ledger.active(user="bob") == []
+
+
+def test_a_limit_set_with_the_cli_wins_on_the_next_spawn(hub, ledger, clean):
+    gpuhub = [str(Path(sys.executable).with_name("gpuhub")), "--db-url", hub.ledger_url]
+    assert hub.spawn("dave", {"gpus": 2}).status_code == 403  # default limit 1
+    subprocess.run([*gpuhub, "limits", "set", "--user", "dave", "2"], check=True, capture_output=True)
+    try:
+        assert hub.spawn("dave", {"gpus": 2}).status_code in (201, 202)
+        hub.wait_ready("dave")
+        assert len(visible(hub.server_env("dave"))) == 2
+    finally:
+        subprocess.run([*gpuhub, "limits", "unset", "--user", "dave"], check=True, capture_output=True)

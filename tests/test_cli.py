@@ -1,0 +1,108 @@
+"""The `gpuhub` console script, run as an admin would, against a real ledger file."""
+
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from spawner.cli import format_table, parse_when
+from spawner.inventory import parse_simulated
+from spawner.ledger import Ledger
+from spawner.policy import Limit
+
+GPUHUB = str(Path(sys.executable).with_name("gpuhub"))
+CONFIG = """
+c = get_config()
+c.GpuHub.inventory = "simulated"
+c.GpuHub.simulated_gpus = [{"node": "n1", "count": 2, "model": "A100"}, {"node": "n2", "count": 1, "model": "V100"}]
+c.GpuHub.group_limits = {"students": 2}
+"""
+
+
+@pytest.fixture
+def hubdir(tmp_path):
+    (tmp_path / "jupyterhub_config.py").write_text(CONFIG)
+    return tmp_path
+
+
+def gpuhub(cwd, *args, ok=True):
+    r = subprocess.run([GPUHUB, *args], cwd=cwd, capture_output=True, text=True)
+    if ok:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_limits_set_show_unset(hubdir):
+    gpuhub(hubdir, "limits", "set", "--default", "1")
+    gpuhub(hubdir, "limits", "set", "--group", "students", "3")
+    gpuhub(
+        hubdir, "limits", "set", "--user", "alice", "unlimited", "--gpu-hours", "50", "--window-hours", "24"
+    )
+    out = gpuhub(hubdir, "limits", "show").stdout.splitlines()
+    assert out[2].split() == ["default", "*", "1", "-", "ledger"]
+    assert out[3].split() == ["group", "students", "3", "-", "ledger"]
+    assert out[4].split() == ["user", "alice", "unlimited", "50", "per", "24", "h", "ledger"]
+    gpuhub(hubdir, "limits", "unset", "--group", "students")
+    out = gpuhub(hubdir, "limits", "show").stdout
+    assert "students  2" in out and "config" in out  # back to c.GpuHub.group_limits
+    assert gpuhub(hubdir, "limits", "unset", "--group", "students", ok=False).returncode == 1
+    rules = Ledger(f"sqlite:///{hubdir / 'gpuhub.sqlite'}").rules()
+    assert rules.users["alice"].max_gpus is None and rules.users["alice"].gpu_hours == 50
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["limits", "set", "--user", "bob", "lots"], "a whole number of GPUs or 'unlimited'; got 'lots'"),
+        (["limits", "set", "--user", "bob", "-1"], "a whole number of GPUs"),
+        (["limits", "set", "--user", "bob", "1", "--window-hours", "0"], "longer than 0 hours"),
+        (["usage", "--since", "yesterday"], "cannot read the date 'yesterday'"),
+        (["usage", "--since", "1d", "--until", "2d"], "--until must be after --since"),
+        (["--config", "nope.py", "gpus"], "no config file at nope.py"),
+    ],
+)
+def test_bad_input_is_a_clear_error(hubdir, args, words):
+    r = gpuhub(hubdir, *args, ok=False)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gpus_and_usage_show_holders(hubdir):
+    ledger = Ledger(f"sqlite:///{hubdir / 'gpuhub.sqlite'}")
+    ledger.sync_inventory(
+        parse_simulated(
+            [{"node": "n1", "count": 2, "model": "A100"}, {"node": "n2", "count": 1, "model": "V100"}]
+        )
+    )
+    ledger.set_limit("user", "carol", Limit(max_gpus=2))
+    a = ledger.allocate("carol", [], 2, server_name="big")
+    ledger.mark_running(a.id, "4242")
+    out = gpuhub(hubdir, "gpus").stdout.splitlines()
+    assert [line.split()[:4] for line in out[2:]] == [
+        ["n1", "0", "A100", "carol"],
+        ["n1", "1", "A100", "carol"],
+        ["n2", "0", "V100", "free"],
+    ]
+    assert f"server big (#{a.id})" in out[2]
+    usage = gpuhub(hubdir, "usage", "--user", "carol").stdout
+    assert usage.splitlines()[-1].split()[0] == "carol"
+
+
+def test_db_upgrade_and_behind_schema(hubdir):
+    url = f"sqlite:///{hubdir / 'old.sqlite'}"
+    assert "is at schema 0001" in gpuhub(hubdir, "--db-url", url, "db", "upgrade").stdout
+    led = Ledger(url)
+    with led.engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = 'ffff'"))
+    r = gpuhub(hubdir, "--db-url", url, "limits", "show", ok=False)
+    assert r.returncode == 2 and "newer than this gpuhub knows" in r.stderr
+
+
+def test_format_table_and_parse_when():
+    assert format_table(("A", "BB"), [(1, None)]) == "A  BB\n-  --\n1"
+    now = datetime(2026, 11, 29, 12, 0)
+    assert parse_when("2d", now) == datetime(2026, 11, 27, 12, 0)
+    assert parse_when("6h", now) == datetime(2026, 11, 29, 6, 0)
+    assert parse_when("2026-11-01", now) == datetime(2026, 11, 1)
