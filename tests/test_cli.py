@@ -17,7 +17,10 @@ GPUHUB = str(Path(sys.executable).with_name("gpuhub"))
 CONFIG = """
 c = get_config()
 c.GpuHub.inventory = "simulated"
-c.GpuHub.simulated_gpus = [{"node": "n1", "count": 2, "model": "A100"}, {"node": "n2", "count": 1, "model": "V100"}]
+c.GpuHub.simulated_gpus = [
+    {"node": "n1", "count": 2, "model": "A100"},
+    {"node": "n2", "count": 1, "model": "V100"},
+]
 c.GpuHub.group_limits = {"students": 2}
 """
 

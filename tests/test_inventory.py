@@ -1,5 +1,7 @@
 """Inventory: simulated lists and NVML (through a fake NVML module: there is no GPU here)."""
 
+import re
+
 import pytest
 
 from spawner.inventory import InventoryError, nvml_gpus, parse_simulated
@@ -75,7 +77,7 @@ def test_nvml_gpus_reads_every_device():
 
 
 def test_nvml_without_a_driver_says_what_to_configure():
-    with pytest.raises(InventoryError, match="c.GpuHub.inventory = 'simulated'"):
+    with pytest.raises(InventoryError, match=re.escape("c.GpuHub.inventory = 'simulated'")):
         nvml_gpus("srv", nvml=FakeNVML(fail=True))
 
 
