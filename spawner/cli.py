@@ -6,6 +6,7 @@
     gpuhub gpus
     gpuhub usage [--since 2026-11-01 | --since 7d] [--user alice]
     gpuhub db upgrade
+    gpuhub kernel install [--user | --prefix P]
 
 It reads the hub's ``jupyterhub_config.py`` (``--config``; by default the one in the
 current directory, if any) for ``c.GpuHub.*``; ``--db-url`` overrides the ledger URL.
@@ -100,6 +101,13 @@ def make_parser() -> argparse.ArgumentParser:
     usage.add_argument("--user")
     dbp = sub.add_parser("db", help="ledger database").add_subparsers(dest="action", required=True)
     dbp.add_parser("upgrade", help="migrate the ledger to this gpuhub's schema")
+    kernel = sub.add_parser("kernel", help="notebook kernels").add_subparsers(dest="action", required=True)
+    kinst = kernel.add_parser(
+        "install", help='install the "Python 3 (GPUs)" kernel (default: this Python\'s prefix)'
+    )
+    where = kinst.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="into the current user's Jupyter directory")
+    where.add_argument("--prefix", help="into PREFIX/share/jupyter/kernels")
     return p
 
 
@@ -131,6 +139,13 @@ def open_ledger(settings: GpuHub, out) -> Ledger:
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
+    if args.command == "kernel":
+        import kernels
+
+        prefix = None if args.user else (args.prefix or sys.prefix)
+        for path in kernels.install(user=args.user, prefix=prefix):
+            print(f"installed {path}", file=out)
+        return 0
     settings = load_settings(args)
     if args.command == "db":
         db.upgrade(settings.db_url)

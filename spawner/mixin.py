@@ -45,6 +45,10 @@ def make_gpu_env(allocation: AllocationInfo | None) -> dict[str, str]:
     return env
 
 
+def _options_read_in_start(spawner, user_options) -> None:
+    """The default ``apply_user_options``: nothing to do before ``start()``."""
+
+
 class GpuSpawnerMixin(Configurable):
     """Mix in before a JupyterHub spawner class: ``class S(GpuSpawnerMixin, LocalProcessSpawner)``."""
 
@@ -70,6 +74,13 @@ class GpuSpawnerMixin(Configurable):
     @default("options_from_form")
     def _default_options_from_form(self):
         return form.options_from_form
+
+    @default("apply_user_options")
+    def _default_apply_user_options(self):
+        # gpuhub reads user_options in start(), where a refusal becomes a clean
+        # SpawnException; JupyterHub's hook would log a traceback for each bad input
+        # (and, left unset, warns that the options are unhandled).
+        return _options_read_in_start
 
     # ledger access --------------------------------------------------------------------
 
@@ -182,8 +193,12 @@ class GpuSpawnerMixin(Configurable):
         allocation_id = self.allocation_id  # super().poll() may clear the state
         status = await super().poll()
         if status is not None and allocation_id:
-            self.log.info("Server %s is gone; releasing its GPUs", self._log_name)
-            await self._release(allocation_id, "server exited")
+            if self._stop_pending:
+                reason = "server stopped"
+            else:
+                reason = "server exited"
+                self.log.info("Server %s is gone; releasing its GPUs", self._log_name)
+            await self._release(allocation_id, reason)
         return status
 
     def get_state(self):

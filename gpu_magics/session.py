@@ -1,0 +1,49 @@
+"""What the notebook server was given: read from the variables the GPU spawner sets.
+
+The spawner (spawner/mixin.py ``make_gpu_env``) sets ``CUDA_VISIBLE_DEVICES`` (PCI bus
+order), ``GPUHUB_ALLOCATION_ID``, ``GPUHUB_GPUS`` (``node:index`` labels), ``GPUHUB_NODE``
+and ``GPUHUB_GPU_MODEL``. Outside gpuhub none of them is set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerGpus:
+    on_gpuhub: bool
+    allocation_id: int | None
+    gpus: tuple[str, ...]
+    cuda_visible_devices: str | None
+    model: str | None
+
+
+def server_gpus(environ: Mapping[str, str] | None = None) -> ServerGpus:
+    env = os.environ if environ is None else environ
+    on_gpuhub = "GPUHUB_ALLOCATION_ID" in env
+    raw_id = env.get("GPUHUB_ALLOCATION_ID", "")
+    return ServerGpus(
+        on_gpuhub=on_gpuhub,
+        allocation_id=int(raw_id) if raw_id.isdigit() else None,
+        gpus=tuple(g for g in env.get("GPUHUB_GPUS", "").split(",") if g),
+        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+        model=env.get("GPUHUB_GPU_MODEL") or None,
+    )
+
+
+def describe(s: ServerGpus) -> str:
+    if not s.on_gpuhub:
+        return "This kernel does not run on a gpuhub server: no GPUs were allocated to it."
+    if not s.gpus:
+        return "This server has no GPUs (it was started with 0). Start it again with GPUs to use them."
+    rows = [f"{'GPU':<12}{'CUDA index':<12}MODEL"]
+    cuda = (s.cuda_visible_devices or "").split(",")
+    for i, label in enumerate(s.gpus):
+        rows.append(f"{label:<12}{i:<12}{s.model or ''}")
+    head = (
+        f"Server allocation #{s.allocation_id}: {len(s.gpus)} GPU(s), CUDA_VISIBLE_DEVICES={','.join(cuda)}"
+    )
+    return "\n".join([head, *rows])

@@ -1,0 +1,46 @@
+"""Render the configuration reference (docs/configuration.md) from the traits themselves.
+
+    python -m spawner.reference > docs/configuration.md
+
+``tests/test_docs.py`` fails when the committed file and the code disagree.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from .mixin import GpuSpawnerMixin
+from .settings import GpuHub
+
+SECTIONS = (
+    (GpuHub, "GpuHub", "Ledger, inventory and limits. Read by the hub, its spawners and the `gpuhub` CLI."),
+    (GpuSpawnerMixin, "Spawner", "Added to every gpuhub spawner (`gpu-local`, `gpu-local-simple`)."),
+)
+
+
+def render_reference() -> str:
+    out = [
+        "# Configuration reference",
+        "",
+        "Every gpuhub setting is a traitlets trait, set in `jupyterhub_config.py`.",
+        "Generated from the code by `python -m spawner.reference`; do not edit by hand.",
+        "",
+    ]
+    for cls, section, blurb in SECTIONS:
+        out += [f"## `c.{section}`", "", blurb, ""]
+        own = cls.class_own_traits(config=True)
+        for name, trait in sorted(own.items()):
+            default = trait.default_value_repr()
+            out += [
+                f"### `c.{section}.{name}`",
+                "",
+                f"{type(trait).__name__}, default `{default}`.",
+                "",
+                inspect.cleandoc(trait.help),
+                "",
+            ]
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    print(render_reference(), end="")
