@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spawner.ledger import Ledger  # noqa: E402
-from spawner.policy import Gpu, Limit, LimitRules  # noqa: E402
+from spawner.ledger import Ledger
+from spawner.policy import Gpu, Limit, LimitRules
 
 
 def bench_gpuhub(path: Path, cycles: int) -> list[float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.hubtools import Hub  # noqa: E402
+from tests.hubtools import Hub
 
 
 def spawn_once(hub: Hub, options) -> float:
@@ -45,7 +45,8 @@ def main() -> None:
             plain_hub.stop()
     print(f"POST to ready, median of {spawns} interleaved spawns each:")
     print(f"  gpu-local-simple (2 GPUs)     {statistics.median(gpu):6.2f} s  {[round(t, 2) for t in gpu]}")
-    print(f"  SimpleLocalProcessSpawner     {statistics.median(plain):6.2f} s  {[round(t, 2) for t in plain]}")
+    spread = [round(t, 2) for t in plain]
+    print(f"  SimpleLocalProcessSpawner     {statistics.median(plain):6.2f} s  {spread}")
     print(f"  ratio gpuhub / plain: {statistics.median(gpu) / statistics.median(plain):.2f}x")
 
 

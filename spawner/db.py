@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from alembic import command
@@ -17,7 +18,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -28,8 +29,16 @@ class SchemaError(RuntimeError):
     """The ledger database is not at the schema this gpuhub needs."""
 
 
+def _create_private(path: str) -> None:
+    """Create a new SQLite file readable by its owner only (the -wal and -shm files SQLite
+    makes beside it copy these permissions): users reach the ledger through the hub."""
+    if path and path != ":memory:" and not os.path.exists(path):
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
+        _create_private(make_url(url).database or "")
         engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
 
         @event.listens_for(engine, "connect")
@@ -109,8 +118,6 @@ def ensure_schema(engine: Engine, url: str) -> None:
 
 def safe_url(url: str) -> str:
     """The URL with any password hidden, for messages and logs."""
-    from sqlalchemy.engine import make_url
-
     return make_url(url).render_as_string(hide_password=True)
 
 

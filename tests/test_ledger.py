@@ -1,5 +1,6 @@
 """The ledger on a real SQLite file: admission, release, limits, inventory sync, schema."""
 
+import os
 from datetime import datetime, timedelta
 
 import pytest
@@ -213,3 +214,10 @@ def test_foreign_tables_are_not_adopted(tmp_path):
 def test_sqlite_runs_in_wal_mode(ledger):
     with ledger.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_a_new_sqlite_ledger_is_private_to_the_hubs_account(ledger, url):
+    ledger.allocate("alice", [], 1)  # forces the WAL files into being
+    path = url.removeprefix("sqlite:///")
+    for f in (path, path + "-wal", path + "-shm"):
+        assert os.stat(f).st_mode & 0o077 == 0, f
