@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
@@ -55,6 +55,7 @@ class AllocationInfo:
     backend_job_id: str | None
     end_reason: str | None
     gpus: tuple[policy.Gpu, ...]
+    lease_expires: datetime | None = None
 
     @property
     def active(self) -> bool:
@@ -113,6 +114,7 @@ def _info(a: Allocation) -> AllocationInfo:
         backend_job_id=a.backend_job_id,
         end_reason=a.end_reason,
         gpus=gpus,
+        lease_expires=a.lease_expires,
     )
 
 
@@ -342,12 +344,19 @@ class Ledger:
         max_nodes: int | None = 1,
         gpus_per_node: int | None = None,
         backend: str = "local",
+        lease_seconds: float | None = None,
     ) -> AllocationInfo:
-        """Admit and record a request, or raise :class:`policy.Refusal` leaving nothing behind."""
+        """Admit and record a request, or raise :class:`policy.Refusal` leaving nothing behind.
+
+        With ``lease_seconds`` the allocation is running at once and lives until its lease
+        runs out unless renewed (a burst for ``%%distributed``); expired leases are released
+        before any admission, so they never block one.
+        """
         if purpose not in PURPOSES:
             raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}")
         request = policy.Request(user, count, model, max_nodes, gpus_per_node)
         with self._tx() as s:
+            self._expire(s)
             eff = policy.effective_limit(user, groups, self._rules(s))
             inventory, free = self._inventory(s), self._free(s)
             policy.check_request(request, eff, self._holdings(s, user, eff.limit), inventory, free)
@@ -370,9 +379,11 @@ class Ledger:
                 user=user,
                 purpose=purpose,
                 server_name=server_name,
-                state="starting",
+                state="starting" if lease_seconds is None else "running",
                 created=now,
+                started=None if lease_seconds is None else now,
                 backend=backend,
+                lease_expires=None if lease_seconds is None else now + timedelta(seconds=lease_seconds),
             )
             alloc.gpus = [AllocationGpu(gpu=by_key[(g.node, g.index)], held=True) for g in chosen]
             s.add(alloc)
@@ -396,12 +407,44 @@ class Ledger:
             a = s.get(Allocation, allocation_id)
             if a is None or a.state not in ACTIVE_STATES:
                 return False
-            a.state = "released"
-            a.ended = self.clock()
-            a.end_reason = reason[:255]
-            for ag in a.gpus:
-                ag.held = False
+            self._end(a, reason)
             return True
+
+    def _end(self, a: Allocation, reason: str, when: datetime | None = None) -> None:
+        a.state = "released"
+        a.ended = when or self.clock()
+        a.end_reason = reason[:255]
+        for ag in a.gpus:
+            ag.held = False
+
+    def renew(self, allocation_id: int, lease_seconds: float) -> AllocationInfo:
+        """Push a leased allocation's expiry to now + ``lease_seconds``."""
+        with self._tx() as s:
+            self._expire(s)
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                raise LookupError(f"allocation {allocation_id} is not active")
+            if a.lease_expires is None:
+                raise ValueError(f"allocation {allocation_id} has no lease to renew")
+            a.lease_expires = self.clock() + timedelta(seconds=lease_seconds)
+            return _info(a)
+
+    def _expire(self, s: Session) -> list[int]:
+        now = self.clock()
+        expired = list(
+            s.scalars(
+                select(Allocation).where(Allocation.state.in_(ACTIVE_STATES), Allocation.lease_expires <= now)
+            )
+        )
+        for a in expired:
+            # usage counts up to the end of the lease, not up to when someone noticed
+            self._end(a, "lease expired", when=a.lease_expires)
+        return [a.id for a in expired]
+
+    def expire_leases(self) -> list[int]:
+        """Release every allocation whose lease ran out; returns their ids."""
+        with self._tx() as s:
+            return self._expire(s)
 
     def get(self, allocation_id: int) -> AllocationInfo | None:
         with self._tx() as s:

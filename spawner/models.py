@@ -106,6 +106,8 @@ class Allocation(Base):
     backend: Mapped[str] = mapped_column(String(32), default="local")
     backend_job_id: Mapped[str | None] = mapped_column(String(64))
     end_reason: Mapped[str | None] = mapped_column(String(255))
+    # burst allocations live only while renewed; None for servers (the backend tracks them)
+    lease_expires: Mapped[datetime | None] = mapped_column(DateTime)
     gpus: Mapped[list[AllocationGpu]] = relationship(
         back_populates="allocation", cascade="all, delete-orphan"
     )

@@ -95,7 +95,7 @@ def test_gpus_and_usage_show_holders(hubdir):
 
 def test_db_upgrade_and_behind_schema(hubdir):
     url = f"sqlite:///{hubdir / 'old.sqlite'}"
-    assert "is at schema 0001" in gpuhub(hubdir, "--db-url", url, "db", "upgrade").stdout
+    assert "is at schema 0002" in gpuhub(hubdir, "--db-url", url, "db", "upgrade").stdout
     led = Ledger(url)
     with led.engine.begin() as conn:
         conn.execute(text("UPDATE alembic_version SET version_num = 'ffff'"))

@@ -189,18 +189,6 @@ def test_schema_from_a_newer_gpuhub_is_refused(url):
     engine.dispose()
 
 
-def test_schema_behind_is_refused_with_upgrade_command(tmp_path, monkeypatch):
-    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
-    engine = db.make_engine(url)
-    db.ensure_schema(engine, url)
-    # pretend this gpuhub ships a newer head than the database has
-    monkeypatch.setattr(db, "head_revision", lambda: "0002")
-    with pytest.raises(db.SchemaError) as err:
-        db.ensure_schema(engine, url)
-    assert "gpuhub db upgrade --db-url" in str(err.value)
-    engine.dispose()
-
-
 def test_foreign_tables_are_not_adopted(tmp_path):
     url = f"sqlite:///{tmp_path / 'hub.sqlite'}"
     engine = create_engine(url)
@@ -221,3 +209,56 @@ def test_a_new_sqlite_ledger_is_private_to_the_hubs_account(ledger, url):
     path = url.removeprefix("sqlite:///")
     for f in (path, path + "-wal", path + "-shm"):
         assert os.stat(f).st_mode & 0o077 == 0, f
+
+
+def test_a_ledger_at_the_first_schema_is_refused_then_upgraded_with_its_data(tmp_path):
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'v1.sqlite'}"
+    command.upgrade(db.alembic_config(url), "0001")
+    engine = create_engine(url)
+    with engine.begin() as conn:  # a server allocation written by the first gpuhub release
+        conn.execute(text("INSERT INTO nodes (id, name) VALUES (1, 'n1')"))
+        conn.execute(
+            text("INSERT INTO gpus (id, node_id, \"index\", model, present) VALUES (1, 1, 0, 'A100', 1)")
+        )
+        conn.execute(
+            text(
+                "INSERT INTO allocations (id, user, purpose, server_name, state, created, backend) "
+                "VALUES (1, 'alice', 'server', '', 'running', '2026-11-01 10:00:00', 'local')"
+            )
+        )
+        conn.execute(text("INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES (1, 1, 1)"))
+    engine.dispose()
+    with pytest.raises(db.SchemaError, match="gpuhub db upgrade"):
+        Ledger(url)
+    db.upgrade(url)
+    led = Ledger(url)
+    [a] = led.active(user="alice")
+    assert [g.label for g in a.gpus] == ["n1:0"] and a.lease_expires is None
+    led.close()
+
+
+def test_leases_expire_and_renew(ledger, clock):
+    a = ledger.allocate("alice", [], 2, purpose="distributed", lease_seconds=60)
+    assert a.state == "running" and a.lease_expires == clock.now + timedelta(seconds=60)
+    clock.advance(seconds=50)
+    assert ledger.renew(a.id, 60).lease_expires == clock.now + timedelta(seconds=60)
+    clock.advance(seconds=59)
+    assert ledger.expire_leases() == []
+    clock.advance(seconds=2)
+    assert ledger.expire_leases() == [a.id]
+    gone = ledger.get(a.id)
+    assert gone.state == "released" and gone.end_reason == "lease expired"
+    assert gone.ended == a.lease_expires + timedelta(seconds=50)  # usage ends with the lease
+    with pytest.raises(LookupError):
+        ledger.renew(a.id, 60)
+    server = ledger.allocate("alice", [], 1)
+    with pytest.raises(ValueError, match="no lease"):
+        ledger.renew(server.id, 60)
+
+
+def test_an_expired_lease_never_blocks_admission(ledger, clock):
+    ledger.allocate("alice", [], 2, purpose="distributed", lease_seconds=10)
+    clock.advance(seconds=11)  # nobody swept it
+    assert len(ledger.allocate("alice", [], 2).gpus) == 2
