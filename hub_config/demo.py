@@ -8,6 +8,8 @@ never expose it beyond this machine.
 
 import sys
 
+from spawner.broker import enable_broker
+
 c = get_config()  # noqa: F821 - provided by JupyterHub when it loads this file
 
 DEMO_PASSWORD = "gpuhub-demo"
@@ -37,12 +39,17 @@ c.Spawner.args = ["--allow-root"]
 c.Spawner.default_url = "/lab"
 c.SimpleLocalProcessSpawner.home_dir_template = "/tmp/gpuhub-demo/{username}"
 
+# the broker service: REST API, "My GPUs" and "GPU admin" pages, metrics (keep it last:
+# it passes the settings above to the service)
+enable_broker(c)
+
 print(
     "gpuhub demo: open http://127.0.0.1:8000 and log in as\n"
     f"  alice (up to 3 GPUs), bob or carol (group students, 2), dave (default, 1)"
     f" with the password {DEMO_PASSWORD!r},\n"
     f"  or admin with {DEMO_ADMIN_PASSWORD!r}.\n"
-    "  4 simulated GPUs; `gpuhub gpus` in demo-state/ shows who holds them.",
+    "  4 simulated GPUs; `gpuhub gpus` in demo-state/ shows who holds them;\n"
+    "  pages: http://127.0.0.1:8000/services/gpuhub/ (and /services/gpuhub/admin for admin).",
     file=sys.stderr,
     flush=True,
 )

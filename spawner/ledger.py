@@ -469,6 +469,26 @@ class Ledger:
                 key=lambda st: st.gpu,
             )
 
+    def usage_series(
+        self, since: datetime, until: datetime, bucket_hours: float = 24.0, user: str | None = None
+    ) -> tuple[list[datetime], dict[str, list[float]]]:
+        """GPU-hours per user in consecutive buckets from ``since`` to ``until`` (for plots)."""
+        step = timedelta(hours=bucket_hours)
+        starts = []
+        t = since
+        while t < until:
+            starts.append(t)
+            t += step
+        out: dict[str, list[float]] = {}
+        with self._tx() as s:
+            users = sorted(set(s.scalars(select(Allocation.user).distinct())))
+            for name in users if user is None else [user]:
+                intervals = list(self._intervals(s, user=name))
+                out[name] = [
+                    policy.gpu_hours_used(intervals, min(b + step, until), bucket_hours) for b in starts
+                ]
+        return starts, out
+
     def usage(
         self, since: datetime, until: datetime | None = None, user: str | None = None
     ) -> dict[str, float]:

@@ -65,6 +65,7 @@ class Hub:
         self.port = free_port()
         self.hub_port = free_port()
         self.proxy_api_port = free_port()
+        self.broker_port = free_port()
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra_config = extra_config
@@ -101,6 +102,8 @@ c.Spawner.start_timeout = 60
 c.Spawner.http_timeout = 60
 c.Spawner.poll_interval = 1
 {self.extra_config}
+from spawner.broker import enable_broker
+enable_broker(c, url="http://127.0.0.1:{self.broker_port}")
 """
         )
         return cfg
@@ -146,6 +149,23 @@ c.Spawner.poll_interval = 1
     def api(self, method: str, path: str, **kw) -> requests.Response:
         headers = {"Authorization": f"token {self.token}", **kw.pop("headers", {})}
         return requests.request(method, f"{self.url}/hub/api{path}", headers=headers, timeout=30, **kw)
+
+    @property
+    def broker_url(self) -> str:
+        return f"{self.url}/services/gpuhub"
+
+    def broker(self, method: str, path: str, token: str | None = None, **kw) -> requests.Response:
+        """Call the broker's REST API (through the proxy) with ``token`` (default: the test admin's)."""
+        headers = {"Authorization": f"token {token or self.token}", **kw.pop("headers", {})}
+        return requests.request(method, f"{self.broker_url}/api/v1/{path}", headers=headers, timeout=30, **kw)
+
+    def user_token(self, user: str, scopes: list[str] | None = None) -> str:
+        """A new API token of ``user`` (all the user's scopes unless ``scopes`` narrows them)."""
+        self.ensure_user(user)
+        body = {"note": "gpuhub test"} | ({"scopes": scopes} if scopes is not None else {})
+        r = self.api("POST", f"/users/{user}/tokens", json=body)
+        assert r.status_code == 201, r.text
+        return r.json()["token"]
 
     def ensure_user(self, name: str) -> None:
         r = self.api("GET", f"/users/{name}")

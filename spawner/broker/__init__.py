@@ -1,0 +1,80 @@
+"""The gpuhub broker: a JupyterHub-managed service with a REST API, pages and metrics.
+
+In ``jupyterhub_config.py``, after the ``c.GpuHub`` / ``c.GpuBroker`` settings and
+``admin_users``::
+
+    from spawner.broker import enable_broker
+    enable_broker(c)
+
+It adds the service, its custom scopes and roles, and gives each single-user server's token
+exactly the scopes the magics need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from .access import ADMIN_SCOPE, OWN_SCOPE
+
+SERVICE = "gpuhub"
+
+
+def _settings_json(c) -> str:
+    sections = {name: dict(c[name]) for name in ("GpuHub", "GpuBroker") if name in c}
+    return json.dumps(sections)
+
+
+def _replace(items: list, new: dict) -> list:
+    return [r for r in items if r.get("name") != new["name"]] + [new]
+
+
+def enable_broker(c, *, url: str = "http://127.0.0.1:10101", admin_users=None) -> None:
+    """Configure the broker service on a JupyterHub config object ``c``."""
+    access = f"access:services!service={SERVICE}"
+    service = {
+        "name": SERVICE,
+        "url": url,
+        "command": [sys.executable, "-m", "spawner.broker"],
+        "cwd": os.getcwd(),  # a relative SQLite URL means the same file as for the hub
+        "environment": {"GPUHUB_SETTINGS": _settings_json(c)},
+        "oauth_client_allowed_scopes": [OWN_SCOPE, ADMIN_SCOPE],
+        "oauth_no_confirm": True,
+        "display": True,
+    }
+    c.JupyterHub.services = _replace(list(c.JupyterHub.get("services", [])), service)
+    c.JupyterHub.custom_scopes = {
+        **c.JupyterHub.get("custom_scopes", {}),
+        OWN_SCOPE: {"description": "Read and manage your own GPU allocations in gpuhub."},
+        ADMIN_SCOPE: {"description": "Administer gpuhub: limits, every allocation, the cluster view."},
+    }
+    admins = sorted(admin_users if admin_users is not None else c.Authenticator.get("admin_users", ()))
+    roles = list(c.JupyterHub.get("load_roles", []))
+    for role in (
+        {
+            "name": "user",
+            "description": "Standard user privileges, with their own GPUs in gpuhub",
+            "scopes": ["self", f"{OWN_SCOPE}!user", access],
+        },
+        {
+            "name": "gpuhub-admin",
+            "description": "Administers gpuhub",
+            "scopes": [ADMIN_SCOPE, access],
+            "users": admins,
+        },
+        {
+            "name": "gpuhub-service",
+            "description": "What the gpuhub broker needs from the hub",
+            "scopes": ["read:users:groups", "read:users:name"],
+            "services": [SERVICE],
+        },
+    ):
+        roles = _replace(roles, role)
+    c.JupyterHub.load_roles = roles
+    c.Spawner.server_token_scopes = [
+        "users:activity!user",
+        "access:servers!server",
+        f"{OWN_SCOPE}!user",
+        access,
+    ]

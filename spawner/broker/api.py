@@ -1,0 +1,220 @@
+"""The broker's REST API, version 1 (``openapi.yaml`` is its contract).
+
+User: ``GET me``, ``GET/POST allocations``, ``GET/DELETE allocations/{id}``,
+``POST allocations/{id}/renew``, ``GET usage``. Admin: ``GET limits``,
+``PUT/DELETE limits/{scope}[/{name}]``, ``GET cluster``, and every allocation and user.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from tornado import web
+
+from .. import policy
+from ..cli import UsageError, parse_when
+from ..ledger import utcnow
+from . import access, schemas, views
+from .handlers import APIHandler
+
+
+class MeHandler(APIHandler):
+    async def get(self):
+        caller = self.require_caller()
+        if not access.may_manage_own(caller):
+            raise web.HTTPError(403, f"{caller.kind} {caller.name} has no gpuhub allocations scope.")
+        groups = await self.broker.groups_of(caller.name)
+        ledger = self.broker.ledger
+        allowance = await self.broker.run(ledger.allowance, caller.name, groups)
+        allocations = await self.broker.run(ledger.active, user=caller.name)
+        self.finish(views.me_json(caller.name, groups, allowance, allocations))
+
+
+class AllocationsHandler(APIHandler):
+    async def get(self):
+        caller = self.require_caller()
+        who = self.get_argument("user", None)
+        everyone = self.get_argument("all", "") in ("1", "true")
+        if (everyone or (who and who != caller.name)) and not access.is_admin(caller):
+            raise web.HTTPError(403, "Only gpuhub admins may list other users' allocations.")
+        if not everyone and not who and not access.may_manage_own(caller):
+            raise web.HTTPError(403, f"{caller.kind} {caller.name} has no gpuhub allocations scope.")
+        where = {} if everyone else {"user": who or caller.name}
+        found = await self.broker.run(self.broker.ledger.active, **where)
+        self.finish({"allocations": [views.allocation_json(a) for a in found]})
+
+    async def post(self):
+        caller = self.require_caller()
+        if not access.may_manage_own(caller):
+            raise web.HTTPError(403, f"{caller.kind} {caller.name} may not request GPUs.")
+        cfg = self.broker.settings
+        metrics = self.broker.metrics
+        try:
+            body = schemas.parse_json_object(self.request.body, cfg.max_body_bytes)
+            req = schemas.parse_burst_request(body, max_lease_seconds=cfg.max_lease_seconds)
+        except schemas.BadRequest as e:
+            metrics.refusals.labels(reason="bad_request").inc()
+            return self.fail(400, str(e), "bad_request")
+        groups = await self.broker.groups_of(caller.name)
+        started = time.perf_counter()
+        try:
+            allocation = await self.broker.run(
+                self.broker.ledger.allocate,
+                caller.name,
+                groups,
+                req.gpus,
+                purpose="distributed",
+                model=req.gpu_model,
+                max_nodes=req.nodes,
+                gpus_per_node=req.gpus_per_node,
+                backend="local",
+                lease_seconds=req.lease_seconds or cfg.lease_seconds,
+            )
+        except policy.Refusal as e:
+            metrics.refusals.labels(reason=e.reason).inc()
+            return self.fail(e.status_code, e.message, e.reason, fits=e.fits)
+        metrics.allocation_seconds.observe(time.perf_counter() - started)
+        self.set_status(201)
+        self.set_header("Location", f"{self.broker.prefix}api/v1/allocations/{allocation.id}")
+        self.finish(views.allocation_json(allocation))
+
+
+class AllocationHandler(APIHandler):
+    async def _find(self, allocation_id: str):
+        caller = self.require_caller()
+        a = await self.broker.run(self.broker.ledger.get, int(allocation_id))
+        if a is None or not access.may_see(caller, a.user):
+            raise web.HTTPError(404, f"No allocation {allocation_id} of yours.")
+        return caller, a
+
+    async def get(self, allocation_id: str):
+        _caller, a = await self._find(allocation_id)
+        self.finish(views.allocation_json(a))
+
+    async def delete(self, allocation_id: str):
+        caller, a = await self._find(allocation_id)
+        if not a.active:
+            return self.fail(409, f"Allocation {a.id} was already released ({a.end_reason}).", "released")
+        if a.purpose == "server" and not access.is_admin(caller):
+            return self.fail(
+                409,
+                f"Allocation {a.id} belongs to your notebook server; stop the server to release it.",
+                "server_allocation",
+            )
+        who = "admin " + caller.name if caller.name != a.user else "owner"
+        await self.broker.run(self.broker.ledger.release, a.id, f"released through the API by {who}")
+        self.finish(views.allocation_json(await self.broker.run(self.broker.ledger.get, a.id)))
+
+
+class RenewHandler(APIHandler):
+    async def post(self, allocation_id: str):
+        caller = self.require_caller()
+        a = await self.broker.run(self.broker.ledger.get, int(allocation_id))
+        if a is None or not access.may_see(caller, a.user):
+            raise web.HTTPError(404, f"No allocation {allocation_id} of yours.")
+        cfg = self.broker.settings
+        try:
+            body = schemas.parse_json_object(self.request.body, cfg.max_body_bytes)
+            seconds = schemas.parse_renew(body, max_lease_seconds=cfg.max_lease_seconds)
+        except schemas.BadRequest as e:
+            return self.fail(400, str(e), "bad_request")
+        try:
+            renewed = await self.broker.run(self.broker.ledger.renew, a.id, seconds or cfg.lease_seconds)
+        except LookupError:
+            return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
+        except ValueError:
+            return self.fail(409, f"Allocation {a.id} is a server's; it has no lease to renew.", "no_lease")
+        self.finish(views.allocation_json(renewed))
+
+
+class UsageHandler(APIHandler):
+    async def get(self):
+        caller = self.require_caller()
+        who = self.get_argument("user", None)
+        if who != caller.name and not access.is_admin(caller):
+            if who is not None or not access.may_manage_own(caller):
+                raise web.HTTPError(403, "Only gpuhub admins may see other users' usage.")
+            who = caller.name
+        now = utcnow()
+        try:
+            since = parse_when(self.get_argument("since", f"{self.broker.settings.usage_days}d"), now)
+            until = parse_when(self.get_argument("until"), now) if self.get_argument("until", None) else now
+            bucket = float(self.get_argument("bucket_hours", "24"))
+        except (UsageError, ValueError) as e:
+            return self.fail(400, str(e), "bad_request")
+        if (
+            until <= since
+            or not 0.01 <= bucket <= 24 * 366
+            or (until - since) / timedelta(hours=bucket) > 1000
+        ):
+            return self.fail(400, "Ask for a period after 'since', in at most 1000 buckets.", "bad_request")
+        ledger = self.broker.ledger
+        totals = await self.broker.run(ledger.usage, since, until, who)
+        starts, series = await self.broker.run(ledger.usage_series, since, until, bucket, who)
+        self.finish(views.usage_json(since, until, totals, starts, series))
+
+
+class AdminHandler(APIHandler):
+    def require_admin(self):
+        caller = self.require_caller()
+        if not access.is_admin(caller):
+            raise web.HTTPError(403, "This needs the custom:gpuhub:admin scope.")
+        return caller
+
+
+class LimitsHandler(AdminHandler):
+    async def get(self):
+        self.require_admin()
+        entries = await self.broker.run(self.broker.ledger.limit_entries)
+        self.finish({"limits": [views.limit_entry_json(e) for e in entries]})
+
+
+class LimitHandler(AdminHandler):
+    def _key(self, scope: str, name: str | None) -> tuple[str, str]:
+        if scope == "default" and not name:
+            return scope, ""
+        if scope in ("group", "user") and name:
+            return scope, name
+        raise web.HTTPError(404, "Limits live at limits/default, limits/group/NAME and limits/user/NAME.")
+
+    async def put(self, scope: str, name: str | None = None):
+        self.require_admin()
+        scope, name = self._key(scope, name)
+        try:
+            body = schemas.parse_json_object(self.request.body, self.broker.settings.max_body_bytes)
+            lim = schemas.parse_limit_body(body, policy.DEFAULT_WINDOW_HOURS)
+        except schemas.BadRequest as e:
+            return self.fail(400, str(e), "bad_request")
+        limit = policy.Limit(lim.max_gpus, lim.gpu_hours, lim.window_hours)
+        await self.broker.run(self.broker.ledger.set_limit, scope, name, limit)
+        self.finish({"scope": scope, "name": name, "origin": "ledger", **views.limit_json(limit)})
+
+    async def delete(self, scope: str, name: str | None = None):
+        self.require_admin()
+        scope, name = self._key(scope, name)
+        if not await self.broker.run(self.broker.ledger.unset_limit, scope, name):
+            raise web.HTTPError(404, f"No ledger {scope} limit {name!r} to remove.")
+        self.set_status(204)
+        self.finish()
+
+
+class ClusterHandler(AdminHandler):
+    async def get(self):
+        self.require_admin()
+        table = await self.broker.run(self.broker.ledger.gpu_table)
+        self.finish(views.cluster_json(table))
+
+
+def api_handlers(prefix: str) -> list[tuple]:
+    api = f"{prefix}api/v1"
+    return [
+        (f"{api}/me", MeHandler),
+        (f"{api}/allocations", AllocationsHandler),
+        (rf"{api}/allocations/(\d+)", AllocationHandler),
+        (rf"{api}/allocations/(\d+)/renew", RenewHandler),
+        (f"{api}/usage", UsageHandler),
+        (f"{api}/limits", LimitsHandler),
+        (rf"{api}/limits/(default|group|user)(?:/([^/]+))?", LimitHandler),
+        (f"{api}/cluster", ClusterHandler),
+    ]

@@ -1,0 +1,85 @@
+"""The broker service process: a tornado app started and stopped by JupyterHub.
+
+JupyterHub gives it ``JUPYTERHUB_SERVICE_URL`` (where to listen), ``JUPYTERHUB_SERVICE_PREFIX``,
+``JUPYTERHUB_API_URL`` and ``JUPYTERHUB_API_TOKEN``; ``enable_broker`` adds
+``GPUHUB_SETTINGS``, the hub's ``c.GpuHub`` and ``c.GpuBroker`` as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import signal
+from pathlib import Path
+from urllib.parse import urlparse
+
+from jupyterhub.services.auth import HubOAuthCallbackHandler
+from tornado import web
+from tornado.ioloop import PeriodicCallback
+from traitlets.config import Config
+
+from ..settings import GpuHub
+from .api import api_handlers
+from .handlers import Broker
+from .metrics import Metrics
+from .pages import AdminPage, MetricsHandler, UserPage
+from .settings import GpuBroker
+
+log = logging.getLogger("gpuhub.broker")
+STATIC = Path(__file__).with_name("static")
+
+
+def make_app(broker: Broker) -> web.Application:
+    prefix = broker.prefix
+    ctx = {"broker": broker}
+    handlers = [
+        (prefix, UserPage, ctx),
+        (f"{prefix}admin", AdminPage, ctx),
+        (f"{prefix}metrics", MetricsHandler, ctx),
+        (f"{prefix}oauth_callback", HubOAuthCallbackHandler),
+        (rf"{prefix}static/(.*)", web.StaticFileHandler, {"path": str(STATIC)}),
+        *[(route, handler, ctx) for route, handler in api_handlers(prefix)],
+    ]
+    # XSRF: JupyterHub's HubOAuth checks it on every cookie-authenticated write (a write
+    # without the token is not authenticated at all); token requests need none. Tornado's
+    # own check would run before the token is known, so it stays off.
+    return web.Application(handlers, cookie_secret=secrets.token_bytes(32))
+
+
+def load_settings(environ=os.environ) -> tuple[GpuHub, GpuBroker]:
+    config = Config(json.loads(environ.get("GPUHUB_SETTINGS", "{}")))
+    return GpuHub(config=config), GpuBroker(config=config)
+
+
+async def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="[%(levelname)1.1s %(asctime)s gpuhub-broker] %(message)s")
+    hub_settings, settings = load_settings()
+    ledger = hub_settings.open_ledger()  # syncs the inventory too, like the hub
+    broker = Broker(
+        ledger,
+        hub_settings,
+        settings,
+        Metrics(ledger),
+        api_url=os.environ["JUPYTERHUB_API_URL"],
+        api_token=os.environ["JUPYTERHUB_API_TOKEN"],
+        prefix=os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpuhub/"),
+    )
+    url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101"))
+    make_app(broker).listen(url.port, url.hostname)
+
+    async def sweep():
+        expired = await asyncio.to_thread(ledger.expire_leases)
+        if expired:
+            log.info("released expired leases: %s", ", ".join(map(str, expired)))
+
+    PeriodicCallback(sweep, settings.sweep_seconds * 1000).start()
+    log.info("gpuhub broker at %s%s, ledger %s", url.geturl().rstrip("/"), broker.prefix, ledger.url)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("gpuhub broker stopping")
+    ledger.close()

@@ -1,0 +1,90 @@
+"""Authentication and error plumbing shared by the broker's API and pages.
+
+Browsers authenticate with JupyterHub OAuth (a cookie of this service, XSRF-checked on
+writes); programs with a JupyterHub API token in the ``Authorization`` header. The caller's
+scopes, as JupyterHub reports them, decide everything else (``access.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from jupyterhub.services.auth import HubOAuthenticated, UserNotAllowed
+from tornado import web
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+from .access import Caller
+
+
+class Broker:
+    """What every handler shares: the ledger, settings, metrics and a group cache."""
+
+    def __init__(self, ledger, hub_settings, settings, metrics, api_url: str, api_token: str, prefix: str):
+        self.ledger = ledger
+        self.hub_settings = hub_settings
+        self.settings = settings
+        self.metrics = metrics
+        self.api_url = api_url.rstrip("/")
+        self.api_token = api_token
+        self.prefix = prefix
+        self._groups: dict[str, tuple[float, list[str]]] = {}
+
+    async def run(self, fn, *args, **kw):
+        """Ledger calls are short blocking transactions: keep them off the event loop."""
+        return await asyncio.to_thread(fn, *args, **kw)
+
+    async def groups_of(self, user: str) -> list[str]:
+        cached = self._groups.get(user)
+        if cached and time.monotonic() - cached[0] < self.settings.group_cache_seconds:
+            return cached[1]
+        req = HTTPRequest(
+            f"{self.api_url}/users/{user}", headers={"Authorization": f"token {self.api_token}"}
+        )
+        resp = await AsyncHTTPClient().fetch(req, raise_error=False)
+        groups = json.loads(resp.body).get("groups", []) if resp.code == 200 else []
+        self._groups[user] = (time.monotonic(), sorted(groups))
+        return self._groups[user][1]
+
+
+class BaseHandler(HubOAuthenticated, web.RequestHandler):
+    def initialize(self, broker: Broker):
+        self.broker = broker
+
+    async def prepare(self):
+        # authenticate asynchronously (the synchronous default would block the loop)
+        try:
+            model = await self.hub_auth.get_user(self, sync=False)
+            self._hub_auth_user_cache = self.check_hub_user(model) if model else None
+        except UserNotAllowed:
+            self._hub_auth_user_cache = None
+
+    @property
+    def caller(self) -> Caller | None:
+        return Caller.from_model(self.current_user) if self.current_user else None
+
+
+class APIHandler(BaseHandler):
+    """JSON in, JSON out; errors are JSON ``{"status", "reason", "message"}``; no redirects."""
+
+    def get_login_url(self):
+        raise web.HTTPError(403, "Authenticate with a JupyterHub token or log in to the hub.")
+
+    def require_caller(self) -> Caller:
+        if self.caller is None:
+            raise web.HTTPError(403, "Authenticate with a JupyterHub token or log in to the hub.")
+        return self.caller
+
+    def fail(self, status: int, message: str, reason: str, **extra: Any) -> None:
+        self.set_status(status)
+        self.finish({"status": status, "reason": reason, "message": message, **extra})
+
+    def write_error(self, status_code: int, **kwargs):
+        exc = kwargs.get("exc_info", (None, None))[1]
+        message = getattr(exc, "log_message", None) or self._reason
+        if status_code >= 500:
+            message = "Internal error in the gpuhub broker; the hub admin can find it in its log."
+        reason = {400: "bad_request", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
+        self.finish({"status": status_code, "reason": reason.get(status_code, "error"), "message": message})

@@ -1,0 +1,114 @@
+"""Request bodies of the broker's REST API, checked strictly: pure functions.
+
+Unknown fields, wrong types (``true`` is not a number), out-of-range values and bodies that
+are not a JSON object are refused with a message that names the field and what it takes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+MAX_BODY_BYTES = 16 * 1024
+MAX_COUNT = 4096
+
+
+class BadRequest(ValueError):
+    """A malformed request; ``str(e)`` is the message for the caller."""
+
+
+def parse_json_object(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    if len(body) > max_bytes:
+        raise BadRequest(f"The request body is {len(body)} bytes; at most {max_bytes} are accepted.")
+    if not body.strip():
+        return {}
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadRequest(f"The request body is not valid JSON ({e}).") from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"The request body must be a JSON object, not {type(value).__name__}.")
+    return value
+
+
+def _only(body: dict, allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise BadRequest(f"Unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(allowed)}.")
+
+
+def _int(body: dict, key: str, *, lo: int, hi: int, required: bool = False) -> int | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise BadRequest(f"{key!r} is required: a whole number from {lo} to {hi}.")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key!r} must be a whole number from {lo} to {hi}; got {json.dumps(value)[:40]}.")
+    if not lo <= value <= hi:
+        raise BadRequest(f"{key!r} must be from {lo} to {hi}; got {value}.")
+    return value
+
+
+def _number(body: dict, key: str, *, lo: float, hi: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(f"{key!r} must be a number from {lo:g} to {hi:g}; got {json.dumps(value)[:40]}.")
+    if not lo <= value <= hi:
+        raise BadRequest(f"{key!r} must be from {lo:g} to {hi:g}; got {value:g}.")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class BurstRequest:
+    gpus: int
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    gpu_model: str | None = None
+    lease_seconds: float | None = None
+
+
+def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest:
+    _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds"))
+    model = body.get("gpu_model")
+    if model is not None and (not isinstance(model, str) or len(model) > 255):
+        raise BadRequest("'gpu_model' must be a model name (a string).")
+    req = BurstRequest(
+        gpus=_int(body, "gpus", lo=1, hi=MAX_COUNT, required=True),
+        nodes=_int(body, "nodes", lo=1, hi=MAX_COUNT),
+        gpus_per_node=_int(body, "gpus_per_node", lo=1, hi=MAX_COUNT),
+        gpu_model=model or None,
+        lease_seconds=_number(body, "lease_seconds", lo=10, hi=max_lease_seconds),
+    )
+    if req.gpus_per_node and req.gpus % req.gpus_per_node:
+        raise BadRequest(f"'gpus' ({req.gpus}) must be a multiple of 'gpus_per_node' ({req.gpus_per_node}).")
+    if req.gpus_per_node and req.nodes and req.nodes * req.gpus_per_node != req.gpus:
+        raise BadRequest("'nodes' x 'gpus_per_node' must equal 'gpus'.")
+    return req
+
+
+def parse_renew(body: dict, *, max_lease_seconds: float) -> float | None:
+    _only(body, ("lease_seconds",))
+    return _number(body, "lease_seconds", lo=10, hi=max_lease_seconds)
+
+
+@dataclass(frozen=True)
+class LimitBody:
+    max_gpus: int | None
+    gpu_hours: float | None
+    window_hours: float
+
+
+def parse_limit_body(body: dict, default_window_hours: float) -> LimitBody:
+    _only(body, ("max_gpus", "gpu_hours", "window_hours"))
+    if "max_gpus" not in body:
+        raise BadRequest("'max_gpus' is required: a whole number of GPUs, or null for unlimited.")
+    window = _number(body, "window_hours", lo=0.01, hi=24 * 366)
+    return LimitBody(
+        max_gpus=_int(body, "max_gpus", lo=0, hi=MAX_COUNT),
+        gpu_hours=_number(body, "gpu_hours", lo=0, hi=1e9),
+        window_hours=window if window is not None else default_window_hours,
+    )
