@@ -101,6 +101,7 @@ c.JupyterHub.load_roles = [{{
 c.Spawner.start_timeout = 60
 c.Spawner.http_timeout = 60
 c.Spawner.poll_interval = 1
+c.GpuBroker.sweep_seconds = 1
 {self.extra_config}
 from spawner.broker import enable_broker
 enable_broker(c, url="http://127.0.0.1:{self.broker_port}")

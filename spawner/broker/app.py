@@ -30,6 +30,7 @@ from .settings import GpuBroker
 
 log = logging.getLogger("gpuhub.broker")
 STATIC = Path(__file__).with_name("static")
+SPEC_DIR = Path(__file__).parent  # openapi.yaml, served at api/v1/openapi.yaml
 
 
 def make_app(broker: Broker) -> web.Application:
@@ -41,6 +42,7 @@ def make_app(broker: Broker) -> web.Application:
         (f"{prefix}metrics", MetricsHandler, ctx),
         (f"{prefix}oauth_callback", HubOAuthCallbackHandler),
         (rf"{prefix}static/(.*)", web.StaticFileHandler, {"path": str(STATIC)}),
+        (rf"{prefix}api/v1/(openapi\.yaml)", web.StaticFileHandler, {"path": str(SPEC_DIR)}),
         *[(route, handler, ctx) for route, handler in api_handlers(prefix)],
     ]
     # XSRF: JupyterHub's HubOAuth checks it on every cookie-authenticated write (a write
