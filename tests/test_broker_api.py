@@ -313,7 +313,7 @@ def test_the_openapi_check_catches_a_wrong_shape(hub, tokens):
     body = r.json()
     del body["fits"]
     r._content = json.dumps(body).encode()
-    with pytest.raises(Exception, match="fits|[Vv]alidat"):
+    with pytest.raises(Exception, match=r"fits|[Vv]alidat"):
         checked(r)
     # and the spec served by the service is the one in the package
     served = hub.broker("GET", "openapi.yaml", tokens["alice"])

@@ -58,6 +58,11 @@ document.addEventListener("click", async (ev) => {
   }
 });
 
+function fmt(v) {
+  if (v === 0) return "0";
+  return v >= 10 ? v.toFixed(0) : v >= 0.1 ? v.toFixed(1) : v.toPrecision(2);
+}
+
 function svg(tag, attrs, parent) {
   const el = document.createElementNS("http://www.w3.org/2000/svg", tag);
   for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
@@ -78,7 +83,7 @@ function drawPlot(container, usage) {
   svg("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }, root);
   for (const frac of [0, 0.5, 1]) {
     const t = svg("text", { x: L - 6, y: y(max * frac) + 4, "text-anchor": "end" }, root);
-    t.textContent = (max * frac).toFixed(max * frac >= 10 ? 0 : 1);
+    t.textContent = fmt(max * frac);
   }
   usage.buckets.forEach((b, i) => {
     if (i % Math.ceil(n / 7) !== 0) return;
@@ -90,7 +95,7 @@ function drawPlot(container, usage) {
     const d = usage.series[u].map((v, i) => `${i ? "L" : "M"}${x(i).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
     svg("path", { class: "series", d, stroke: color, "data-user": u }, root);
     const label = svg("text", { x: W - R + 8, y: T + 14 + 16 * k, fill: color, class: "legend" }, root);
-    label.textContent = `${u} (${usage.total[u].toFixed(1)} h)`;
+    label.textContent = `${u} (${fmt(usage.total[u])} h)`;
   });
   if (!users.length) {
     const t = svg("text", { x: L + 10, y: T + 20 }, root);
@@ -112,7 +117,7 @@ async function loadUsage() {
           const tr = document.createElement("tr");
           tr.innerHTML = "<td></td><td></td>";
           tr.children[0].textContent = u;
-          tr.children[1].textContent = h.toFixed(2);
+          tr.children[1].textContent = fmt(h);
           return tr;
         }));
       }

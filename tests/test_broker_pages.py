@@ -1,0 +1,135 @@
+"""The broker's pages in a real browser (Debian's headless Chromium, driven by Playwright).
+
+Log in through the hub's login page, follow JupyterHub OAuth to the service, click the
+page's buttons (which call the API with JupyterHub's XSRF token), and check the ledger.
+Screenshots land in each test's temporary directory.
+"""
+
+import shutil
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from spawner.ledger import Ledger
+
+from .hubtools import DEMO_PASSWORD, Hub, wait_for
+
+pytestmark = pytest.mark.hub
+
+ADMIN_PASSWORD = "gpuhub-demo-admin-password-change-me"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("pages")).start()
+    wait_for(lambda: h.broker("GET", "me", h.user_token("admin")).status_code == 200, 60, "the broker")
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def ledger(hub):
+    led = Ledger(hub.ledger_url)
+    yield led
+    led.close()
+
+
+@pytest.fixture
+def browser():
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()
+
+
+def login(browser, hub, user, password):
+    page = browser.new_page()
+    page.goto(f"{hub.url}/hub/login")
+    page.fill("#username_input", user)
+    page.fill("#password_input", password)
+    page.click("#login_submit")
+    page.wait_for_url(lambda url: "/hub/login" not in url)
+    return page
+
+
+def test_user_page_shows_and_releases_my_gpus(hub, ledger, browser, tmp_path):
+    token = hub.user_token("alice")
+    burst = hub.broker("POST", "allocations", token, json={"gpus": 2}).json()
+    page = login(browser, hub, "alice", DEMO_PASSWORD)
+    page.goto(f"{hub.broker_url}/")  # OAuth with the hub, then the page
+    row = page.locator(f'tr[data-allocation="{burst["id"]}"]')
+    expect(row).to_contain_text("distributed")
+    for g in burst["gpus"]:
+        expect(row).to_contain_text(f'{g["node"]}:{g["index"]}')
+    expect(page.locator('[data-gpuhub="held"]')).to_have_text("2")
+    expect(page.locator("#usage-plot")).to_be_visible()
+    page.screenshot(path=str(tmp_path / "user-page.png"), full_page=True)
+    row.locator("button[data-release]").click()
+    expect(page.locator(f'tr[data-allocation="{burst["id"]}"]')).to_have_count(0)
+    assert ledger.get(burst["id"]).state == "released"
+    assert "by owner" in ledger.get(burst["id"]).end_reason
+
+
+def test_a_write_without_the_xsrf_token_is_refused(hub, ledger, browser):
+    page = login(browser, hub, "admin", ADMIN_PASSWORD)
+    page.goto(f"{hub.broker_url}/admin")
+    before = [(e.scope, e.name, e.limit) for e in ledger.limit_entries()]
+    # the browser's cookies, but no X-XSRFToken: what a cross-site form would send
+    r = page.request.put(f"{hub.broker_url}/api/v1/limits/user/mallory", data={"max_gpus": 4})
+    assert r.status == 403
+    assert [(e.scope, e.name, e.limit) for e in ledger.limit_entries()] == before
+
+
+def test_admin_page_shows_every_gpu_edits_limits_and_plots_usage(hub, ledger, browser, tmp_path):
+    bob = hub.user_token("bob")
+    held = hub.broker("POST", "allocations", bob, json={"gpus": 1}).json()
+    page = login(browser, hub, "admin", ADMIN_PASSWORD)
+    page.goto(f"{hub.broker_url}/admin")
+    rows = page.locator("#cluster tbody tr")
+    expect(rows).to_have_count(len(ledger.gpu_table()))
+    g = held["gpus"][0]
+    expect(page.locator(f'tr[data-gpu="{g["node"]}:{g["index"]}"] .holder')).to_have_text("bob")
+
+    # dave (default limit 1) is refused 2 GPUs; the admin raises his limit in the page
+    assert hub.spawn("dave", {"gpus": 2}).status_code == 403
+    new = page.locator('tr[data-limit="new"]')
+    new.locator('[name="scope"]').select_option("user")
+    new.locator('[name="name"]').fill("dave")
+    new.locator('[name="max_gpus"]').fill("2")
+    new.locator("button[data-save-limit]").click()
+    saved = page.locator('tr[data-limit="user/dave"]')
+    expect(saved).to_contain_text("ledger")
+    expect(saved.locator('[name="max_gpus"]')).to_have_value("2")
+    # enforced on the next spawn
+    assert hub.spawn("dave", {"gpus": 2}).status_code in (201, 202)
+    hub.wait_ready("dave")
+    assert len(hub.server_env("dave")["CUDA_VISIBLE_DEVICES"].split(",")) == 2
+
+    # the usage plot is drawn in the page from the API's data: one line per user
+    plot = page.locator("#usage-plot")
+    expect(plot).to_be_visible()
+    expect(plot.locator('path.series[data-user="bob"]')).to_have_count(1)
+    d = plot.locator('path.series[data-user="bob"]').get_attribute("d")
+    assert d.startswith("M") and d.count("L") >= 13  # 14 daily points
+    expect(page.locator("#usage-table tbody tr")).not_to_have_count(0)
+    shot = tmp_path / "admin-page.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    hub.stop_server("dave")
+    hub.broker("DELETE", "limits/user/dave", hub.user_token("admin"))
+    hub.broker("DELETE", f"allocations/{held['id']}", bob)
+
+
+def test_a_user_cannot_open_the_admin_page(hub, browser):
+    page = login(browser, hub, "carol", DEMO_PASSWORD)
+    resp = page.goto(f"{hub.broker_url}/admin")
+    assert resp.status == 403
