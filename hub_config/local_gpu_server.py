@@ -25,3 +25,9 @@ c.GpuHub.default_limit = 1
 c.GpuHub.group_limits = {"students": 2, "staff": {"max_gpus": 4, "gpu_hours": 500}}
 c.GpuHub.user_limits = {}
 c.Spawner.default_url = "/lab"
+
+# the broker service: REST API, "My GPUs" / "GPU admin" pages at /services/gpuhub/, metrics.
+# Keep it last: it hands the settings above to the service.
+from spawner.broker import enable_broker  # noqa: E402
+
+enable_broker(c)

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import inspect
 
+from .broker.settings import GpuBroker
 from .mixin import GpuSpawnerMixin
 from .settings import GpuHub
 
 SECTIONS = (
     (GpuHub, "GpuHub", "Ledger, inventory and limits. Read by the hub, its spawners and the `gpuhub` CLI."),
     (GpuSpawnerMixin, "Spawner", "Added to every gpuhub spawner (`gpu-local`, `gpu-local-simple`)."),
+    (
+        GpuBroker,
+        "GpuBroker",
+        "The broker service (enabled by `enable_broker(c)`, which passes these to the service).",
+    ),
 )
 
 

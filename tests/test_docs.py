@@ -13,7 +13,7 @@ def test_configuration_reference_is_generated_from_the_traits():
     assert committed == render_reference(), "run: python -m spawner.reference > docs/configuration.md"
     for trait in ("db_url", "inventory", "simulated_gpus", "default_limit", "group_limits", "user_limits"):
         assert f"`c.GpuHub.{trait}`" in committed
-    assert "`c.Spawner.default_gpus`" in committed
+    assert "`c.Spawner.default_gpus`" in committed and "`c.GpuBroker.lease_seconds`" in committed
 
 
 def test_readme_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
