@@ -69,7 +69,7 @@ def test_user_page_shows_and_releases_my_gpus(hub, ledger, browser, tmp_path):
     row = page.locator(f'tr[data-allocation="{burst["id"]}"]')
     expect(row).to_contain_text("distributed")
     for g in burst["gpus"]:
-        expect(row).to_contain_text(f'{g["node"]}:{g["index"]}')
+        expect(row).to_contain_text(f"{g['node']}:{g['index']}")
     expect(page.locator('[data-gpuhub="held"]')).to_have_text("2")
     expect(page.locator("#usage-plot")).to_be_visible()
     page.screenshot(path=str(tmp_path / "user-page.png"), full_page=True)
