@@ -1,0 +1,62 @@
+"""A hub with two GPU models, spawning in the background: the model choice and the progress
+messages the spawn page shows."""
+
+import json
+
+import pytest
+import requests
+
+from spawner.ledger import Ledger
+
+from .hubtools import Hub, xsrf_from
+
+pytestmark = pytest.mark.hub
+
+CONFIG = """
+c.GpuHub.simulated_gpus = [
+    {"node": "sim1", "count": 2, "model": "A100"},
+    {"node": "sim2", "count": 2, "model": "H100"},
+]
+c.JupyterHub.tornado_settings = {"slow_spawn_timeout": 0}  # POST answers at once; spawn goes on
+"""
+
+
+def progress_events(hub, user):
+    url = f"{hub.url}/hub/api/users/{user}/server/progress"
+    with requests.get(url, headers={"Authorization": f"token {hub.token}"}, stream=True, timeout=90) as r:
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data:"):
+                event = json.loads(line[5:])
+                yield event
+                if event.get("ready") or event.get("failed"):
+                    return
+
+
+def test_model_choice_and_progress_messages(tmp_path):
+    hub = Hub(tmp_path, extra_config=CONFIG).start()
+    ledger = Ledger(hub.ledger_url)
+    try:
+        page = hub.login("alice").get(f"{hub.url}/hub/spawn").text
+        assert '<option value="H100">H100 (2 free)</option>' in page
+        assert '<option value="A100">A100 (2 free)</option>' in page
+        xsrf_from(page)  # a real form
+
+        r = hub.spawn("alice", {"gpus": 2, "gpu_model": "H100"})
+        assert r.status_code == 202
+        messages = [e.get("message", "") for e in progress_events(hub, "alice")]
+        assert "Checking your GPU allowance" in messages
+        assert "Allocated 2 GPU(s): sim2:0, sim2:1" in messages
+        assert any("ready" in m.lower() for m in messages[-1:]), messages
+        env = hub.server_env("alice")
+        assert env["GPUHUB_GPU_MODEL"] == "H100" and env["GPUHUB_GPUS"] == "sim2:0,sim2:1"
+
+        # a refusal in the background shows in the progress stream, and nothing is held
+        r = hub.spawn("bob", {"gpus": 2, "gpu_model": "H100"})
+        assert r.status_code == 202
+        events = list(progress_events(hub, "bob"))
+        assert events[-1].get("failed") and "only 0 are free" in events[-1]["message"]
+        assert ledger.active(user="bob") == []
+        hub.stop_server("alice")
+    finally:
+        hub.stop()
+        ledger.close()
