@@ -1,22 +1,34 @@
 """gpuhub's notebook magics. ``%load_ext gpu_magics`` (automatic in the "Python 3 (GPUs)" kernel).
 
-- ``%gpus``: the GPUs this notebook server holds.
+- ``%%distributed --gpus N``: run the cell on one warm engine per GPU, torch.distributed ready.
+- ``%distributed shutdown`` / ``status``: stop the engines (releasing burst GPUs) / show them.
+- ``%gpus``: what this session holds: the server's GPUs, the engines and the burst lease.
 """
 
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import line_magic, magics_class
 
+from .magics import DistributedMagics, register
 from .session import describe, server_gpus
 
 __all__ = ["load_ipython_extension", "server_gpus"]
 
 
 @magics_class
-class GpuMagics(Magics):
+class GpuMagics(DistributedMagics.__base__):
+    def __init__(self, shell, distributed: DistributedMagics):
+        super().__init__(shell=shell)
+        self.distributed = distributed
+
     @line_magic
     def gpus(self, line: str = ""):
-        """Show the GPUs this server holds (from the gpuhub spawner's allocation)."""
+        """Show the GPUs this session holds: the server's, and the %%distributed pool's."""
         print(describe(server_gpus()))
+        d = self.distributed
+        if d.pool is not None or d.burst is not None:
+            print()
+            print(d.describe().split("\n", 1)[1])
 
 
 def load_ipython_extension(ipython) -> None:
-    ipython.register_magics(GpuMagics)
+    distributed = register(ipython)
+    ipython.register_magics(GpuMagics(ipython, distributed))

@@ -1,0 +1,82 @@
+"""The kernel's way to the gpuhub broker: burst allocations, leases, release.
+
+Uses the server's own ``$JUPYTERHUB_API_TOKEN`` (which has exactly the
+``custom:gpuhub:allocations`` scope for its user) and ``$GPUHUB_BROKER_URL`` (set by the hub).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+
+import requests
+
+
+class BrokerError(Exception):
+    def __init__(self, status: int, message: str, reason: str = "", fits: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.reason, self.fits = status, message, reason, fits
+
+
+class BrokerClient:
+    def __init__(self, url: str, token: str, timeout: float = 30):
+        self.url = url if url.endswith("/") else url + "/"
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"token {token}"
+        self.timeout = timeout
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> BrokerClient | None:
+        env = os.environ if environ is None else environ
+        url, token = env.get("GPUHUB_BROKER_URL"), env.get("JUPYTERHUB_API_TOKEN")
+        return cls(url, token) if url and token else None
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            r = self.session.request(method, self.url + path, json=body, timeout=self.timeout)
+        except requests.RequestException as e:
+            raise BrokerError(0, f"The gpuhub broker at {self.url} cannot be reached: {e}") from None
+        data = r.json() if r.content and r.headers.get("Content-Type", "").startswith("application/json") else {}
+        if r.status_code >= 400:
+            raise BrokerError(r.status_code, data.get("message", r.reason), data.get("reason", ""), data.get("fits"))
+        return data
+
+    def me(self) -> dict:
+        return self._call("GET", "me")
+
+    def request(self, gpus: int, nodes: int | None, gpus_per_node: int | None, lease_seconds: float) -> dict:
+        body = {"gpus": gpus, "nodes": nodes, "gpus_per_node": gpus_per_node, "lease_seconds": lease_seconds}
+        return self._call("POST", "allocations", {k: v for k, v in body.items() if v is not None})
+
+    def renew(self, allocation_id: int, lease_seconds: float) -> dict:
+        return self._call("POST", f"allocations/{allocation_id}/renew", {"lease_seconds": lease_seconds})
+
+    def release(self, allocation_id: int) -> None:
+        try:
+            self._call("DELETE", f"allocations/{allocation_id}")
+        except BrokerError as e:
+            if e.status not in (404, 409):  # already gone is fine
+                raise
+
+
+class LeaseKeeper:
+    """Renews a burst allocation's lease every third of its length until stopped."""
+
+    def __init__(self, client: BrokerClient, allocation: dict, lease_seconds: float, log=None):
+        self.client, self.allocation, self.lease_seconds, self.log = client, allocation, lease_seconds, log
+        self.expires = allocation.get("lease_expires")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="gpuhub-lease")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease_seconds / 3):
+            try:
+                self.expires = self.client.renew(self.allocation["id"], self.lease_seconds)["lease_expires"]
+            except BrokerError as e:
+                if self.log:
+                    self.log(f"gpuhub: could not renew the lease of allocation {self.allocation['id']}: {e}")
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,53 @@
+"""Code that runs inside each engine (imported there by ipyparallel, never in the kernel).
+
+``setup_rank`` pins the rank's GPU *before* torch touches CUDA, starts a watchdog that ends
+the engine when the notebook kernel is gone (engines run in their own session and would
+otherwise outlive a killed kernel), and initialises the default process group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+
+def _watch(kernel_pid: int, interval: float = 1.0) -> None:
+    while True:
+        try:
+            os.kill(kernel_pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:
+            pass
+        time.sleep(interval)
+
+
+def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int) -> dict:
+    os.environ.update(env)
+    threading.Thread(target=_watch, args=(kernel_pid,), daemon=True, name="gpuhub-watchdog").start()
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(0)  # the one GPU CUDA_VISIBLE_DEVICES leaves visible
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+
+    from IPython import get_ipython
+
+    ns = get_ipython().user_ns
+    ns.update(device=device, rank=dist.get_rank(), world_size=dist.get_world_size(),
+              local_rank=int(env["LOCAL_RANK"]), dist=dist, torch=torch)
+    return {
+        "rank": dist.get_rank(),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "backend": backend,
+        "device": str(device),
+        "gpu": env.get("GPUHUB_RANK_GPU", ""),
+    }

@@ -1,0 +1,266 @@
+"""A warm pool of ipyparallel engines, one per rank, for ``%%distributed``.
+
+Engines are separate long-lived processes started by ipyparallel (never forks of the
+kernel). Each is set up once (``engine.setup_rank``: its GPU, torchrun's variables, the
+process group) and then runs cell after cell, so imports, variables and models persist.
+
+Running a cell streams every rank's output as it arrives, prefixed by rank. When a rank
+fails, the others get ``grace`` seconds to finish, then SIGINT, then SIGKILL; a pool that
+lost a rank, had a rank killed, or saw a distributed error is marked broken and rebuilt
+before the next cell. A kernel interrupt is passed to every rank the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .ranks import RankSpec
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+HEARTBEAT_MS = 500
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    status: str  # "ok", "error", "died", "killed", "interrupted"
+    ename: str = ""
+    evalue: str = ""
+    traceback: str = ""
+
+
+@dataclass
+class CellOutcome:
+    ranks: list[RankOutcome]
+    result: dict | None = None  # rank 0's execute_result mimebundle
+    broken: bool = False
+    interrupted: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[RankOutcome]:
+        return [r for r in self.ranks if r.status != "ok"]
+
+
+def is_distributed_error(ename: str, evalue: str) -> bool:
+    """Errors that leave the process group unusable (a peer gone, a collective timed out)."""
+    text = f"{ename} {evalue}".lower()
+    return ename.startswith("Dist") or any(
+        k in text for k in ("gloo", "nccl", "connection closed by peer", "timed out", "connection reset")
+    )
+
+
+class EnginePool:
+    def __init__(self, specs: list[RankSpec], backend: str | None, timeout_s: float):
+        self.specs = specs
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.cluster = None
+        self.client = None
+        self.view = None
+        self.engine_ids: list[int] = []
+        self.infos: list[dict] = []
+        self.broken = False
+
+    @property
+    def size(self) -> int:
+        return len(self.specs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [info["pid"] for info in self.infos]
+
+    def start(self, progress: Callable[[int, int], None], timeout: float = 120) -> None:
+        import ipyparallel as ipp
+
+        from .engine import setup_rank
+
+        n = self.size
+        self.cluster = ipp.Cluster(n=0, controller_ip="127.0.0.1", log=_quiet_log())
+        # detect a dead engine in ~1.5 s rather than ~10 s
+        self.cluster.controller_args = [f"--HeartMonitor.period={HEARTBEAT_MS}"]
+        self.cluster.start_controller_sync()
+        self.cluster.start_engines_sync(n=n)
+        self.client = self.cluster.connect_client_sync()
+        deadline = time.monotonic() + timeout
+        up = -1
+        while len(self.client.ids) < n:
+            if len(self.client.ids) != up:
+                up = len(self.client.ids)
+                progress(up, n)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.client.ids)} of {n} engines started in {timeout:.0f} s")
+            self.client.spin()
+            time.sleep(0.1)
+        progress(n, n)
+        self.engine_ids = sorted(self.client.ids)[:n]
+        setups = [
+            self.client[eid].apply_async(setup_rank, spec.env(), self.backend, self.timeout_s, os.getpid())
+            for eid, spec in zip(self.engine_ids, self.specs, strict=True)
+        ]
+        self.infos = [ar.get(timeout=timeout) for ar in setups]
+        self.view = self.client[self.engine_ids]
+
+    # running a cell ---------------------------------------------------------------------
+
+    def run(self, code: str, *, output: str = "all", grace: float = 10.0, ranks: list[int] | None = None) -> CellOutcome:
+        targets = ranks if ranks is not None else list(range(self.size))
+        view = self.client[[self.engine_ids[r] for r in targets]]
+        ar = view.execute(code, silent=False, block=False)
+        stream = _Streamer(targets, show=lambda rank, name: output == "all" or rank == 0 or name == "stderr")
+        failed_at = None
+        signalled = killed = interrupted = False
+        try:
+            while True:
+                ar.wait(0.1)
+                stream.feed(ar.metadata)
+                done = [md["status"] is not None for md in ar.metadata]
+                if all(done):
+                    break
+                errors = [i for i, md in enumerate(ar.metadata) if done[i] and md["status"] != "ok"]
+                if errors and failed_at is None:
+                    failed_at = time.monotonic()
+                if failed_at is not None:
+                    waited = time.monotonic() - failed_at
+                    running = [targets[i] for i, d in enumerate(done) if not d]
+                    if waited > grace and not signalled:
+                        self.signal(signal.SIGINT, running)
+                        signalled = True
+                    elif waited > grace + 5 and not killed:
+                        self.kill(running)
+                        killed = True
+                    elif waited > grace + 10:
+                        break  # the controller will notice the dead engines; do not wait for it
+        except KeyboardInterrupt:
+            interrupted = True
+            self.signal(signal.SIGINT, targets)
+            deadline = time.monotonic() + 5
+            while not ar.ready() and time.monotonic() < deadline:
+                ar.wait(0.1)
+            if not ar.ready():
+                self.kill(targets)
+                killed = True
+        ar.wait(1)  # let the last output and replies of ranks that did finish arrive
+        stream.feed(ar.metadata)
+        stream.close()
+        outcome = self._outcome(targets, ar.metadata, killed)
+        outcome.interrupted = interrupted
+        # a killed or lost rank, an interrupt, or a distributed error leaves the group unusable
+        self.broken = (
+            killed
+            or interrupted
+            or any(r.status in ("died", "killed") for r in outcome.ranks)
+            or any(r.status == "error" and is_distributed_error(r.ename, r.evalue) for r in outcome.ranks)
+        )
+        outcome.broken = self.broken
+        return outcome
+
+    def _outcome(self, targets: list[int], metadata: list[dict], killed: bool) -> CellOutcome:
+        ranks = []
+        result = None
+        for rank, md in zip(targets, metadata, strict=True):
+            if md["status"] is None:
+                ranks.append(RankOutcome(rank, "killed" if killed else "died", "Stopped", "did not finish"))
+                continue
+            res = md.get("error")
+            if md["status"] == "ok":
+                ranks.append(RankOutcome(rank, "ok"))
+                if rank == 0 and md.get("execute_result"):
+                    result = md["execute_result"]
+                continue
+            ename = getattr(res, "ename", type(res).__name__)
+            evalue = str(getattr(res, "evalue", res))
+            tb = getattr(res, "traceback", "") or ""
+            tb = ANSI.sub("", "\n".join(tb) if isinstance(tb, list) else str(tb))
+            if ename == "EngineError" or "died" in evalue:
+                status = "killed" if killed else "died"
+            elif ename == "KeyboardInterrupt":
+                status = "interrupted"
+            else:
+                status = "error"
+            ranks.append(RankOutcome(rank, status, ename, evalue, tb))
+        return CellOutcome(ranks, result)
+
+    # signals and shutdown ----------------------------------------------------------------
+
+    def signal(self, sig: int, ranks: list[int] | None = None) -> None:
+        for r in ranks if ranks is not None else range(self.size):
+            try:
+                os.kill(self.infos[r]["pid"], sig)
+            except (ProcessLookupError, IndexError):
+                pass
+
+    def kill(self, ranks: list[int] | None = None) -> None:
+        self.signal(signal.SIGKILL, ranks)
+
+    def stop(self) -> None:
+        """Stop engines and controller. A broken pool's engines are killed outright (a rank
+        stuck in a collective ignores polite requests); ipyparallel's own chatter about
+        engines it did not stop itself is kept out of the notebook."""
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                if self.broken:
+                    self.kill()
+                if self.client is not None:
+                    self.client.close()
+                if self.cluster is not None:
+                    self.cluster.stop_cluster_sync()
+        except Exception as e:  # stopping must not fail the caller; the engines are killed below
+            print(f"gpuhub: while stopping the engines: {e}", file=sys.stderr)
+        finally:
+            self.kill()
+            self.cluster = self.client = self.view = None
+
+
+def _quiet_log() -> logging.Logger:
+    """ipyparallel logs each engine's whole output when it stops one; keep that out of cells."""
+    log = logging.getLogger("gpuhub.engines")
+    log.propagate = False
+    log.setLevel(logging.ERROR)
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler(sys.__stderr__))
+    return log
+
+
+class _Streamer:
+    """Prints new output of each rank as whole lines, prefixed ``[rank N]``."""
+
+    def __init__(self, ranks: list[int], show: Callable[[int, str], bool]):
+        self.ranks = ranks
+        self.show = show
+        self.seen = {(r, s): 0 for r in ranks for s in ("stdout", "stderr")}
+        self.partial = {(r, s): "" for r in ranks for s in ("stdout", "stderr")}
+
+    def feed(self, metadata: list[dict]) -> None:
+        for rank, md in zip(self.ranks, metadata, strict=True):
+            for name in ("stdout", "stderr"):
+                text = md.get(name) or ""
+                key = (rank, name)
+                new, self.seen[key] = text[self.seen[key] :], len(text)
+                if not new:
+                    continue
+                lines = (self.partial[key] + new).split("\n")
+                self.partial[key] = lines.pop()
+                self._emit(rank, name, lines)
+
+    def close(self) -> None:
+        for (rank, name), rest in self.partial.items():
+            if rest:
+                self._emit(rank, name, [rest])
+            self.partial[(rank, name)] = ""
+
+    def _emit(self, rank: int, name: str, lines: list[str]) -> None:
+        if not lines or not self.show(rank, name):
+            return
+        out = sys.stdout if name == "stdout" else sys.stderr
+        out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+        out.flush()

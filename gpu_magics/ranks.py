@@ -1,0 +1,80 @@
+"""Ranks for ``%%distributed``: torchrun's environment for each GPU, as pure functions.
+
+The contract is ``torch/distributed/run.py``'s: every rank gets ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (plus, here,
+``CUDA_VISIBLE_DEVICES`` naming its one GPU, in PCI bus order), so code written for torchrun
+runs unchanged. Ranks run node by node, GPU index by GPU index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Slot:
+    """One GPU a rank will use: ``node`` as the ledger names it, ``index`` on that node."""
+
+    node: str
+    index: int
+
+    @classmethod
+    def parse(cls, label: str) -> Slot:
+        node, _, index = label.rpartition(":")
+        if not node or not index.isdigit():
+            raise ValueError(f"a GPU label is node:index; got {label!r}")
+        return cls(node, int(index))
+
+    @property
+    def label(self) -> str:
+        return f"{self.node}:{self.index}"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    slot: Slot
+    master_addr: str
+    master_port: int
+
+    def env(self) -> dict[str, str]:
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "CUDA_VISIBLE_DEVICES": str(self.slot.index),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "GPUHUB_RANK_GPU": self.slot.label,
+        }
+
+
+def make_rank_specs(slots: Sequence[Slot], master_addr: str, master_port: int) -> list[RankSpec]:
+    """One rank per GPU; the lowest node's lowest GPU is rank 0."""
+    ordered = sorted(slots)
+    if len(set(ordered)) != len(ordered):
+        raise ValueError("a GPU appears twice in the placement")
+    per_node: dict[str, int] = {}
+    for s in ordered:
+        per_node[s.node] = per_node.get(s.node, 0) + 1
+    seen: dict[str, int] = {}
+    specs = []
+    for rank, s in enumerate(ordered):
+        local = seen.get(s.node, 0)
+        seen[s.node] = local + 1
+        specs.append(
+            RankSpec(rank, local, len(ordered), per_node[s.node], s, master_addr, master_port)
+        )
+    return specs
+
+
+def choose_slots(server_gpus: Sequence[str], wanted: int) -> list[Slot] | None:
+    """The session's own GPUs when it holds enough (the first ``wanted``), else None."""
+    slots = sorted(Slot.parse(g) for g in server_gpus if g)
+    return slots[:wanted] if wanted <= len(slots) else None
