@@ -37,9 +37,13 @@ class BrokerClient:
             r = self.session.request(method, self.url + path, json=body, timeout=self.timeout)
         except requests.RequestException as e:
             raise BrokerError(0, f"The gpuhub broker at {self.url} cannot be reached: {e}") from None
-        data = r.json() if r.content and r.headers.get("Content-Type", "").startswith("application/json") else {}
+        data = (
+            r.json() if r.content and r.headers.get("Content-Type", "").startswith("application/json") else {}
+        )
         if r.status_code >= 400:
-            raise BrokerError(r.status_code, data.get("message", r.reason), data.get("reason", ""), data.get("fits"))
+            raise BrokerError(
+                r.status_code, data.get("message", r.reason), data.get("reason", ""), data.get("fits")
+            )
         return data
 
     def me(self) -> dict:

@@ -41,8 +41,14 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
     from IPython import get_ipython
 
     ns = get_ipython().user_ns
-    ns.update(device=device, rank=dist.get_rank(), world_size=dist.get_world_size(),
-              local_rank=int(env["LOCAL_RANK"]), dist=dist, torch=torch)
+    ns.update(
+        device=device,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(env["LOCAL_RANK"]),
+        dist=dist,
+        torch=torch,
+    )
     return {
         "rank": dist.get_rank(),
         "pid": os.getpid(),

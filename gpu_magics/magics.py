@@ -89,10 +89,12 @@ class DistributedMagics(Magics):
         "%config DistributedMagics.idle_seconds = 600",
     ).tag(config=True)
     lease_seconds = Float(
-        300.0, help="Lease asked for burst GPUs, renewed every third of it. %config DistributedMagics.lease_seconds = 120"
+        300.0,
+        help="Lease asked for burst GPUs, renewed every third of it. %config DistributedMagics.lease_seconds = 120",
     ).tag(config=True)
     timeout = Float(
-        300.0, help="Default collective timeout in seconds (--timeout). %config DistributedMagics.timeout = 60"
+        300.0,
+        help="Default collective timeout in seconds (--timeout). %config DistributedMagics.timeout = 60",
     ).tag(config=True)
 
     def __init__(self, shell=None, **kw):
@@ -160,7 +162,11 @@ class DistributedMagics(Magics):
                 print(f"gpuhub: restarting the engines (the pool {why}).")
                 self._stop_pool(release=self.key != key)
             if self.pool is None:
-                slots = self._current_slots() if self.burst else self._acquire(args.gpus, args.nodes, args.gpus_per_node)
+                slots = (
+                    self._current_slots()
+                    if self.burst
+                    else self._acquire(args.gpus, args.nodes, args.gpus_per_node)
+                )
                 specs = make_rank_specs(slots, "127.0.0.1", free_port())
                 pool = EnginePool(specs, args.backend, args.timeout or self.timeout)
                 handle = display(f"Starting engines: 0 of {len(specs)} up", display_id=True)
@@ -175,7 +181,8 @@ class DistributedMagics(Magics):
                     self._release_burst()
                     raise
                 update_display(
-                    f"{len(specs)} engines up: " + ", ".join(f"rank {s.rank} on {s.slot.label}" for s in specs),
+                    f"{len(specs)} engines up: "
+                    + ", ".join(f"rank {s.rank} on {s.slot.label}" for s in specs),
                     display_id=handle.display_id,
                 )
                 self.pool, self.key = pool, key
@@ -223,9 +230,13 @@ class DistributedMagics(Magics):
     @magic_arguments.argument("--gpus", type=int, help="ranks: one engine per GPU")
     @magic_arguments.argument("--nodes", type=int, help="nodes to spread over (default: as few as fit)")
     @magic_arguments.argument("--gpus-per-node", type=int, help="GPUs (ranks) on each node")
-    @magic_arguments.argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, gloo without")
+    @magic_arguments.argument(
+        "--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, gloo without"
+    )
     @magic_arguments.argument("--timeout", type=float, help="collective timeout in seconds")
-    @magic_arguments.argument("--output", choices=["all", "rank0"], default="all", help="whose output to show")
+    @magic_arguments.argument(
+        "--output", choices=["all", "rank0"], default="all", help="whose output to show"
+    )
     @magic_arguments.argument("--targets", help="run on these ranks only, e.g. 0 or 0,2-3")
     @line_cell_magic
     def distributed(self, line: str, cell: str | None = None):
@@ -233,13 +244,17 @@ class DistributedMagics(Magics):
         try:
             args = magic_arguments.parse_argstring(self.distributed, line)
         except UsageError as e:
-            raise UsageError(f"{e}\nusage: %%distributed --gpus N [--nodes M] [--backend gloo|nccl] "
-                             "[--timeout S] [--output all|rank0] [--targets 0,2-3]") from None
+            raise UsageError(
+                f"{e}\nusage: %%distributed --gpus N [--nodes M] [--backend gloo|nccl] "
+                "[--timeout S] [--output all|rank0] [--targets 0,2-3]"
+            ) from None
         if cell is None:
             if args.command == "shutdown":
                 had = self.pool is not None or self.burst is not None
                 self.shutdown()
-                print("gpuhub: engines stopped and burst GPUs released." if had else "gpuhub: no pool to stop.")
+                print(
+                    "gpuhub: engines stopped and burst GPUs released." if had else "gpuhub: no pool to stop."
+                )
                 return None
             if args.command == "status":
                 print(self.describe())
@@ -261,7 +276,9 @@ class DistributedMagics(Magics):
         pool = self._ensure_pool(args)
         targets = parse_targets(args.targets, pool.size) if args.targets else None
         self._touch()
-        outcome = pool.run(cell, output=args.output, grace=min(args.timeout or self.timeout, 30), ranks=targets)
+        outcome = pool.run(
+            cell, output=args.output, grace=min(args.timeout or self.timeout, 30), ranks=targets
+        )
         self._touch()
         if outcome.failed:
             raise DistributedError(report(outcome, pool))
@@ -279,7 +296,9 @@ class DistributedMagics(Magics):
                 lines.append(f"rank {spec.rank}: GPU {spec.slot.label}, pid {info['pid']}, {info['backend']}")
         if self.burst:
             expires = self.lease.expires if self.lease else self.burst.get("lease_expires")
-            lines.append(f"burst allocation #{self.burst['id']}: {len(self.burst['gpus'])} GPUs, lease until {expires}")
+            lines.append(
+                f"burst allocation #{self.burst['id']}: {len(self.burst['gpus'])} GPUs, lease until {expires}"
+            )
         return "\n".join(lines)
 
 

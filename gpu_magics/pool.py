@@ -112,7 +112,9 @@ class EnginePool:
 
     # running a cell ---------------------------------------------------------------------
 
-    def run(self, code: str, *, output: str = "all", grace: float = 10.0, ranks: list[int] | None = None) -> CellOutcome:
+    def run(
+        self, code: str, *, output: str = "all", grace: float = 10.0, ranks: list[int] | None = None
+    ) -> CellOutcome:
         targets = ranks if ranks is not None else list(range(self.size))
         view = self.client[[self.engine_ids[r] for r in targets]]
         ar = view.execute(code, silent=False, block=False)

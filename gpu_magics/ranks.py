@@ -68,9 +68,7 @@ def make_rank_specs(slots: Sequence[Slot], master_addr: str, master_port: int) -
     for rank, s in enumerate(ordered):
         local = seen.get(s.node, 0)
         seen[s.node] = local + 1
-        specs.append(
-            RankSpec(rank, local, len(ordered), per_node[s.node], s, master_addr, master_port)
-        )
+        specs.append(RankSpec(rank, local, len(ordered), per_node[s.node], s, master_addr, master_port))
     return specs
 
 

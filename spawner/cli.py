@@ -9,7 +9,8 @@
     gpuhub kernel install [--user | --prefix P]
 
 It reads the hub's ``jupyterhub_config.py`` (``--config``; by default the one in the
-current directory, if any) for ``c.GpuHub.*``; ``--db-url`` overrides the ledger URL.
+current directory, if any) for ``c.GpuHub.*``; ``--db-url`` (or ``$GPUHUB_DB_URL``)
+overrides the ledger URL. It never changes the inventory: the hub and its broker keep it.
 Run it as the hub's account: the ledger is readable only by the hub.
 """
 
@@ -20,7 +21,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from traitlets.config import Config, PyFileConfigLoader
 
@@ -45,16 +46,19 @@ def parse_count_or_unlimited(text: str) -> int | None:
 
 def parse_when(text: str, now: datetime) -> datetime:
     """``2026-11-01``, ``2026-11-01T12:00`` or a span back from now: ``7d``, ``12h``."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([dh])", text.strip())
-    if m:
-        n = float(m.group(1))
-        return now - (timedelta(days=n) if m.group(2) == "d" else timedelta(hours=n))
+    m = re.fullmatch(r"(\d{1,6}(?:\.\d+)?)([dh])", text.strip())
     try:
-        return datetime.fromisoformat(text)
-    except ValueError:
+        if m:
+            n = float(m.group(1))
+            return now - (timedelta(days=n) if m.group(2) == "d" else timedelta(hours=n))
+        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except (ValueError, OverflowError):
         raise UsageError(
-            f"cannot read the date {text!r}; use 2026-11-01, 2026-11-01T12:00, 7d or 12h"
+            f"cannot read the date {text[:40]!r}; use 2026-11-01, 2026-11-01T12:00, 7d or 12h"
         ) from None
+    if when.tzinfo is not None:  # the ledger keeps naive UTC
+        when = when.astimezone(UTC).replace(tzinfo=None)
+    return when
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -129,15 +133,6 @@ def load_settings(args: argparse.Namespace) -> GpuHub:
     return settings
 
 
-def open_ledger(settings: GpuHub, out) -> Ledger:
-    ledger = settings.open_ledger(sync=False)
-    try:
-        ledger.sync_inventory(settings.read_inventory())
-    except InventoryError as e:
-        print(f"warning: inventory not refreshed: {e}", file=sys.stderr)
-    return ledger
-
-
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.command == "kernel":
         import kernels
@@ -151,7 +146,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         db.upgrade(settings.db_url)
         print(f"ledger {db.safe_url(settings.db_url)} is at schema {db.head_revision()}", file=out)
         return 0
-    ledger = open_ledger(settings, out)
+    ledger = settings.open_ledger(sync=False)  # the hub keeps the inventory; this only reads it
     if args.command == "limits":
         return _limits(args, ledger, out)
     if args.command == "gpus":

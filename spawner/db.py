@@ -36,7 +36,9 @@ def _create_private(path: str) -> None:
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, writer: bool = True) -> Engine:
+    """An engine for the ledger. On SQLite a ``writer`` engine opens every transaction with
+    ``BEGIN IMMEDIATE``; a reader engine with a plain ``BEGIN`` (WAL readers never block)."""
     if url.startswith("sqlite"):
         _create_private(make_url(url).database or "")
         engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
@@ -53,7 +55,7 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn):
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if writer else "BEGIN")
 
         return engine
     return create_engine(url, pool_pre_ping=True)

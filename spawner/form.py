@@ -11,6 +11,7 @@ trusts the form.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
@@ -20,7 +21,7 @@ from .ledger import Allowance
 from .policy import Refusal
 
 OPTION_KEYS = ("gpus", "gpu_model")
-MAX_COUNT_DIGITS = 6
+COUNT_TEXT = re.compile(r"[+-]?[0-9]{1,6}")  # ASCII digits only: no "²", no "+-1"
 USAGE = 'gpuhub servers take "gpus" (a whole number, 0 for none) and optionally "gpu_model".'
 
 
@@ -47,7 +48,7 @@ def parse_count(raw: Any) -> int:
         count = raw
     elif isinstance(raw, float) and raw.is_integer():
         count = int(raw)
-    elif isinstance(raw, str) and raw.strip().lstrip("+-").isdigit() and len(raw.strip()) <= MAX_COUNT_DIGITS:
+    elif isinstance(raw, str) and COUNT_TEXT.fullmatch(raw.strip()):
         count = int(raw.strip())
     else:
         shown = raw if not isinstance(raw, str) else raw[:40]

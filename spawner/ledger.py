@@ -146,35 +146,50 @@ class Ledger:
         self.engine = make_engine(url)
         ensure_schema(self.engine, url)
         self._sessions = make_session_factory(self.engine)
+        self._reader = make_engine(url, writer=False)
+        self._read_sessions = make_session_factory(self._reader)
         with self._sessions.begin() as s:
             if s.get(LedgerLock, 1) is None:
                 s.add(LedgerLock(id=1, generation=0))
 
     def close(self) -> None:
         self.engine.dispose()
+        self._reader.dispose()
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
+        """A writing transaction, holding the ledger's write lock."""
         with self._sessions.begin() as s:
             lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update())
             lock.scalar_one()
             yield s
 
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        """A reading transaction: a consistent snapshot that blocks no writer."""
+        with self._read_sessions.begin() as s:
+            yield s
+
     # inventory ----------------------------------------------------------------------
 
-    def sync_inventory(self, gpus: Iterable[policy.Gpu]) -> None:
-        """Make the ledger's GPUs match the inventory, keeping every allocation.
+    def sync_inventory(self, gpus: Iterable[policy.Gpu], nodes: Iterable[str] | None = None) -> None:
+        """Make the ledger's GPUs of ``nodes`` match the inventory, keeping every allocation.
 
-        New GPUs are added, known ones updated, missing ones marked absent (never deleted:
-        a live allocation or the usage history may still name them).
+        ``nodes`` are the nodes this inventory speaks for (default: those it lists); GPUs of
+        other nodes are left alone, so a process with a partial view cannot hide them. New
+        GPUs are added, known ones updated, missing ones marked absent (never deleted: a
+        live allocation or the usage history may still name them).
         """
         wanted = {(g.node, g.index): g for g in gpus}
+        covered = set(nodes) if nodes is not None else {node for node, _ in wanted}
         with self._tx() as s:
             nodes = {n.name: n for n in s.scalars(select(Node))}
             seen = set()
             for row in s.scalars(select(Gpu).options(selectinload(Gpu.node))):
                 key = (row.node.name, row.index)
                 seen.add(key)
+                if row.node.name not in covered:
+                    continue
                 g = wanted.get(key)
                 row.present = g is not None
                 if g is not None:
@@ -224,12 +239,12 @@ class Ledger:
         return policy.LimitRules(default=default, groups=groups, users=users)
 
     def rules(self) -> policy.LimitRules:
-        with self._tx() as s:
+        with self._read() as s:
             return self._rules(s)
 
     def limit_entries(self) -> list[LimitEntry]:
         """Every limit in force with where it comes from (a ledger row hides the trait)."""
-        with self._tx() as s:
+        with self._read() as s:
             rows = {(r.scope, r.name): r for r in s.scalars(select(LimitRow))}
         base = self.config_rules
         entries = {("default", ""): LimitEntry("default", "", base.default, "config")}
@@ -306,7 +321,7 @@ class Ledger:
             yield start, a.ended, len(a.gpus)
 
     def allowance(self, user: str, groups: Iterable[str] = (), model: str | None = None) -> Allowance:
-        with self._tx() as s:
+        with self._read() as s:
             eff = policy.effective_limit(user, groups, self._rules(s))
             holdings = self._holdings(s, user, eff.limit)
             inventory, free = self._inventory(s), self._free(s)
@@ -327,7 +342,7 @@ class Ledger:
         )
 
     def models(self) -> list[str]:
-        with self._tx() as s:
+        with self._read() as s:
             return sorted({g.model for g in self._inventory(s)})
 
     # allocations -----------------------------------------------------------------------
@@ -345,12 +360,14 @@ class Ledger:
         gpus_per_node: int | None = None,
         backend: str = "local",
         lease_seconds: float | None = None,
+        on_nodes: Iterable[str] | None = None,
     ) -> AllocationInfo:
         """Admit and record a request, or raise :class:`policy.Refusal` leaving nothing behind.
 
         With ``lease_seconds`` the allocation is running at once and lives until its lease
         runs out unless renewed (a burst for ``%%distributed``); expired leases are released
-        before any admission, so they never block one.
+        before any admission, so they never block one. ``on_nodes`` restricts the placement
+        (a local server must land on this machine's GPUs).
         """
         if purpose not in PURPOSES:
             raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}")
@@ -359,6 +376,10 @@ class Ledger:
             self._expire(s)
             eff = policy.effective_limit(user, groups, self._rules(s))
             inventory, free = self._inventory(s), self._free(s)
+            if on_nodes is not None:
+                allowed = set(on_nodes)
+                inventory = [g for g in inventory if g.node in allowed]
+                free = [g for g in free if g.node in allowed]
             policy.check_request(request, eff, self._holdings(s, user, eff.limit), inventory, free)
             if count == 0:
                 raise policy.Refusal("An allocation needs at least 1 GPU.", reason="bad_request", fits=None)
@@ -447,17 +468,17 @@ class Ledger:
             return self._expire(s)
 
     def get(self, allocation_id: int) -> AllocationInfo | None:
-        with self._tx() as s:
+        with self._read() as s:
             a = s.get(Allocation, allocation_id)
             return None if a is None else _info(a)
 
     def active(self, **where) -> list[AllocationInfo]:
         """Live allocations, filtered by column values, e.g. ``user="alice"``."""
-        with self._tx() as s:
+        with self._read() as s:
             return [_info(a) for a in self._active(s, **where)]
 
     def gpu_table(self) -> list[GpuStatus]:
-        with self._tx() as s:
+        with self._read() as s:
             holders: dict[int, AllocationInfo] = {}
             for a in self._active(s):
                 info = _info(a)
@@ -480,7 +501,7 @@ class Ledger:
             starts.append(t)
             t += step
         out: dict[str, list[float]] = {}
-        with self._tx() as s:
+        with self._read() as s:
             users = sorted(set(s.scalars(select(Allocation.user).distinct())))
             for name in users if user is None else [user]:
                 intervals = list(self._intervals(s, user=name))
@@ -496,7 +517,7 @@ class Ledger:
         until = until or self.clock()
         window_hours = (until - since).total_seconds() / 3600.0
         out: dict[str, float] = {}
-        with self._tx() as s:
+        with self._read() as s:
             users = sorted(set(s.scalars(select(Allocation.user).distinct())))
             for name in users if user is None else [user]:
                 out[name] = policy.gpu_hours_used(self._intervals(s, user=name), until, window_hours)

@@ -67,10 +67,10 @@ def stale_local_allocations(
     return stale
 
 
-def reconcile_local(ledger: Ledger, log=None) -> int:
-    """Release local server allocations whose servers are gone. Returns how many."""
+def reconcile_local(ledger: Ledger, nodes: set[str], log=None) -> int:
+    """Release local server allocations on ``nodes`` (this machine's) whose servers are gone."""
     released = 0
-    allocations = ledger.active(purpose="server", backend="local")
+    allocations = [a for a in ledger.active(purpose="server", backend="local") if set(a.nodes) <= nodes]
     for a, why in stale_local_allocations(allocations, pid_alive, PROCESS_STARTED):
         if ledger.release(a.id, why):
             released += 1
@@ -85,6 +85,9 @@ class LocalGpuMixin(GpuSpawnerMixin):
     def backend_job_id(self) -> str | None:
         return str(self.pid) if getattr(self, "pid", 0) else None
 
+    def placement_nodes(self) -> set[str]:
+        return self.gpuhub.local_nodes()  # a local server runs here: GPUs of this machine
+
     async def _signal(self, sig):
         if sig == 0:  # LocalProcessSpawner.poll's liveness check: count zombies as dead
             return pid_alive(self.pid)
@@ -96,7 +99,7 @@ class LocalGpuMixin(GpuSpawnerMixin):
         if ledger.url not in _reconciled:
             with _reconcile_lock:
                 if ledger.url not in _reconciled:
-                    reconcile_local(ledger, self.log)
+                    reconcile_local(ledger, self.gpuhub.local_nodes(), self.log)
                     _reconciled.add(ledger.url)
         return ledger
 

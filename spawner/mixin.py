@@ -16,6 +16,7 @@ shows it in the form, the REST API answers it as a 4xx.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from jupyterhub.spawner import SpawnException
 from traitlets import Any, Instance, Int, List, default
@@ -115,10 +116,19 @@ class GpuSpawnerMixin(Configurable):
             except TimeoutError:
                 pass
 
+    async def _in_ledger(self, method: str, *args, **kw):
+        """Call a Ledger method in a worker thread: opening the ledger (schema check,
+        inventory, reconcile) and waiting for its lock must never block the hub's loop."""
+        return await asyncio.to_thread(lambda: getattr(self.ledger, method)(*args, **kw))
+
+    def placement_nodes(self) -> set[str] | None:
+        """Nodes a server of this backend may get GPUs on (None: anywhere)."""
+        return None
+
     async def _render_gpu_form(self, _spawner=None) -> str:
-        ledger = self.ledger
+        groups = self._groups()
         allowance, models = await asyncio.to_thread(
-            lambda: (ledger.allowance(self.user.name, self._groups()), ledger.models())
+            lambda: (self.ledger.allowance(self.user.name, groups), self.ledger.models())
         )
         return form.render_form(allowance, models, self.default_gpus)
 
@@ -138,22 +148,35 @@ class GpuSpawnerMixin(Configurable):
             opts = form.parse_gpu_options(self.user_options, default_gpus=self.default_gpus)
             if opts.count == 0:
                 return None
-            ledger = self.ledger
-            return await asyncio.to_thread(
-                ledger.allocate,
-                self.user.name,
-                self._groups(),
-                opts.count,
-                purpose="server",
-                server_name=self.name,
-                model=opts.model,
-                backend=self.backend_name,
+            request = asyncio.ensure_future(
+                self._in_ledger(
+                    "allocate",
+                    self.user.name,
+                    self._groups(),
+                    opts.count,
+                    purpose="server",
+                    server_name=self.name,
+                    model=opts.model,
+                    backend=self.backend_name,
+                    on_nodes=await asyncio.to_thread(self.placement_nodes),
+                )
             )
+            try:
+                return await asyncio.shield(request)
+            except asyncio.CancelledError:
+                # the spawn was cancelled (stop, start_timeout) while the ledger worked:
+                # the worker may still commit, so wait for it and give back what it took
+                with contextlib.suppress(policy.Refusal):
+                    allocation = await request
+                    await self._in_ledger("release", allocation.id, "spawn cancelled")
+                raise
         except policy.Refusal as e:
             raise SpawnException(e.message, reason=f"gpuhub_{e.reason}", status_code=e.status_code) from None
 
     async def start(self):
         self._gpuhub_events = []
+        if self.allocation_id:  # left over from a start that never reached stop()
+            await self._release(self.allocation_id, "replaced by a new start")
         self._progress(5, "Checking your GPU allowance")
         allocation = await self._admit()
         self.gpu_allocation = allocation
@@ -165,29 +188,30 @@ class GpuSpawnerMixin(Configurable):
             self._progress(20, "Starting without GPUs")
         try:
             url = await super().start()
+            if allocation:
+                self.gpu_allocation = await self._in_ledger(
+                    "mark_running", allocation.id, self.backend_job_id()
+                )
         except BaseException:
             if allocation:
-                await asyncio.to_thread(self.ledger.release, allocation.id, "server failed to start")
-                self.allocation_id = 0
+                await self._release(allocation.id, "server failed to start")
             raise
-        if allocation:
-            self.gpu_allocation = await asyncio.to_thread(
-                self.ledger.mark_running, allocation.id, self.backend_job_id()
-            )
         self._progress(60, "Server process started; waiting for it to answer")
         return url
 
     async def _release(self, allocation_id: int, reason: str) -> None:
         if allocation_id:
-            await asyncio.to_thread(self.ledger.release, allocation_id, reason)
+            await self._in_ledger("release", allocation_id, reason)
         if self.allocation_id == allocation_id:
             self.allocation_id = 0
             self.gpu_allocation = None
 
     async def stop(self, now=False):
         allocation_id = self.allocation_id
-        await super().stop(now=now)
-        await self._release(allocation_id, "server stopped")
+        try:
+            await super().stop(now=now)
+        finally:
+            await self._release(allocation_id, "server stopped")
 
     async def poll(self):
         allocation_id = self.allocation_id  # super().poll() may clear the state
@@ -208,8 +232,13 @@ class GpuSpawnerMixin(Configurable):
         return state
 
     def load_state(self, state):
+        # only the id: a running server already has its environment, and this runs on the
+        # hub's event loop, where the ledger must not be touched
         super().load_state(state)
         self.allocation_id = int(state.get(STATE_KEY) or 0)
-        if self.allocation_id:
-            info = self.ledger.get(self.allocation_id)
-            self.gpu_allocation = info if info and info.active else None
+
+    def clear_state(self):
+        # stop() and poll() read the id before the backend clears its state
+        super().clear_state()
+        self.allocation_id = 0
+        self.gpu_allocation = None

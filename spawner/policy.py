@@ -13,8 +13,9 @@ Contract:
   says what the user holds, their limit and what would fit.
 - ``place(...)``: which GPUs to take. Deterministic. Pack onto as few nodes as possible:
   a request that fits on one node goes to the node with the fewest free GPUs that still
-  fits it (best fit, keeping big holes for big requests); a multi-node request takes whole
-  free nodes first, then the best-fitting node for the remainder.
+  fits it (best fit, keeping big holes for big requests); a multi-node request takes the
+  fullest nodes (whole free nodes first among equals), then the best-fitting node for the
+  remainder.
 - ``gpu_hours_used(...)``: GPU-hours inside a rolling window.
 """
 
@@ -260,23 +261,20 @@ def place(request: Request, free: Sequence[Gpu], inventory: Sequence[Gpu]) -> tu
             return None
         return tuple(g for node in sorted(fitting[:want]) for g in free_by[node][:per])
 
-    chosen: list[Gpu] = []
-    pool = sorted(free_by, key=lambda node: (not whole(node), -len(free_by[node]), node))
-    need = n
-    while need > 0 and pool:
-        fitting = [node for node in pool if len(free_by[node]) >= need]
-        if fitting:
-            best = min(fitting, key=lambda node: (len(free_by[node]), not whole(node), node))
-            chosen.extend(free_by[best][:need])
-            need = 0
-            break
-        node = pool.pop(0)
-        chosen.extend(free_by[node])
-        need -= len(free_by[node])
-    if need > 0:
+    # as few nodes as possible: the smallest k whose k fullest nodes hold n
+    order = sorted(free_by, key=lambda node: (-len(free_by[node]), not whole(node), node))
+    k, total = 0, 0
+    while total < n and k < len(order):
+        total += len(free_by[order[k]])
+        k += 1
+    if total < n or (request.max_nodes is not None and k > request.max_nodes):
         return None
-    if request.max_nodes is not None and len({g.node for g in chosen}) > request.max_nodes:
-        return None
+    # the k-1 fullest whole, then the best-fitting node for the remainder (keeps big holes)
+    chosen = [g for node in order[: k - 1] for g in free_by[node]]
+    rest = n - len(chosen)
+    candidates = [node for node in order[k - 1 :] if len(free_by[node]) >= rest]
+    best = min(candidates, key=lambda node: (len(free_by[node]), not whole(node), node))
+    chosen.extend(free_by[best][:rest])
     return tuple(sorted(chosen))
 
 

@@ -65,7 +65,8 @@ class GpuHub(Configurable):
         help="""SQLAlchemy URL of the GPU ledger, a database of its own (never the hub's).
 
         Default: a SQLite file ``gpuhub.sqlite`` in the hub's working directory, beside
-        ``jupyterhub.sqlite``. For several hub processes on several machines use PostgreSQL:
+        ``jupyterhub.sqlite`` (the hub and its broker service share it). Any SQLAlchemy URL
+        works, e.g. PostgreSQL for a larger install:
         ``c.GpuHub.db_url = "postgresql://gpuhub:secret@db/gpuhub"``
         """,
     ).tag(config=True)
@@ -138,12 +139,21 @@ class GpuHub(Configurable):
             return inventory.parse_simulated(self.simulated_gpus)
         return inventory.nvml_gpus(self.node_name or socket.gethostname())
 
+    def local_nodes(self) -> set[str]:
+        """The ledger nodes this machine's inventory speaks for (its servers run here)."""
+        if self.inventory == "simulated":
+            return {g.node for g in inventory.parse_simulated(self.simulated_gpus)}
+        return {self.node_name or socket.gethostname()}
+
     def open_ledger(self, sync: bool = True) -> Ledger:
-        """The process's ledger for ``db_url``, opened (and synced) once per process."""
+        """The process's ledger for ``db_url``, opened (and synced) once per process.
+
+        The sync covers only this machine's nodes: GPUs other machines reported stay.
+        """
         ledger = _LEDGERS.get(self.db_url)
         if ledger is None:
             ledger = Ledger(self.db_url, config_rules=self.limit_rules())
             if sync:
-                ledger.sync_inventory(self.read_inventory())
+                ledger.sync_inventory(self.read_inventory(), nodes=self.local_nodes())
             _LEDGERS[self.db_url] = ledger
         return ledger

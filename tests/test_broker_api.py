@@ -319,3 +319,27 @@ def test_the_openapi_check_catches_a_wrong_shape(hub, tokens):
     served = hub.broker("GET", "openapi.yaml", tokens["alice"])
     assert served.status_code == 200
     assert served.text == Path(spawner.broker.__file__).with_name("openapi.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "path, status",
+    [
+        ("usage?since=2026-01-01T00:00:00Z", 200),  # the API's own timestamp format
+        ("usage?since=2026-01-01T00:00:00%2B02:00", 200),
+        ("usage?since=9999999999d", 400),
+        ("usage?since=1d&bucket_hours=0", 400),
+        ("allocations/99999999999999999999", 404),
+        ("allocations/99999999999999999999/renew", 404),
+    ],
+)
+def test_odd_queries_are_answered_never_500(hub, tokens, path, status):
+    method = "POST" if path.endswith("renew") else "GET"
+    r = hub.broker(method, path, tokens["admin"])
+    assert r.status_code == status, r.text
+
+
+def test_nobody_releases_a_running_servers_gpus_through_the_api(hub, tokens, ledger, alice_server):
+    [server] = ledger.active(user="alice", purpose="server")
+    r = checked(hub.broker("DELETE", f"allocations/{server.id}", tokens["admin"]))
+    assert r.status_code == 409 and "stop the server" in r.json()["message"]
+    assert ledger.get(server.id).active

@@ -29,6 +29,10 @@ def test_parse_count_accepts(raw, count):
         (-1, "cannot be negative"),
         ("-2", "cannot be negative"),
         (["1", "2"], "one value per option"),
+        ("+-1", "whole number"),
+        ("-+2", "whole number"),
+        ("\u00b2", "whole number"),  # a superscript two is a digit to str.isdigit, not to us
+        ("\u0663", "whole number"),  # an Arabic-Indic three
     ],
 )
 def test_parse_count_refuses(raw, words):

@@ -134,8 +134,10 @@ def test_gpu_hours_quota_and_usage(ledger, clock):
 
 def test_sync_inventory_keeps_allocations(ledger):
     a = ledger.allocate("alice", [], 2, model="V100")
-    # n2 disappears from the inventory, n3 appears
-    ledger.sync_inventory([g for g in INV if g.node == "n1"] + [Gpu("n3", 0, "H100")])
+    # n2 disappears from the inventory that speaks for n1-n3, n3 appears
+    ledger.sync_inventory(
+        [g for g in INV if g.node == "n1"] + [Gpu("n3", 0, "H100")], nodes=["n1", "n2", "n3"]
+    )
     table = {st.gpu.label: st for st in ledger.gpu_table()}
     assert table["n2:0"].present is False and table["n2:0"].holder.id == a.id
     assert table["n3:0"].present and table["n3:0"].holder is None
@@ -144,6 +146,22 @@ def test_sync_inventory_keeps_allocations(ledger):
     with pytest.raises(Refusal) as err:  # absent GPUs are never handed out
         ledger.allocate("bob", [], 1, model="V100")
     assert err.value.reason == "unknown_model"
+
+
+def test_a_sync_leaves_nodes_it_does_not_speak_for_alone(ledger):
+    a = ledger.allocate("alice", [], 2, model="V100")
+    ledger.sync_inventory([Gpu("elsewhere", 0, "T4")])  # another machine's partial view
+    table = {st.gpu.label: st for st in ledger.gpu_table()}
+    assert all(table[g.label].present for g in INV)
+    assert table["n2:0"].holder.id == a.id and table["elsewhere:0"].present
+
+
+def test_allocate_on_nodes_restricts_the_placement(ledger):
+    a = ledger.allocate("alice", [], 1, on_nodes=["n2"])
+    assert [g.node for g in a.gpus] == ["n2"]
+    with pytest.raises(Refusal) as err:
+        ledger.allocate("bob", [], 2, on_nodes=["n2"])
+    assert err.value.reason == "no_capacity"
 
 
 def test_database_refuses_double_booking_even_without_the_policy(ledger, url):

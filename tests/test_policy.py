@@ -88,6 +88,14 @@ def test_place(count, free, model, max_nodes, per_node, expected):
     assert labels(got) == expected
 
 
+def test_place_finds_the_fewest_nodes_even_when_a_whole_node_is_small():
+    # a whole 1-GPU node must not crowd out two 3-free nodes that together hold 6
+    inv = node("a", 1) + node("b", 4) + node("c", 4)
+    free = node("a", 1) + node("b", 4)[1:] + node("c", 4)[1:]
+    got = place(Request("u", 6, None, max_nodes=2), free, inv)
+    assert labels(got) == ["b:1", "b:2", "b:3", "c:1", "c:2", "c:3"]
+
+
 def test_place_is_deterministic_whatever_the_input_order():
     free = list(reversed(INV))
     a = place(Request("u", 3, None, 1), free, INV)

@@ -38,7 +38,7 @@ class AllocationsHandler(APIHandler):
         everyone = self.get_argument("all", "") in ("1", "true")
         if (everyone or (who and who != caller.name)) and not access.is_admin(caller):
             raise web.HTTPError(403, "Only gpuhub admins may list other users' allocations.")
-        if not everyone and not who and not access.may_manage_own(caller):
+        if not everyone and who in (None, caller.name) and not access.may_manage_own(caller):
             raise web.HTTPError(403, f"{caller.kind} {caller.name} has no gpuhub allocations scope.")
         where = {} if everyone else {"user": who or caller.name}
         found = await self.broker.run(self.broker.ledger.active, **where)
@@ -96,10 +96,12 @@ class AllocationHandler(APIHandler):
         caller, a = await self._find(allocation_id)
         if not a.active:
             return self.fail(409, f"Allocation {a.id} was already released ({a.end_reason}).", "released")
-        if a.purpose == "server" and not access.is_admin(caller):
+        if a.purpose == "server":
+            # its server keeps running on those GPUs: releasing would let them be booked twice
             return self.fail(
                 409,
-                f"Allocation {a.id} belongs to your notebook server; stop the server to release it.",
+                f"Allocation {a.id} belongs to the notebook server of {a.user}; stop the server "
+                "(on the hub's home or admin page) to release its GPUs.",
                 "server_allocation",
             )
         who = "admin " + caller.name if caller.name != a.user else "owner"
@@ -132,9 +134,11 @@ class UsageHandler(APIHandler):
     async def get(self):
         caller = self.require_caller()
         who = self.get_argument("user", None)
-        if who != caller.name and not access.is_admin(caller):
-            if who is not None or not access.may_manage_own(caller):
+        if not access.is_admin(caller):
+            if who not in (None, caller.name):
                 raise web.HTTPError(403, "Only gpuhub admins may see other users' usage.")
+            if not access.may_manage_own(caller):
+                raise web.HTTPError(403, f"{caller.kind} {caller.name} has no gpuhub allocations scope.")
             who = caller.name
         now = utcnow()
         try:
@@ -211,8 +215,8 @@ def api_handlers(prefix: str) -> list[tuple]:
     return [
         (f"{api}/me", MeHandler),
         (f"{api}/allocations", AllocationsHandler),
-        (rf"{api}/allocations/(\d+)", AllocationHandler),
-        (rf"{api}/allocations/(\d+)/renew", RenewHandler),
+        (rf"{api}/allocations/(\d{{1,18}})", AllocationHandler),  # beyond: no such id (404)
+        (rf"{api}/allocations/(\d{{1,18}})/renew", RenewHandler),
         (f"{api}/usage", UsageHandler),
         (f"{api}/limits", LimitsHandler),
         (rf"{api}/limits/(default|group|user)(?:/([^/]+))?", LimitHandler),

@@ -14,6 +14,7 @@ from typing import Any
 
 from jupyterhub.services.auth import HubOAuthenticated, UserNotAllowed
 from tornado import web
+from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from .access import Caller
@@ -41,10 +42,17 @@ class Broker:
         if cached and time.monotonic() - cached[0] < self.settings.group_cache_seconds:
             return cached[1]
         req = HTTPRequest(
-            f"{self.api_url}/users/{user}", headers={"Authorization": f"token {self.api_token}"}
+            f"{self.api_url}/users/{url_escape(user, plus=False)}",
+            headers={"Authorization": f"token {self.api_token}"},
         )
-        resp = await AsyncHTTPClient().fetch(req, raise_error=False)
-        groups = json.loads(resp.body).get("groups", []) if resp.code == 200 else []
+        try:
+            resp = await AsyncHTTPClient().fetch(req, raise_error=False)
+            groups = json.loads(resp.body)["groups"] if resp.code == 200 else None
+        except (OSError, ValueError, KeyError):
+            groups = None
+        if groups is None:
+            # never guess: a missing group could hide a stricter limit; nothing is cached
+            raise web.HTTPError(503, "The hub did not tell the user's groups; try again shortly.")
         self._groups[user] = (time.monotonic(), sorted(groups))
         return self._groups[user][1]
 

@@ -15,9 +15,20 @@ async function api(method, path, body) {
     body: body === undefined ? undefined : JSON.stringify(body),
   });
   const text = await resp.text();
-  const data = text ? JSON.parse(text) : {};
+  let data = {};
+  try {
+    data = text ? JSON.parse(text) : {};
+  } catch {
+    data = { message: `${resp.status} ${resp.statusText}` };
+  }
   if (!resp.ok) throw new Error(data.message || resp.statusText);
   return data;
+}
+
+function splitKey(key) {
+  // "user/NAME": only the first "/" separates; a group name may contain more
+  const i = key.indexOf("/");
+  return [key.slice(0, i), key.slice(i + 1)];
 }
 
 function showError(err) {
@@ -35,10 +46,11 @@ document.addEventListener("click", async (ev) => {
     } else if ("saveLimit" in target.dataset) {
       const row = target.closest("tr");
       const field = (n) => row.querySelector(`[name="${n}"]`);
-      let [scope, name] = row.dataset.limit.split("/");
+      let [scope, name] = splitKey(row.dataset.limit);
       if (row.dataset.limit === "new") {
         scope = field("scope").value;
         name = field("name").value.trim();
+        if (!name) throw new Error(`Give the ${scope}'s name.`);
       }
       const num = (n) => (field(n).value === "" ? null : Number(field(n).value));
       const path = scope === "default" ? "limits/default" : `limits/${scope}/${encodeURIComponent(name)}`;
@@ -49,7 +61,7 @@ document.addEventListener("click", async (ev) => {
       });
       location.reload();
     } else if ("resetLimit" in target.dataset) {
-      const [scope, name] = target.closest("tr").dataset.limit.split("/");
+      const [scope, name] = splitKey(target.closest("tr").dataset.limit);
       await api("DELETE", scope === "default" ? "limits/default" : `limits/${scope}/${encodeURIComponent(name)}`);
       location.reload();
     }

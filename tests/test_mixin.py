@@ -1,0 +1,99 @@
+"""The spawner mixin's lifecycle on a real ledger, with the hub-side parts stubbed."""
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+from jupyterhub.spawner import Spawner
+from traitlets.config import Config
+
+from spawner.local import LocalGpuMixin
+from spawner.mixin import STATE_KEY
+
+
+class StubBackend(Spawner):
+    """A backend that starts nothing (the ledger side is what is under test)."""
+
+    started = False
+
+    async def start(self):
+        self.started = True
+        return ("127.0.0.1", 1)
+
+    async def stop(self, now=False):
+        raise RuntimeError("the backend failed to stop")
+
+    async def poll(self):
+        return None
+
+
+class GpuStub(LocalGpuMixin, StubBackend):
+    pid = 0
+
+
+@pytest.fixture
+def make_spawner(tmp_path):
+    cfg = Config()
+    cfg.GpuHub.db_url = f"sqlite:///{tmp_path / 'gpuhub.sqlite'}"
+    cfg.GpuHub.inventory = "simulated"
+    cfg.GpuHub.simulated_gpus = [{"node": "n1", "count": 4}]
+    cfg.GpuHub.default_limit = 4
+
+    def make():
+        user = SimpleNamespace(name="alice", groups=[], url="/user/alice/")
+        return GpuStub(config=cfg, user=user, hub=SimpleNamespace())
+
+    return make
+
+
+async def test_a_spawn_cancelled_during_admission_gives_the_gpus_back(make_spawner, monkeypatch):
+    sp = make_spawner()
+    sp.user_options = {"gpus": 2}
+    ledger = await asyncio.to_thread(lambda: sp.ledger)
+    entered, proceed = threading.Event(), threading.Event()
+    real = ledger.allocate
+
+    def slow_allocate(*args, **kw):
+        entered.set()
+        proceed.wait(10)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ledger, "allocate", slow_allocate)
+    task = asyncio.ensure_future(sp.start())
+    await asyncio.to_thread(entered.wait, 10)
+    task.cancel()  # JupyterHub's stop or start_timeout, while the ledger is committing
+    proceed.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not sp.started
+    assert not any(st.holder for st in ledger.gpu_table()), "the cancelled spawn still holds GPUs"
+    assert ledger.active() == []
+
+
+async def test_a_failing_backend_stop_still_releases(make_spawner):
+    sp = make_spawner()
+    sp.user_options = {"gpus": 1}
+    await sp.start()
+    assert sp.get_state()[STATE_KEY] == sp.allocation_id
+    ledger = sp.ledger
+    assert len(ledger.active()) == 1
+    with pytest.raises(RuntimeError):
+        await sp.stop()
+    assert ledger.active() == []
+    sp.clear_state()
+    assert STATE_KEY not in sp.get_state()
+
+
+async def test_a_stale_allocation_is_released_on_the_next_start(make_spawner):
+    sp = make_spawner()
+    sp.user_options = {"gpus": 1}
+    await sp.start()
+    first = sp.allocation_id
+    again = make_spawner()
+    again.load_state({STATE_KEY: first})  # the hub restarted between start and stop
+    again.user_options = {"gpus": 1}
+    await again.start()
+    ledger = sp.ledger
+    assert ledger.get(first).state == "released" and ledger.get(first).end_reason == "replaced by a new start"
+    assert [a.id for a in ledger.active()] == [again.allocation_id]
