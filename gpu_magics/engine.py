@@ -14,15 +14,24 @@ import time
 from datetime import timedelta
 
 
+def _kernel_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed kernel its parent has not reaped yet is a zombie: gone all the same
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
 def _watch(kernel_pid: int, interval: float = 1.0) -> None:
-    while True:
-        try:
-            os.kill(kernel_pid, 0)
-        except ProcessLookupError:
-            os._exit(0)
-        except PermissionError:
-            pass
+    while _kernel_alive(kernel_pid):
         time.sleep(interval)
+    os._exit(0)
 
 
 def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -65,7 +66,8 @@ def report(outcome: CellOutcome, pool: EnginePool) -> str:
     lines = []
     for r in outcome.failed:
         info = pool.infos[r.rank] if r.rank < len(pool.infos) else {}
-        where = f"node {pool.specs[r.rank].slot.node}, GPU {pool.specs[r.rank].slot.label}, pid {info.get('pid', '?')}"
+        slot = pool.specs[r.rank].slot
+        where = f"node {slot.node}, GPU {slot.label}, pid {info.get('pid', '?')}"
         if r.status == "died":
             lines.append(f"rank {r.rank} ({where}) died: its engine process ended during the cell.")
         elif r.status == "killed":
@@ -90,7 +92,8 @@ class DistributedMagics(Magics):
     ).tag(config=True)
     lease_seconds = Float(
         300.0,
-        help="Lease asked for burst GPUs, renewed every third of it. %config DistributedMagics.lease_seconds = 120",
+        help="Lease asked for burst GPUs, renewed every third of it. "
+        "%config DistributedMagics.lease_seconds = 120",
     ).tag(config=True)
     timeout = Float(
         300.0,
@@ -280,6 +283,9 @@ class DistributedMagics(Magics):
             cell, output=args.output, grace=min(args.timeout or self.timeout, 30), ranks=targets
         )
         self._touch()
+        if outcome.interrupted:
+            print(report(outcome, pool), file=sys.stderr)
+            raise KeyboardInterrupt
         if outcome.failed:
             raise DistributedError(report(outcome, pool))
         if outcome.result:

@@ -183,7 +183,8 @@ class EnginePool:
             evalue = str(getattr(res, "evalue", res))
             tb = getattr(res, "traceback", "") or ""
             tb = ANSI.sub("", "\n".join(tb) if isinstance(tb, list) else str(tb))
-            if ename == "EngineError" or "died" in evalue:
+            gone = rank < len(self.infos) and not _alive(self.infos[rank]["pid"])
+            if res is None or ename == "EngineError" or gone:
                 status = "killed" if killed else "died"
             elif ename == "KeyboardInterrupt":
                 status = "interrupted"
@@ -221,6 +222,20 @@ class EnginePool:
         finally:
             self.kill()
             self.cluster = self.client = self.view = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def _quiet_log() -> logging.Logger:

@@ -72,6 +72,11 @@ def enable_broker(c, *, url: str = "http://127.0.0.1:10101", admin_users=None) -
     ):
         roles = _replace(roles, role)
     c.JupyterHub.load_roles = roles
+    # the notebook's magics reach the broker directly (no need to know the public URL)
+    c.Spawner.environment = {
+        **c.Spawner.get("environment", {}),
+        "GPUHUB_BROKER_URL": f"{url.rstrip('/')}/services/{SERVICE}/api/v1/",
+    }
     c.Spawner.server_token_scopes = [
         "users:activity!user",
         "access:servers!server",

@@ -1,0 +1,61 @@
+"""Notebooks through a real Jupyter kernel ("Python 3 (GPUs)"), with nbclient."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import nbformat
+from nbclient import NotebookClient
+
+RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$", re.M)
+
+
+def run_notebook(cells: list[str], env: dict, timeout: float = 120, interrupt_on_timeout: bool = False):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = NotebookClient(
+        nb,
+        kernel_name="python3-gpus",
+        timeout=timeout,
+        allow_errors=True,
+        interrupt_on_timeout=interrupt_on_timeout,
+    )
+    client.execute(env=env)
+    return [Cell(c) for c in nb.cells]
+
+
+class Cell:
+    def __init__(self, cell):
+        self.outputs = cell.outputs
+
+    @property
+    def stdout(self) -> str:
+        return "".join(o.get("text", "") for o in self.outputs if o.get("name") == "stdout")
+
+    @property
+    def stderr(self) -> str:
+        return "".join(o.get("text", "") for o in self.outputs if o.get("name") == "stderr")
+
+    @property
+    def error(self) -> dict | None:
+        return next((o for o in self.outputs if o.output_type == "error"), None)
+
+    @property
+    def traceback(self) -> str:
+        return "\n".join(self.error["traceback"]) if self.error else ""
+
+    @property
+    def result(self):
+        for o in self.outputs:
+            if o.output_type == "execute_result":
+                return ast.literal_eval(o["data"]["text/plain"])
+        return None
+
+    def rank_lines(self, stream: str = "stdout") -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for rank, text in RANK_LINE.findall(getattr(self, stream)):
+            out.setdefault(int(rank), []).append(text)
+        return out
+
+    def __repr__(self):
+        return f"Cell(stdout={self.stdout!r}, stderr={self.stderr!r}, error={self.traceback!r})"

@@ -1,0 +1,267 @@
+"""``%%distributed`` through a real kernel, real ipyparallel engines and real torch.distributed
+(gloo on CPU), with GPUs from the real broker of a real hub.
+
+The kernel gets what a gpuhub server gives it: a token with the allocations scope and the
+broker's URL. Burst allocations are therefore real ledger rows, checked here.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+from jupyter_client import KernelManager
+
+from spawner.ledger import Ledger
+
+from .hubtools import Hub, wait_for
+from .kerneltools import run_notebook
+
+pytestmark = pytest.mark.hub
+
+TRAIN = """%%distributed --gpus {n} --timeout 60
+import os
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(device))
+opt = torch.optim.SGD(model.parameters(), lr=0.02)
+g = torch.Generator().manual_seed(rank)
+X = torch.randn(256, 8, generator=g)
+y = X.sum(dim=1, keepdim=True)
+losses = []
+for step in range(40):
+    opt.zero_grad()
+    loss = ((model(X) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+print(f"loss {{losses[0]:.5f}} -> {{losses[-1]:.5f}}")
+checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+gathered = [None] * world_size
+dist.all_gather_object(gathered, (round(checksum, 10), os.getpid(), id(model)))
+gathered
+"""
+
+TRAIN_MORE = """%%distributed --gpus {n} --timeout 60
+for step in range(10):
+    opt.zero_grad()
+    loss = ((model(X) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+gathered = [None] * world_size
+dist.all_gather_object(gathered, (os.getpid(), id(model), len(losses)))
+gathered
+"""
+
+ALLREDUCE = """%%distributed --gpus 2 --timeout 20
+t = torch.ones(1)
+dist.all_reduce(t)
+t.item()
+"""
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(
+        tmp_path_factory.mktemp("distributed"), extra_config='c.GpuHub.user_limits = {"alice": 4}'
+    ).start()
+    wait_for(lambda: h.broker("GET", "me", h.user_token("admin")).status_code == 200, 60, "the broker")
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def ledger(hub):
+    led = Ledger(hub.ledger_url)
+    yield led
+    led.close()
+
+
+@pytest.fixture
+def kernel_env(hub, tmp_path):
+    def make(user="alice"):
+        env = dict(os.environ)
+        env.update(
+            JUPYTERHUB_API_TOKEN=hub.user_token(user),
+            GPUHUB_BROKER_URL=f"http://127.0.0.1:{hub.broker_port}/services/gpuhub/api/v1/",
+            IPYTHONDIR=str(tmp_path / "ipython"),
+        )
+        for var in ("GPUHUB_GPUS", "GPUHUB_ALLOCATION_ID", "CUDA_VISIBLE_DEVICES"):
+            env.pop(var, None)
+        return env
+
+    return make
+
+
+def bursts(ledger, user="alice"):
+    return [a for a in ledger.active(user=user) if a.purpose == "distributed"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ddp_trains_and_the_pool_stays_warm(hub, ledger, kernel_env, n):
+    cells = run_notebook(
+        [TRAIN.format(n=n), TRAIN_MORE.format(n=n), "%gpus", "%distributed shutdown"], kernel_env()
+    )
+    train, more, gpus, shutdown = cells
+    assert train.error is None, train
+    assert "engines up" in str(train.outputs[0])  # the progress display
+    lines = train.rank_lines()
+    assert sorted(lines) == list(range(n))
+    for rank, out in lines.items():
+        first, last = map(float, out[-1].removeprefix("loss ").split(" -> "))
+        assert last < first / 2, (rank, out)
+    gathered = train.result
+    assert len({checksum for checksum, _, _ in gathered}) == 1  # identical parameters everywhere
+    pids = [pid for _, pid, _ in gathered]
+    assert len(set(pids)) == n and os.getpid() not in pids
+    # the second cell ran on the same processes, with the same model object, 40 + 10 steps
+    assert more.error is None, more
+    assert more.result == [(pid, model_id, 50) for _, pid, model_id in gathered]
+    assert f"rank {n - 1}: GPU" in gpus.stdout and "burst allocation #" in gpus.stdout
+    assert "engines stopped and burst GPUs released" in shutdown.stdout
+    assert bursts(ledger) == []
+    for pid in pids:
+        wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 30, f"engine {pid} to exit")
+
+
+def test_each_rank_has_torchruns_environment(hub, ledger, kernel_env):
+    cell = """%%distributed --gpus 3
+import os
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"]
+envs = [None] * world_size
+dist.all_gather_object(envs, {k: os.environ[k] for k in keys})
+envs
+"""
+    [env_cell] = run_notebook([cell], kernel_env())
+    assert env_cell.error is None, env_cell
+    envs = env_cell.result
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    assert all(e["WORLD_SIZE"] == "3" and e["LOCAL_WORLD_SIZE"] == "3" for e in envs)
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]  # one node
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert all(e["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for e in envs)
+    devices = [e["CUDA_VISIBLE_DEVICES"] for e in envs]
+    assert len(set(devices)) == 3
+    # equal to the GPUs the ledger gave the burst (released when the kernel shut down)
+    history = _last_burst(ledger, "alice")
+    assert sorted(devices) == sorted(str(g.index) for g in history.gpus)
+    assert history.state == "released"
+
+
+def _last_burst(ledger, user):
+    from sqlalchemy import select
+
+    from spawner.models import Allocation
+
+    with ledger._read() as s:
+        last = s.scalars(
+            select(Allocation)
+            .where(Allocation.user == user, Allocation.purpose == "distributed")
+            .order_by(Allocation.id.desc())
+        ).first()
+        return ledger.get(last.id)
+
+
+def test_a_failing_rank_is_named_and_the_next_cell_works(hub, kernel_env):
+    fail = """%%distributed --gpus 2
+x = 1
+if rank == 1:
+    raise ValueError("boom on purpose")
+"""
+    failed, after = run_notebook([fail, ALLREDUCE], kernel_env())
+    assert failed.error is not None
+    tb = failed.traceback
+    assert "rank 1 (node" in tb and "GPU" in tb and "raised ValueError: boom on purpose" in tb
+    assert 'raise ValueError("boom on purpose")' in tb  # the rank's own traceback
+    assert "rank 0" not in tb
+    assert after.error is None and after.result == 2.0
+
+
+def test_a_killed_rank_fails_the_cell_in_bounded_time_and_the_pool_is_rebuilt(hub, kernel_env):
+    die = """%%distributed --gpus 2 --timeout 20
+import os, time
+if rank == 1:
+    time.sleep(0.5)
+    os._exit(1)
+t = torch.ones(1)
+dist.all_reduce(t)
+"""
+    started = time.monotonic()
+    died, after = run_notebook([die, ALLREDUCE], kernel_env(), timeout=120)
+    assert died.error is not None
+    assert "rank 1" in died.traceback and "died" in died.traceback
+    assert "starts fresh engines" in died.traceback
+    assert "restarting the engines" in after.stdout
+    assert after.error is None and after.result == 2.0
+    assert time.monotonic() - started < 100  # bounded: collective timeout + grace, not forever
+
+
+def test_a_kernel_interrupt_stops_every_rank(hub, kernel_env):
+    long = """%%distributed --gpus 2
+import time
+for i in range(600):
+    time.sleep(0.1)
+"""
+    interrupted, after = run_notebook([long, ALLREDUCE], kernel_env(), timeout=15, interrupt_on_timeout=True)
+    assert interrupted.error is not None and interrupted.error["ename"] == "KeyboardInterrupt"
+    assert "rank 0" in interrupted.stderr and "rank 1" in interrupted.stderr
+    assert interrupted.stderr.count("was interrupted") == 2
+    assert after.error is None and after.result == 2.0
+
+
+def test_over_the_limit_is_a_usage_error_and_takes_nothing(hub, ledger, kernel_env):
+    before = [(st.gpu.label, st.holder) for st in ledger.gpu_table()]
+    cell, bad_args = run_notebook(
+        ["%%distributed --gpus 3\n1", "%%distributed --gpus 0\n1"], kernel_env("bob")
+    )
+    # IPython shows a UsageError as its message alone, no traceback
+    assert "UsageError: gpuhub refused 3 GPUs for %%distributed" in cell.stderr
+    assert "you hold 0 of a limit of 2 (group students): at most 2 more" in cell.stderr
+    assert "UsageError: --gpus must be 1 or more" in bad_args.stderr
+    assert [(st.gpu.label, st.holder) for st in ledger.gpu_table()] == before
+
+
+def test_a_killed_kernels_lease_expires_and_its_engines_exit(hub, ledger, kernel_env):
+    km = KernelManager(kernel_name="python3-gpus")
+    km.start_kernel(env=kernel_env())
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        kc.execute_interactive("%config DistributedMagics.lease_seconds = 12", timeout=30)
+        outputs = []
+        reply = kc.execute_interactive(
+            "%%distributed --gpus 2\nimport os\nos.getpid()", timeout=120, output_hook=outputs.append
+        )
+        assert reply["content"]["status"] == "ok"
+        [burst] = bursts(ledger)
+        pids = [info for info in _engine_pids(kc)]
+        os.kill(km.provisioner.pid, signal.SIGKILL)  # the kernel dies without cleaning up
+        wait_for(lambda: ledger.get(burst.id).state == "released", 40, "the lease to expire")
+        assert ledger.get(burst.id).end_reason == "lease expired"
+        for pid in pids:
+            wait_for(lambda pid=pid: not _alive(pid), 30, f"engine {pid} to exit")
+    finally:
+        kc.stop_channels()
+        km.cleanup_resources()
+
+
+def _engine_pids(kc) -> list[int]:
+    outputs = []
+    kc.execute_interactive(
+        "print(get_ipython().magics_manager.registry['DistributedMagics'].pool.pids)",
+        timeout=30,
+        output_hook=lambda m: outputs.append(m["content"].get("text", "")),
+    )
+    return [int(p) for p in "".join(outputs).strip(" []\n").split(",")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
