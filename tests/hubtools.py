@@ -168,6 +168,11 @@ enable_broker(c, url="http://127.0.0.1:{self.broker_port}")
         assert r.status_code == 201, r.text
         return r.json()["token"]
 
+    def api_url_request(self, method: str, path: str, **kw) -> requests.Response:
+        """A request to any path behind the proxy (e.g. a server's API) with the test token."""
+        headers = {"Authorization": f"token {self.token}", **kw.pop("headers", {})}
+        return requests.request(method, f"{self.url}{path}", headers=headers, timeout=30, **kw)
+
     def ensure_user(self, name: str) -> None:
         r = self.api("GET", f"/users/{name}")
         if r.status_code == 404:

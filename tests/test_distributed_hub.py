@@ -1,0 +1,72 @@
+"""End to end through the hub: a server with 1 GPU runs `%%distributed --gpus 2` in its own
+kernel (started by the server, as the notebook UI does), which takes a burst from the broker."""
+
+import glob
+
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from spawner.ledger import Ledger
+
+from .hubtools import Hub, wait_for
+
+pytestmark = pytest.mark.hub
+
+
+def run(kc, code, timeout=180):
+    out = []
+
+    def hook(msg):
+        c = msg["content"]
+        if msg["msg_type"] == "stream":
+            out.append(c["text"])
+        elif msg["msg_type"] in ("execute_result", "display_data", "update_display_data"):
+            out.append(c["data"].get("text/plain", ""))
+        elif msg["msg_type"] == "error":
+            out.append("\n".join(c["traceback"]))
+
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+    return reply["content"]["status"], "".join(out)
+
+
+def test_a_server_with_one_gpu_runs_distributed_on_two(tmp_path):
+    hub = Hub(tmp_path).start()
+    ledger = Ledger(hub.ledger_url)
+    try:
+        wait_for(
+            lambda: hub.broker("GET", "me", hub.user_token("admin")).status_code == 200, 60, "the broker"
+        )
+        assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
+        hub.wait_ready("alice")
+        [server_alloc] = ledger.active(user="alice")
+        # the server starts the kernel, as JupyterLab would
+        r = hub.api_url_request("POST", "/user/alice/api/kernels", json={"name": "python3-gpus"})
+        assert r.status_code == 201, r.text
+        kernel_id = r.json()["id"]
+        pattern = f"{tmp_path}/home/alice/**/kernel-{kernel_id}.json"
+        [conn] = glob.glob(pattern, recursive=True, include_hidden=True)
+        kc = BlockingKernelClient(connection_file=conn)
+        kc.load_connection_file()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+
+        status, out = run(kc, "%%distributed --gpus 2\nimport os\n(rank, os.environ['CUDA_VISIBLE_DEVICES'])")
+        assert status == "ok", out
+        assert "2 engines up" in out and "(0," in out
+        [burst] = [a for a in ledger.active(user="alice") if a.purpose == "distributed"]
+        assert len(burst.gpus) == 2 and not set(burst.gpus) & set(server_alloc.gpus)
+
+        status, out = run(kc, "%gpus")
+        assert f"Server allocation #{server_alloc.id}: 1 GPU(s)" in out
+        assert f"burst allocation #{burst.id}: 2 GPUs" in out and "rank 1: GPU" in out
+
+        status, out = run(kc, "%distributed shutdown")
+        assert "burst GPUs released" in out
+        assert ledger.get(burst.id).state == "released"
+        assert [a.id for a in ledger.active(user="alice")] == [server_alloc.id]
+        kc.stop_channels()
+        hub.stop_server("alice")
+        assert ledger.active() == []
+    finally:
+        hub.stop()
+        ledger.close()
