@@ -44,8 +44,8 @@ def parse_targets(text: str, world: int) -> list[int]:
     """``0,2-3`` to ``[0, 2, 3]``: ranks only, never evaluated as code."""
     ranks: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
             raise UsageError(f"--targets takes ranks like 0,2-3; got {text!r}")
         a, b = int(lo), int(hi or lo)
         if a > b or b >= world:
@@ -109,8 +109,6 @@ class DistributedMagics(Magics):
         self.last_used = time.monotonic()
         self.lock = threading.RLock()
         self._idle_timer: threading.Timer | None = None
-        if shell is not None:
-            shell.events.register("pre_execute", self._touch)
         import atexit
 
         atexit.register(self.shutdown)  # kernel shutdown: no orphaned engines, GPUs back

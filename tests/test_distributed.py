@@ -171,13 +171,37 @@ x = 1
 if rank == 1:
     raise ValueError("boom on purpose")
 """
-    failed, after = run_notebook([fail, ALLREDUCE], kernel_env())
+    rank0 = "%%distributed --gpus 2 --output rank0\nprint('hi', rank)"
+    only1 = "%%distributed --gpus 2 --targets 1\nprint('only', rank)"
+    bad = "%%distributed --gpus 2 --targets 2\n1"
+    failed, after, quiet, targeted, bad_targets = run_notebook(
+        [fail, ALLREDUCE, rank0, only1, bad], kernel_env()
+    )
     assert failed.error is not None
     tb = failed.traceback
     assert "rank 1 (node" in tb and "GPU" in tb and "raised ValueError: boom on purpose" in tb
     assert 'raise ValueError("boom on purpose")' in tb  # the rank's own traceback
     assert "rank 0" not in tb
     assert after.error is None and after.result == 2.0
+    assert quiet.rank_lines() == {0: ["hi 0"]}  # --output rank0
+    assert targeted.rank_lines() == {1: ["only 1"]}  # --targets
+    assert "UsageError: --targets: ranks run from 0 to 1" in bad_targets.stderr
+
+
+def test_an_idle_pool_is_stopped_and_its_gpus_released(hub, ledger, kernel_env):
+    cells = run_notebook(
+        [
+            "%config DistributedMagics.idle_seconds = 2",
+            "%%distributed --gpus 2\nrank",
+            "import time\ntime.sleep(8)",
+            "%distributed status",
+        ],
+        kernel_env(),
+    )
+    assert cells[1].result == 0
+    assert "idle for 2 s; stopping them" in cells[2].stdout + cells[3].stdout
+    assert "engines: none" in cells[3].stdout
+    assert _last_burst(ledger, "alice").state == "released"
 
 
 def test_a_killed_rank_fails_the_cell_in_bounded_time_and_the_pool_is_rebuilt(hub, kernel_env):

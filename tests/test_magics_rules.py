@@ -1,0 +1,87 @@
+"""Pure parts of %%distributed: ranks, placement choice, targets, error classes, streaming."""
+
+import pytest
+from IPython.core.error import UsageError
+
+from gpu_magics.magics import parse_targets
+from gpu_magics.pool import _Streamer, is_distributed_error
+from gpu_magics.ranks import Slot, choose_slots, make_rank_specs
+
+
+def test_rank_specs_follow_torchrun():
+    slots = [Slot("b", 1), Slot("a", 3), Slot("b", 0), Slot("a", 2)]
+    specs = make_rank_specs(slots, "10.0.0.1", 29500)
+    assert [(s.rank, s.local_rank, s.slot.label) for s in specs] == [
+        (0, 0, "a:2"),
+        (1, 1, "a:3"),
+        (2, 0, "b:0"),
+        (3, 1, "b:1"),
+    ]
+    env = specs[2].env()
+    assert env == {
+        "RANK": "2",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "GPUHUB_RANK_GPU": "b:0",
+    }
+
+
+def test_rank_specs_refuse_a_gpu_twice():
+    with pytest.raises(ValueError, match="twice"):
+        make_rank_specs([Slot("a", 0), Slot("a", 0)], "h", 1)
+
+
+@pytest.mark.parametrize(
+    "server, wanted, expected",
+    [
+        (["n:2", "n:0", "n:1"], 2, ["n:0", "n:1"]),
+        (["n:0"], 2, None),  # not enough: a burst
+        ([], 1, None),
+    ],
+)
+def test_choose_slots(server, wanted, expected):
+    got = choose_slots(server, wanted)
+    assert (None if got is None else [s.label for s in got]) == expected
+
+
+@pytest.mark.parametrize(
+    "text, world, ranks",
+    [("0", 2, [0]), ("0,2-3", 4, [0, 2, 3]), (" 1 , 1 ", 2, [1])],
+)
+def test_parse_targets(text, world, ranks):
+    assert parse_targets(text, world) == ranks
+
+
+@pytest.mark.parametrize("text", ["2", "a", "1-0", "__import__('os')", ",", "0-"])
+def test_parse_targets_refuses(text):
+    with pytest.raises(UsageError):
+        parse_targets(text, 2)
+
+
+@pytest.mark.parametrize(
+    "ename, evalue, expected",
+    [
+        ("DistBackendError", "x", True),
+        ("RuntimeError", "[gloo/transport/tcp/pair.cc] Connection closed by peer", True),
+        ("RuntimeError", "Timed out waiting 10000ms", True),
+        ("ValueError", "boom", False),
+        ("KeyboardInterrupt", "", False),
+    ],
+)
+def test_is_distributed_error(ename, evalue, expected):
+    assert is_distributed_error(ename, evalue) is expected
+
+
+def test_streamer_prefixes_whole_lines(capsys):
+    s = _Streamer([0, 1], show=lambda rank, name: rank == 0 or name == "stderr")
+    s.feed([{"stdout": "a\nb", "stderr": ""}, {"stdout": "hidden\n", "stderr": "warn\n"}])
+    s.feed([{"stdout": "a\nbc\n", "stderr": ""}, {"stdout": "hidden\n", "stderr": "warn\n"}])
+    s.close()
+    out, err = capsys.readouterr()
+    assert out == "[rank 0] a\n[rank 0] bc\n"
+    assert err == "[rank 1] warn\n"
