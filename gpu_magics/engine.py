@@ -36,10 +36,16 @@ def _watch(kernel_pid: int, interval: float = 1.0) -> None:
 
 def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int) -> dict:
     os.environ.update(env)
+    if int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        # as torchrun does: one OpenMP thread per rank unless the user chose otherwise, or
+        # several ranks on one machine fight over its cores (5x slower measured here)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     threading.Thread(target=_watch, args=(kernel_pid,), daemon=True, name="gpuhub-watchdog").start()
     import torch
     import torch.distributed as dist
 
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
     if cuda:

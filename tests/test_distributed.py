@@ -88,7 +88,7 @@ def kernel_env(hub, tmp_path):
             GPUHUB_BROKER_URL=f"http://127.0.0.1:{hub.broker_port}/services/gpuhub/api/v1/",
             IPYTHONDIR=str(tmp_path / "ipython"),
         )
-        for var in ("GPUHUB_GPUS", "GPUHUB_ALLOCATION_ID", "CUDA_VISIBLE_DEVICES"):
+        for var in ("GPUHUB_GPUS", "GPUHUB_ALLOCATION_ID", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"):
             env.pop(var, None)
         return env
 
@@ -130,7 +130,7 @@ def test_each_rank_has_torchruns_environment(hub, ledger, kernel_env):
     cell = """%%distributed --gpus 3
 import os
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"]
+        "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS"]
 envs = [None] * world_size
 dist.all_gather_object(envs, {k: os.environ[k] for k in keys})
 envs
@@ -143,6 +143,7 @@ envs
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]  # one node
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
     assert all(e["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" for e in envs)
+    assert all(e["OMP_NUM_THREADS"] == "1" for e in envs)  # as torchrun sets it
     devices = [e["CUDA_VISIBLE_DEVICES"] for e in envs]
     assert len(set(devices)) == 3
     # equal to the GPUs the ledger gave the burst (released when the kernel shut down)
