@@ -100,7 +100,8 @@ def main() -> None:
         f"raw ipyparallel execute {r * 1e3:.1f} ms, ratio {m / r:.2f}x"
     )
     print(
-        f"DDP steps/s: %%distributed {warm_rate:.1f}, torchrun {cold_rate:.1f}, ratio {warm_rate / cold_rate:.2f}x"
+        f"DDP steps/s: %%distributed {warm_rate:.1f}, torchrun {cold_rate:.1f}, "
+        f"ratio {warm_rate / cold_rate:.2f}x"
     )
     print(
         f"time to first step: warm engines {warm_first:.2f} s, torchrun launch {cold_first:.2f} s, "
