@@ -296,6 +296,7 @@ class DistributedMagics(Magics):
         if self.pool is None:
             lines.append("engines: none (started by the first %%distributed cell)")
         else:
+            lines.append(f"controller: pid {self.pool.controller_pid}")
             for spec, info in zip(self.pool.specs, self.pool.infos, strict=False):
                 lines.append(f"rank {spec.rank}: GPU {spec.slot.label}, pid {info['pid']}, {info['backend']}")
         if self.burst:

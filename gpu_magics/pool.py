@@ -18,12 +18,14 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .ranks import RankSpec
+from .reaper import kill_trees
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 HEARTBEAT_MS = 500
@@ -70,6 +72,8 @@ class EnginePool:
         self.engine_ids: list[int] = []
         self.infos: list[dict] = []
         self.broken = False
+        self.controller_pid = 0
+        self.reaper: subprocess.Popen | None = None
 
     @property
     def size(self) -> int:
@@ -89,6 +93,7 @@ class EnginePool:
         # detect a dead engine in ~1.5 s rather than ~10 s
         self.cluster.controller_args = [f"--HeartMonitor.period={HEARTBEAT_MS}"]
         self.cluster.start_controller_sync()
+        self.controller_pid = self.cluster.controller.pid
         self.cluster.start_engines_sync(n=n)
         self.client = self.cluster.connect_client_sync()
         deadline = time.monotonic() + timeout
@@ -109,6 +114,21 @@ class EnginePool:
         ]
         self.infos = [ar.get(timeout=timeout) for ar in setups]
         self.view = self.client[self.engine_ids]
+        # outlives a killed kernel and then ends the controller and engines
+        self.reaper = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpu_magics.reaper",
+                str(os.getpid()),
+                str(self.controller_pid),
+                *map(str, self.pids),
+            ],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     # running a cell ---------------------------------------------------------------------
 
@@ -217,11 +237,15 @@ class EnginePool:
                     self.client.close()
                 if self.cluster is not None:
                     self.cluster.stop_cluster_sync()
-        except Exception as e:  # stopping must not fail the caller; the engines are killed below
+        except Exception as e:  # stopping must not fail the caller; the processes are ended below
             print(f"gpuhub: while stopping the engines: {e}", file=sys.stderr)
         finally:
-            self.kill()
-            self.cluster = self.client = self.view = None
+            # whatever ipyparallel managed (at interpreter exit it often cannot), end them all
+            kill_trees([pid for pid in (self.controller_pid, *self.pids) if pid])
+            if self.reaper is not None:
+                self.reaper.kill()
+                self.reaper.wait()
+            self.cluster = self.client = self.view = self.reaper = None
 
 
 def _alive(pid: int) -> bool:

@@ -120,9 +120,10 @@ def test_ddp_trains_and_the_pool_stays_warm(hub, ledger, kernel_env, n):
     assert more.error is None, more
     assert more.result == [(pid, model_id, 50) for _, pid, model_id in gathered]
     assert f"rank {n - 1}: GPU" in gpus.stdout and "burst allocation #" in gpus.stdout
+    controller = int(gpus.stdout.split("controller: pid ")[1].split()[0])
     assert "engines stopped and burst GPUs released" in shutdown.stdout
     assert bursts(ledger) == []
-    for pid in pids:
+    for pid in [*pids, controller]:
         wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 30, f"engine {pid} to exit")
 
 
@@ -224,6 +225,14 @@ dist.all_reduce(t)
     assert time.monotonic() - started < 100  # bounded: collective timeout + grace, not forever
 
 
+def test_kernel_shutdown_leaves_no_pool_process(hub, kernel_env):
+    [status] = run_notebook(["%%distributed --gpus 2\n1\n", "%distributed status"], kernel_env())[1:]
+    pids = [int(w) for w in status.stdout.replace(",", " ").split() if w.isdigit() and int(w) > 100]
+    assert len(pids) == 3  # the controller and two engines
+    for pid in pids:  # nbclient shut the kernel down: the pool went with it
+        wait_for(lambda pid=pid: not _alive(pid), 30, f"pool process {pid} to exit")
+
+
 def test_a_kernel_interrupt_stops_every_rank(hub, kernel_env):
     long = """%%distributed --gpus 2
 import time
@@ -263,21 +272,23 @@ def test_a_killed_kernels_lease_expires_and_its_engines_exit(hub, ledger, kernel
         )
         assert reply["content"]["status"] == "ok"
         [burst] = bursts(ledger)
-        pids = [info for info in _engine_pids(kc)]
+        pids = _pool_pids(kc)
         os.kill(km.provisioner.pid, signal.SIGKILL)  # the kernel dies without cleaning up
         wait_for(lambda: ledger.get(burst.id).state == "released", 40, "the lease to expire")
         assert ledger.get(burst.id).end_reason == "lease expired"
-        for pid in pids:
-            wait_for(lambda pid=pid: not _alive(pid), 30, f"engine {pid} to exit")
+        for pid in pids:  # engines (their watchdog) and the controller (the reaper)
+            wait_for(lambda pid=pid: not _alive(pid), 30, f"pool process {pid} to exit")
     finally:
         kc.stop_channels()
         km.cleanup_resources()
 
 
-def _engine_pids(kc) -> list[int]:
+def _pool_pids(kc) -> list[int]:
+    """The engines' and the controller's pids."""
     outputs = []
     kc.execute_interactive(
-        "print(get_ipython().magics_manager.registry['DistributedMagics'].pool.pids)",
+        "pool = get_ipython().magics_manager.registry['DistributedMagics'].pool\n"
+        "print([*pool.pids, pool.controller_pid])",
         timeout=30,
         output_hook=lambda m: outputs.append(m["content"].get("text", "")),
     )

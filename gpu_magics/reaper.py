@@ -1,0 +1,55 @@
+"""``python -m gpu_magics.reaper KERNEL_PID PID...``: end a pool's processes when its kernel dies.
+
+Started by the pool in a session of its own, so it outlives a kernel killed outright. Every
+second it checks the kernel; when the kernel is gone (or a zombie) it stops each PID and its
+children (SIGTERM, then SIGKILL after 3 s) and exits. It also exits once every PID is gone.
+Without it the ipyparallel controller (and its scheduler processes) would run forever.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import psutil
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_trees(pids: list[int], grace: float = 3.0) -> None:
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p, *p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _gone, left = psutil.wait_procs(procs, timeout=grace)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def watch(kernel_pid: int, pids: list[int], interval: float = 1.0) -> None:
+    while any(alive(p) for p in pids):
+        if not alive(kernel_pid):
+            kill_trees(pids)
+            return
+        time.sleep(interval)
+
+
+if __name__ == "__main__":
+    kernel, *targets = map(int, sys.argv[1:])
+    watch(kernel, targets)
