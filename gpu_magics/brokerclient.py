@@ -65,11 +65,16 @@ class BrokerClient:
 
 
 class LeaseKeeper:
-    """Renews a burst allocation's lease every third of its length until stopped."""
+    """Renews a burst allocation's lease every third of its length until stopped.
+
+    ``lost`` turns True when the broker says the allocation is gone (its lease expired, or an
+    admin released it): the pool must then stop using those GPUs.
+    """
 
     def __init__(self, client: BrokerClient, allocation: dict, lease_seconds: float, log=None):
         self.client, self.allocation, self.lease_seconds, self.log = client, allocation, lease_seconds, log
         self.expires = allocation.get("lease_expires")
+        self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="gpuhub-lease")
         self._thread.start()
@@ -79,8 +84,16 @@ class LeaseKeeper:
             try:
                 self.expires = self.client.renew(self.allocation["id"], self.lease_seconds)["lease_expires"]
             except BrokerError as e:
-                if self.log:
-                    self.log(f"gpuhub: could not renew the lease of allocation {self.allocation['id']}: {e}")
+                if e.status in (404, 409):  # released: renewing again cannot bring it back
+                    self.lost = True
+                    return
+                self._say(f"could not renew the lease of allocation {self.allocation['id']}: {e}")
+            except Exception as e:  # a renewal thread that dies silently would lose the GPUs
+                self._say(f"could not renew the lease of allocation {self.allocation['id']}: {e!r}")
+
+    def _say(self, text: str) -> None:
+        if self.log:
+            self.log(f"gpuhub: {text}")
 
     def stop(self) -> None:
         self._stop.set()

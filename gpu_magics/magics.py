@@ -106,6 +106,7 @@ class DistributedMagics(Magics):
         self.burst: dict | None = None
         self.lease: LeaseKeeper | None = None
         self.key: tuple | None = None
+        self.busy = 0  # cells running now: the idle timer never stops a busy pool
         self.last_used = time.monotonic()
         self.lock = threading.RLock()
         self._idle_timer: threading.Timer | None = None
@@ -120,8 +121,8 @@ class DistributedMagics(Magics):
 
     def _acquire(self, gpus: int, nodes: int | None, per_node: int | None) -> list[Slot]:
         own = server_gpus()
-        mine = choose_slots(own.gpus, gpus) if per_node is None and nodes in (None, 1) else None
-        if mine and (nodes is None or len({s.node for s in mine}) <= nodes):
+        mine = choose_slots(own.gpus, gpus)
+        if mine and len({s.node for s in mine}) == 1:
             return mine
         client = BrokerClient.from_env()
         if client is None:
@@ -132,7 +133,8 @@ class DistributedMagics(Magics):
                 f"{held} GPUs, or start the server with more."
             )
         try:
-            alloc = client.request(gpus, nodes, per_node, self.lease_seconds)
+            # engines run on this machine: the burst must be on one node
+            alloc = client.request(gpus, 1, None, self.lease_seconds)
         except BrokerError as e:
             extra = f" Own server GPUs: {len(own.gpus)}." if own.gpus else ""
             raise UsageError(f"gpuhub refused {gpus} GPUs for %%distributed: {e.message}{extra}") from None
@@ -156,30 +158,34 @@ class DistributedMagics(Magics):
     # pool -----------------------------------------------------------------------------
 
     def _ensure_pool(self, args) -> EnginePool:
-        key = (args.gpus, args.nodes, args.gpus_per_node, args.backend, args.timeout)
+        timeout = args.timeout or self.timeout
+        shape = (args.gpus,)
+        key = (shape, args.backend, timeout)
         with self.lock:
             if self.pool is not None and (self.key != key or self.pool.broken):
-                why = "was left broken by the last cell" if self.pool.broken else "had another shape"
+                why = "was left broken by the last cell" if self.pool.broken else "had other settings"
                 print(f"gpuhub: restarting the engines (the pool {why}).")
-                self._stop_pool(release=self.key != key)
+                # the GPUs stay ours unless the number of ranks changed
+                self._stop_pool(release=self.key[0] != shape)
+            if self.burst is not None and (len(self.burst["gpus"]) != args.gpus or self._lease_lost()):
+                self._release_burst()
             if self.pool is None:
-                slots = (
-                    self._current_slots()
-                    if self.burst
-                    else self._acquire(args.gpus, args.nodes, args.gpus_per_node)
-                )
-                specs = make_rank_specs(slots, "127.0.0.1", free_port())
-                pool = EnginePool(specs, args.backend, args.timeout or self.timeout)
-                handle = display(f"Starting engines: 0 of {len(specs)} up", display_id=True)
-
-                def progress(up, n):
-                    update_display(f"Starting engines: {up} of {n} up", display_id=handle.display_id)
-
                 try:
-                    pool.start(progress)
+                    slots = self._current_slots() if self.burst else self._acquire(args.gpus, None, None)
+                    specs = make_rank_specs(slots, "127.0.0.1", free_port())
+                    pool = EnginePool(specs, args.backend, timeout)
+                    handle = display(f"Starting engines: 0 of {len(specs)} up", display_id=True)
+
+                    def progress(up, n):
+                        update_display(f"Starting engines: {up} of {n} up", display_id=handle.display_id)
+
+                    try:
+                        pool.start(progress)
+                    except BaseException:
+                        pool.stop()
+                        raise
                 except BaseException:
-                    pool.stop()
-                    self._release_burst()
+                    self._release_burst()  # nothing may keep GPUs that no engine uses
                     raise
                 update_display(
                     f"{len(specs)} engines up: "
@@ -188,7 +194,12 @@ class DistributedMagics(Magics):
                 )
                 self.pool, self.key = pool, key
                 self._arm_idle_timer()
+            self.busy += 1  # under the lock: the idle timer cannot slip in before the cell runs
+            self._touch()
             return self.pool
+
+    def _lease_lost(self) -> bool:
+        return bool(self.lease and self.lease.lost)
 
     def _current_slots(self) -> list[Slot]:
         return [Slot(g["node"], g["index"]) for g in self.burst["gpus"]]
@@ -212,7 +223,11 @@ class DistributedMagics(Magics):
         with self.lock:
             if self.pool is None:
                 return
-            if time.monotonic() - self.last_used >= self.idle_seconds:
+            if self._lease_lost() and not self.busy:
+                print("gpuhub: the burst allocation was released by the hub; stopping the engines.")
+                self._stop_pool()
+                return
+            if not self.busy and time.monotonic() - self.last_used >= self.idle_seconds:
                 print(f"gpuhub: the engines were idle for {self.idle_seconds:.0f} s; stopping them.")
                 self._stop_pool()
                 return
@@ -274,13 +289,20 @@ class DistributedMagics(Magics):
                 raise UsageError(f"--{name.replace('_', '-')} must be 1 or more; got {value}")
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError(f"--timeout must be more than 0 seconds; got {args.timeout:g}")
-        pool = self._ensure_pool(args)
-        targets = parse_targets(args.targets, pool.size) if args.targets else None
-        self._touch()
-        outcome = pool.run(
-            cell, output=args.output, grace=min(args.timeout or self.timeout, 30), ranks=targets
-        )
-        self._touch()
+        if (args.nodes or 1) > 1 or args.gpus_per_node not in (None, args.gpus):
+            raise UsageError(
+                "this server runs every engine on its own machine: --nodes 1 only (multi-node "
+                "%%distributed needs the Slurm backend)"
+            )
+        pool = self._ensure_pool(args)  # marks the pool busy
+        try:
+            targets = parse_targets(args.targets, pool.size) if args.targets else None
+            grace = min(args.timeout or self.timeout, 30)
+            outcome = pool.run(cell, output=args.output, grace=grace, ranks=targets)
+        finally:
+            with self.lock:
+                self.busy -= 1
+                self._touch()
         if outcome.interrupted:
             print(report(outcome, pool), file=sys.stderr)
             raise KeyboardInterrupt

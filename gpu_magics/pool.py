@@ -94,6 +94,7 @@ class EnginePool:
         self.cluster.controller_args = [f"--HeartMonitor.period={HEARTBEAT_MS}"]
         self.cluster.start_controller_sync()
         self.controller_pid = self.cluster.controller.pid
+        self._start_reaper([self.controller_pid])  # from now on a killed kernel leaves nothing
         self.cluster.start_engines_sync(n=n)
         self.client = self.cluster.connect_client_sync()
         deadline = time.monotonic() + timeout
@@ -112,18 +113,30 @@ class EnginePool:
             self.client[eid].apply_async(setup_rank, spec.env(), self.backend, self.timeout_s, os.getpid())
             for eid, spec in zip(self.engine_ids, self.specs, strict=True)
         ]
-        self.infos = [ar.get(timeout=timeout) for ar in setups]
+        # wait for all together: rank 0 blocks in init_process_group until every rank is in,
+        # so a rank that fails fast must be reported as itself, not as rank 0's timeout
+        self.client.wait(setups, timeout=timeout)
+        errors = [
+            f"rank {spec.rank}: {ar.exception()}"
+            for spec, ar in zip(self.specs, setups, strict=True)
+            if ar.ready() and not ar.successful()
+        ]
+        if errors or not all(ar.ready() for ar in setups):
+            raise RuntimeError(
+                "engine setup failed: " + ("; ".join(errors) or f"timed out after {timeout:.0f} s")
+            )
+        self.infos = [ar.get() for ar in setups]
         self.view = self.client[self.engine_ids]
-        # outlives a killed kernel and then ends the controller and engines
+        self._start_reaper([self.controller_pid, *self.pids])
+
+    def _start_reaper(self, pids: list[int]) -> None:
+        """(Re)start the reaper: a process of its own session that outlives a killed kernel
+        and then ends the controller and the engines."""
+        if self.reaper is not None:
+            self.reaper.kill()
+            self.reaper.wait()
         self.reaper = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpu_magics.reaper",
-                str(os.getpid()),
-                str(self.controller_pid),
-                *map(str, self.pids),
-            ],
+            [sys.executable, "-m", "gpu_magics.reaper", str(os.getpid()), *map(str, pids)],
             start_new_session=True,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -151,6 +164,10 @@ class EnginePool:
                 errors = [i for i, md in enumerate(ar.metadata) if done[i] and md["status"] != "ok"]
                 if errors and failed_at is None:
                     failed_at = time.monotonic()
+                if not _alive(self.controller_pid):
+                    self.kill(targets)  # no controller, no replies: nothing left to wait for
+                    killed = True
+                    break
                 if failed_at is not None:
                     waited = time.monotonic() - failed_at
                     running = [targets[i] for i, d in enumerate(done) if not d]
@@ -164,13 +181,16 @@ class EnginePool:
                         break  # the controller will notice the dead engines; do not wait for it
         except KeyboardInterrupt:
             interrupted = True
-            self.signal(signal.SIGINT, targets)
-            deadline = time.monotonic() + 5
-            while not ar.ready() and time.monotonic() < deadline:
-                ar.wait(0.1)
-            if not ar.ready():
-                self.kill(targets)
-                killed = True
+            try:
+                self.signal(signal.SIGINT, targets)
+                deadline = time.monotonic() + 5
+                while not ar.ready() and time.monotonic() < deadline:
+                    ar.wait(0.1)
+            finally:  # a second Ctrl-C lands here too: never leave ranks running unmarked
+                if not ar.ready():
+                    self.kill(targets)
+                    killed = True
+                    self.broken = True
         ar.wait(1)  # let the last output and replies of ranks that did finish arrive
         stream.feed(ar.metadata)
         stream.close()
@@ -179,6 +199,7 @@ class EnginePool:
         # a killed or lost rank, an interrupt, or a distributed error leaves the group unusable
         self.broken = (
             killed
+            or signalled  # a rank stopped mid-way may still have collectives in flight
             or interrupted
             or any(r.status in ("died", "killed") for r in outcome.ranks)
             or any(r.status == "error" and is_distributed_error(r.ename, r.evalue) for r in outcome.ranks)
@@ -246,6 +267,7 @@ class EnginePool:
                 self.reaper.kill()
                 self.reaper.wait()
             self.cluster = self.client = self.view = self.reaper = None
+            self.infos = []  # these pids are not ours any more: never signal them again
 
 
 def _alive(pid: int) -> bool:

@@ -248,13 +248,15 @@ for i in range(600):
 
 def test_over_the_limit_is_a_usage_error_and_takes_nothing(hub, ledger, kernel_env):
     before = [(st.gpu.label, st.holder) for st in ledger.gpu_table()]
-    cell, bad_args = run_notebook(
-        ["%%distributed --gpus 3\n1", "%%distributed --gpus 0\n1"], kernel_env("bob")
+    cell, bad_args, multi = run_notebook(
+        ["%%distributed --gpus 3\n1", "%%distributed --gpus 0\n1", "%%distributed --gpus 2 --nodes 2\n1"],
+        kernel_env("bob"),
     )
     # IPython shows a UsageError as its message alone, no traceback
     assert "UsageError: gpuhub refused 3 GPUs for %%distributed" in cell.stderr
     assert "you hold 0 of a limit of 2 (group students): at most 2 more" in cell.stderr
     assert "UsageError: --gpus must be 1 or more" in bad_args.stderr
+    assert "--nodes 1 only (multi-node %%distributed needs the Slurm backend)" in multi.stderr
     assert [(st.gpu.label, st.holder) for st in ledger.gpu_table()] == before
 
 

@@ -28,6 +28,14 @@ def test_rank_specs_follow_torchrun():
         "CUDA_VISIBLE_DEVICES": "0",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "GPUHUB_RANK_GPU": "b:0",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": "2",
+        "ROLE_WORLD_SIZE": "4",
+        "TORCHELASTIC_RUN_ID": "gpuhub",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
     }
 
 
