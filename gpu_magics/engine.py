@@ -13,23 +13,11 @@ import threading
 import time
 from datetime import timedelta
 
-
-def _kernel_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed kernel its parent has not reaped yet is a zombie: gone all the same
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+from .procs import alive
 
 
 def _watch(kernel_pid: int, interval: float = 1.0) -> None:
-    while _kernel_alive(kernel_pid):
+    while alive(kernel_pid):  # a zombie kernel counts as gone
         time.sleep(interval)
     os._exit(0)
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .procs import alive
 from .ranks import RankSpec
 from .reaper import kill_trees
 
@@ -164,7 +165,7 @@ class EnginePool:
                 errors = [i for i, md in enumerate(ar.metadata) if done[i] and md["status"] != "ok"]
                 if errors and failed_at is None:
                     failed_at = time.monotonic()
-                if not _alive(self.controller_pid):
+                if not alive(self.controller_pid):
                     self.kill(targets)  # no controller, no replies: nothing left to wait for
                     killed = True
                     break
@@ -191,7 +192,10 @@ class EnginePool:
                     self.kill(targets)
                     killed = True
                     self.broken = True
-        ar.wait(1)  # let the last output and replies of ranks that did finish arrive
+        ar.wait(1)  # let the last replies of ranks that did finish arrive
+        if ar.ready():
+            # a reply can overtake the output printed just before it: wait for the output too
+            ar.wait_for_output(timeout=5)
         stream.feed(ar.metadata)
         stream.close()
         outcome = self._outcome(targets, ar.metadata, killed)
@@ -224,7 +228,7 @@ class EnginePool:
             evalue = str(getattr(res, "evalue", res))
             tb = getattr(res, "traceback", "") or ""
             tb = ANSI.sub("", "\n".join(tb) if isinstance(tb, list) else str(tb))
-            gone = rank < len(self.infos) and not _alive(self.infos[rank]["pid"])
+            gone = rank < len(self.infos) and not alive(self.infos[rank]["pid"])
             if res is None or ename == "EngineError" or gone:
                 status = "killed" if killed else "died"
             elif ename == "KeyboardInterrupt":
@@ -268,20 +272,6 @@ class EnginePool:
                 self.reaper.wait()
             self.cluster = self.client = self.view = self.reaper = None
             self.infos = []  # these pids are not ours any more: never signal them again
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _quiet_log() -> logging.Logger:

@@ -13,12 +13,7 @@ import time
 
 import psutil
 
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+from .procs import alive
 
 
 def kill_trees(pids: list[int], grace: float = 3.0) -> None:

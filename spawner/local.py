@@ -14,7 +14,6 @@ dead one through ``poll()``.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -22,28 +21,14 @@ from datetime import UTC
 
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
 
+from gpu_magics.procs import alive as pid_alive
+
 from .ledger import AllocationInfo, Ledger
 from .mixin import GpuSpawnerMixin
 
 PROCESS_STARTED = time.time()
 _reconciled: set[str] = set()
 _reconcile_lock = threading.Lock()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs. A zombie does not: in a container whose init never reaps,
-    a dead server stays a zombie and ``kill(pid, 0)`` alone would call it alive."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no procfs: trust kill()
 
 
 def stale_local_allocations(

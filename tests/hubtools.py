@@ -132,6 +132,12 @@ enable_broker(c, url="http://127.0.0.1:{self.broker_port}")
         wait_for(up, timeout, "the hub to answer")
         return self
 
+    def wait_for_broker(self, timeout: float = 60) -> Hub:
+        """Wait until the broker service answers an authenticated request."""
+        token = self.user_token("admin")
+        wait_for(lambda: self.broker("GET", "me", token).status_code == 200, timeout, "the broker")
+        return self
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
 

@@ -35,7 +35,7 @@ def checked(r):
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     h = Hub(tmp_path_factory.mktemp("broker")).start()
-    wait_for(lambda: h.broker("GET", "me", h.user_token("admin")).status_code == 200, 60, "the broker")
+    h.wait_for_broker()
     yield h
     h.stop()
 
@@ -188,11 +188,14 @@ def test_concurrent_burst_requests_never_over_allocate(hub, tokens, ledger):
     with ThreadPoolExecutor(12) as pool:
         results = list(pool.map(ask, [tokens["bob"]] * 6 + [tokens["alice"]] * 6))
     codes = sorted(r.status_code for r in results)
-    assert codes.count(201) == 4  # bob 2 (students), alice 2 more: the 4 GPUs
     assert all(c in (201, 403, 409) for c in codes), codes
-    assert sum(1 for r in results[:6] if r.status_code == 201) == 2  # bob's limit
+    assert codes.count(201) == 4  # exactly the 4 GPUs, whoever was first
+    bob_got = sum(1 for r in results[:6] if r.status_code == 201)
+    alice_got = sum(1 for r in results[6:] if r.status_code == 201)
+    assert bob_got <= 2 and alice_got <= 3  # bob: students 2; alice: 3
     held = {st.gpu.label: st.holder.user for st in ledger.gpu_table() if st.holder}
-    assert len(held) == 4 and sorted(held.values()).count("bob") == 2
+    assert len(held) == 4
+    assert sorted(held.values()) == sorted(["bob"] * bob_got + ["alice"] * alice_got)
 
 
 @pytest.mark.parametrize(

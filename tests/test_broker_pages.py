@@ -10,9 +10,7 @@ import shutil
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from spawner.ledger import Ledger
-
-from .hubtools import DEMO_PASSWORD, Hub, wait_for
+from .hubtools import DEMO_PASSWORD, Hub
 
 pytestmark = pytest.mark.hub
 
@@ -31,16 +29,9 @@ FLAGS = [
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     h = Hub(tmp_path_factory.mktemp("pages")).start()
-    wait_for(lambda: h.broker("GET", "me", h.user_token("admin")).status_code == 200, 60, "the broker")
+    h.wait_for_broker()
     yield h
     h.stop()
-
-
-@pytest.fixture
-def ledger(hub):
-    led = Ledger(hub.ledger_url)
-    yield led
-    led.close()
 
 
 @pytest.fixture

@@ -13,8 +13,6 @@ import time
 import pytest
 from jupyter_client import KernelManager
 
-from spawner.ledger import Ledger
-
 from .hubtools import Hub, wait_for
 from .kerneltools import run_notebook
 
@@ -68,16 +66,9 @@ def hub(tmp_path_factory):
     h = Hub(
         tmp_path_factory.mktemp("distributed"), extra_config='c.GpuHub.user_limits = {"alice": 4}'
     ).start()
-    wait_for(lambda: h.broker("GET", "me", h.user_token("admin")).status_code == 200, 60, "the broker")
+    h.wait_for_broker()
     yield h
     h.stop()
-
-
-@pytest.fixture
-def ledger(hub):
-    led = Ledger(hub.ledger_url)
-    yield led
-    led.close()
 
 
 @pytest.fixture

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from spawner.ledger import Ledger
-
 from .hubtools import Hub, xsrf_from
 
 pytestmark = pytest.mark.hub
@@ -25,13 +23,6 @@ def hub(tmp_path_factory):
     h = Hub(tmp_path_factory.mktemp("hub")).start()
     yield h
     h.stop()
-
-
-@pytest.fixture
-def ledger(hub):
-    led = Ledger(hub.ledger_url)
-    yield led
-    led.close()
 
 
 @pytest.fixture
