@@ -5,7 +5,7 @@
 - ``%gpus``: what this session holds: the server's GPUs, the engines and the burst lease.
 """
 
-from IPython.core.magic import line_magic, magics_class
+from IPython.core.magic import Magics, line_magic, magics_class
 
 from .magics import DistributedMagics, register
 from .session import describe, server_gpus
@@ -14,7 +14,7 @@ __all__ = ["load_ipython_extension", "server_gpus"]
 
 
 @magics_class
-class GpuMagics(DistributedMagics.__base__):
+class GpuMagics(Magics):
     def __init__(self, shell, distributed: DistributedMagics):
         super().__init__(shell=shell)
         self.distributed = distributed

@@ -119,7 +119,7 @@ class DistributedMagics(Magics):
 
     # GPUs -----------------------------------------------------------------------------
 
-    def _acquire(self, gpus: int, nodes: int | None, per_node: int | None) -> list[Slot]:
+    def _acquire(self, gpus: int) -> list[Slot]:
         own = server_gpus()
         mine = choose_slots(own.gpus, gpus)
         if mine and len({s.node for s in mine}) == 1:
@@ -171,7 +171,7 @@ class DistributedMagics(Magics):
                 self._release_burst()
             if self.pool is None:
                 try:
-                    slots = self._current_slots() if self.burst else self._acquire(args.gpus, None, None)
+                    slots = self._current_slots() if self.burst else self._acquire(args.gpus)
                     specs = make_rank_specs(slots, "127.0.0.1", free_port())
                     pool = EnginePool(specs, args.backend, timeout)
                     handle = display(f"Starting engines: 0 of {len(specs)} up", display_id=True)

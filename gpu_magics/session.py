@@ -40,10 +40,10 @@ def describe(s: ServerGpus) -> str:
     if not s.gpus:
         return "This server has no GPUs (it was started with 0). Start it again with GPUs to use them."
     rows = [f"{'GPU':<12}{'CUDA index':<12}MODEL"]
-    cuda = (s.cuda_visible_devices or "").split(",")
     for i, label in enumerate(s.gpus):
         rows.append(f"{label:<12}{i:<12}{s.model or ''}")
     head = (
-        f"Server allocation #{s.allocation_id}: {len(s.gpus)} GPU(s), CUDA_VISIBLE_DEVICES={','.join(cuda)}"
+        f"Server allocation #{s.allocation_id}: {len(s.gpus)} GPU(s), "
+        f"CUDA_VISIBLE_DEVICES={s.cuda_visible_devices or ''}"
     )
     return "\n".join([head, *rows])

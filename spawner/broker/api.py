@@ -81,19 +81,12 @@ class AllocationsHandler(APIHandler):
 
 
 class AllocationHandler(APIHandler):
-    async def _find(self, allocation_id: str):
-        caller = self.require_caller()
-        a = await self.broker.run(self.broker.ledger.get, int(allocation_id))
-        if a is None or not access.may_see(caller, a.user):
-            raise web.HTTPError(404, f"No allocation {allocation_id} of yours.")
-        return caller, a
-
     async def get(self, allocation_id: str):
-        _caller, a = await self._find(allocation_id)
+        _caller, a = await self.find_allocation(allocation_id)
         self.finish(views.allocation_json(a))
 
     async def delete(self, allocation_id: str):
-        caller, a = await self._find(allocation_id)
+        caller, a = await self.find_allocation(allocation_id)
         if not a.active:
             return self.fail(409, f"Allocation {a.id} was already released ({a.end_reason}).", "released")
         if a.purpose == "server":
@@ -111,10 +104,7 @@ class AllocationHandler(APIHandler):
 
 class RenewHandler(APIHandler):
     async def post(self, allocation_id: str):
-        caller = self.require_caller()
-        a = await self.broker.run(self.broker.ledger.get, int(allocation_id))
-        if a is None or not access.may_see(caller, a.user):
-            raise web.HTTPError(404, f"No allocation {allocation_id} of yours.")
+        _caller, a = await self.find_allocation(allocation_id)
         cfg = self.broker.settings
         try:
             body = schemas.parse_json_object(self.request.body, cfg.max_body_bytes)

@@ -62,7 +62,6 @@ async def main() -> None:
     ledger = hub_settings.open_ledger()  # syncs the inventory too, like the hub
     broker = Broker(
         ledger,
-        hub_settings,
         settings,
         Metrics(ledger),
         api_url=os.environ["JUPYTERHUB_API_URL"],

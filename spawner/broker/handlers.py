@@ -17,15 +17,15 @@ from tornado import web
 from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
+from . import access
 from .access import Caller
 
 
 class Broker:
     """What every handler shares: the ledger, settings, metrics and a group cache."""
 
-    def __init__(self, ledger, hub_settings, settings, metrics, api_url: str, api_token: str, prefix: str):
+    def __init__(self, ledger, settings, metrics, api_url: str, api_token: str, prefix: str):
         self.ledger = ledger
-        self.hub_settings = hub_settings
         self.settings = settings
         self.metrics = metrics
         self.api_url = api_url.rstrip("/")
@@ -84,6 +84,14 @@ class APIHandler(BaseHandler):
         if self.caller is None:
             raise web.HTTPError(403, "Authenticate with a JupyterHub token or log in to the hub.")
         return self.caller
+
+    async def find_allocation(self, allocation_id: str):
+        """The caller and the allocation, or 404: another user's is not even confirmed to exist."""
+        caller = self.require_caller()
+        a = await self.broker.run(self.broker.ledger.get, int(allocation_id))
+        if a is None or not access.may_see(caller, a.user):
+            raise web.HTTPError(404, f"No allocation {allocation_id} of yours.")
+        return caller, a
 
     def fail(self, status: int, message: str, reason: str, **extra: Any) -> None:
         self.set_status(status)
