@@ -3,6 +3,7 @@
 ``user_options`` for a GPU server (from the form, or the REST API's ``user_options``):
 
     {"gpus": 2, "gpu_model": "A100"}    # gpu_model optional; "" or absent means any
+    {"gpus": 2, "partition": "gpu"}     # Slurm backend only: one of the cluster's partitions
 
 The form sends strings; the REST API may send numbers. ``parse_gpu_options`` accepts
 both and refuses anything else with a message that says what it takes: the server never
@@ -29,6 +30,7 @@ USAGE = 'gpuhub servers take "gpus" (a whole number, 0 for none) and optionally 
 class GpuOptions:
     count: int
     model: str | None = None
+    partition: str | None = None
 
 
 def _single(value: Any) -> Any:
@@ -60,10 +62,20 @@ def parse_count(raw: Any) -> int:
     return count
 
 
-def parse_gpu_options(user_options: Mapping[str, Any] | None, *, default_gpus: int) -> GpuOptions:
-    """Check the shape of ``user_options``; whether the model exists is the policy's call."""
+def parse_gpu_options(
+    user_options: Mapping[str, Any] | None,
+    *,
+    default_gpus: int,
+    partitions: Sequence[str] | None = None,
+) -> GpuOptions:
+    """Check the shape of ``user_options``; whether the model exists is the policy's call.
+
+    ``partitions``: the Slurm partitions a user may pick (None: the backend has none, and
+    a ``partition`` option is refused like any unknown one).
+    """
     options = dict(user_options or {})
-    unknown = sorted(k for k in options if k not in OPTION_KEYS)
+    allowed = OPTION_KEYS if partitions is None else (*OPTION_KEYS, "partition")
+    unknown = sorted(k for k in options if k not in allowed)
     if unknown:
         raise Refusal(
             f"Unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}. {USAGE}",
@@ -73,7 +85,15 @@ def parse_gpu_options(user_options: Mapping[str, Any] | None, *, default_gpus: i
     model = _single(options.get("gpu_model")) or None
     if model is not None and not isinstance(model, str):
         raise Refusal(f"gpu_model must be a model name; got {model!r}.", reason="bad_request")
-    return GpuOptions(count=count, model=model)
+    partition = _single(options.get("partition")) or None
+    if partition is not None and (partitions is None or partition not in partitions):
+        shown = partition if not isinstance(partition, str) else partition[:40]
+        raise Refusal(
+            f"There is no partition {shown!r} to choose here. Partitions: "
+            f"{', '.join(partitions or []) or 'none'}; or leave it empty for the default.",
+            reason="bad_request",
+        )
+    return GpuOptions(count=count, model=model, partition=partition)
 
 
 def options_from_form(formdata: Mapping[str, list[str]]) -> dict[str, Any]:
@@ -99,8 +119,18 @@ def _allowance_text(a: Allowance) -> str:
     )
 
 
-def render_form(allowance: Allowance, models: Sequence[str], default_gpus: int) -> str:
-    """The spawn form's HTML (Bootstrap 5 classes, as JupyterHub 5+ pages use)."""
+def render_form(
+    allowance: Allowance,
+    models: Sequence[str],
+    default_gpus: int,
+    partitions: Mapping[str, int] | None = None,
+    default_partition: str = "",
+) -> str:
+    """The spawn form's HTML (Bootstrap 5 classes, as JupyterHub 5+ pages use).
+
+    ``partitions`` (Slurm): partition name to GPUs free in it now; a request larger than
+    what is free waits in the queue, so the count is capped by the limit only.
+    """
     value = min(default_gpus, allowance.fits)
     parts = [
         '<div class="mb-3" id="gpuhub-form">',
@@ -125,6 +155,21 @@ def render_form(allowance: Allowance, models: Sequence[str], default_gpus: int) 
             '  <select class="form-select" id="gpuhub-model" name="gpu_model">',
             *options,
             "  </select>",
+            "</div>",
+        ]
+    if partitions:
+        options = [
+            f'    <option value="{escape(p)}" data-free="{n}"{" selected" if p == default_partition else ""}>'
+            f"{escape(p)} ({n} free)</option>"
+            for p, n in partitions.items()
+        ]
+        parts += [
+            '<div class="mb-3">',
+            '  <label for="gpuhub-partition" class="form-label">Slurm partition</label>',
+            '  <select class="form-select" id="gpuhub-partition" name="partition">',
+            *options,
+            "  </select>",
+            '  <div class="form-text">A request larger than what is free now waits in the queue.</div>',
             "</div>",
         ]
     return "\n".join(parts)

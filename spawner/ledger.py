@@ -31,6 +31,7 @@ from .models import (
     Allocation,
     AllocationGpu,
     Gpu,
+    KnownUser,
     LedgerLock,
     LimitRow,
     Node,
@@ -56,6 +57,7 @@ class AllocationInfo:
     end_reason: str | None
     gpus: tuple[policy.Gpu, ...]
     lease_expires: datetime | None = None
+    gpu_count: int = 0  # GPUs asked for (a queued Slurm job holds its count, not yet GPUs)
 
     @property
     def active(self) -> bool:
@@ -115,7 +117,12 @@ def _info(a: Allocation) -> AllocationInfo:
         end_reason=a.end_reason,
         gpus=gpus,
         lease_expires=a.lease_expires,
+        gpu_count=_count(a),
     )
+
+
+def _count(a: Allocation) -> int:
+    return max(a.gpu_count or 0, len(a.gpus))
 
 
 def _gpu(g: Gpu) -> policy.Gpu:
@@ -242,6 +249,26 @@ class Ledger:
         with self._read() as s:
             return self._rules(s)
 
+    def note_user(self, user: str, groups: Iterable[str]) -> None:
+        """Remember a user and their groups (spawners call this at each start)."""
+        joined = ",".join(sorted(set(groups)))[:4000]
+        with self._tx() as s:
+            row = s.get(KnownUser, user)
+            if row is None:
+                s.add(KnownUser(name=user, groups=joined, updated=self.clock()))
+            elif row.groups != joined:
+                row.groups, row.updated = joined, self.clock()
+
+    def effective_limits(self, users: Iterable[str] | None = None) -> dict[str, policy.EffectiveLimit]:
+        """The effective limit of every known user (or of ``users``), with their last known groups."""
+        with self._read() as s:
+            rules = self._rules(s)
+            rows = {r.name: r.groups for r in s.scalars(select(KnownUser))}
+        names = sorted(rows) if users is None else sorted(set(users))
+        return {
+            u: policy.effective_limit(u, [g for g in rows.get(u, "").split(",") if g], rules) for u in names
+        }
+
     def limit_entries(self) -> list[LimitEntry]:
         """Every limit in force with where it comes from (a ledger row hides the trait)."""
         with self._read() as s:
@@ -306,7 +333,7 @@ class Ledger:
         return list(s.scalars(q))
 
     def _holdings(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
-        held = sum(len(a.gpus) for a in self._active(s, user=user))
+        held = sum(_count(a) for a in self._active(s, user=user))
         hours = 0.0
         if limit.gpu_hours is not None:
             hours = policy.gpu_hours_used(self._intervals(s, user=user), self.clock(), limit.window_hours)
@@ -361,6 +388,7 @@ class Ledger:
         backend: str = "local",
         lease_seconds: float | None = None,
         on_nodes: Iterable[str] | None = None,
+        deferred: bool = False,
     ) -> AllocationInfo:
         """Admit and record a request, or raise :class:`policy.Refusal` leaving nothing behind.
 
@@ -368,6 +396,11 @@ class Ledger:
         runs out unless renewed (a burst for ``%%distributed``); expired leases are released
         before any admission, so they never block one. ``on_nodes`` restricts the placement
         (a local server must land on this machine's GPUs).
+
+        ``deferred``: the backend's scheduler picks the GPUs (Slurm). The request is checked
+        against the user's limit and against what the nodes could ever hold, but not against
+        what is free now (the job queues); it holds its count until :meth:`record_gpus`
+        writes the GPUs the scheduler gave it.
         """
         if purpose not in PURPOSES:
             raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}")
@@ -380,10 +413,12 @@ class Ledger:
                 allowed = set(on_nodes)
                 inventory = [g for g in inventory if g.node in allowed]
                 free = [g for g in free if g.node in allowed]
+            if deferred:
+                free = inventory  # it may wait for GPUs, never beyond the limit
             policy.check_request(request, eff, self._holdings(s, user, eff.limit), inventory, free)
             if count == 0:
                 raise policy.Refusal("An allocation needs at least 1 GPU.", reason="bad_request", fits=None)
-            chosen = policy.place(request, free, inventory)
+            chosen = () if deferred else policy.place(request, free, inventory)
             if chosen is None:
                 raise policy.Refusal(
                     f"{count} GPUs cannot be placed as asked right now "
@@ -405,7 +440,10 @@ class Ledger:
                 started=None if lease_seconds is None else now,
                 backend=backend,
                 lease_expires=None if lease_seconds is None else now + timedelta(seconds=lease_seconds),
+                gpu_count=count,
             )
+            if deferred:
+                alloc.state, alloc.started = "starting", None
             alloc.gpus = [AllocationGpu(gpu=by_key[(g.node, g.index)], held=True) for g in chosen]
             s.add(alloc)
             s.flush()
@@ -421,6 +459,61 @@ class Ledger:
             if backend_job_id is not None:
                 a.backend_job_id = str(backend_job_id)
             return _info(a)
+
+    def attach_job(self, allocation_id: int, backend_job_id: str) -> AllocationInfo:
+        """Record the backend's job id of an allocation that is still starting (queued)."""
+        with self._tx() as s:
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                raise LookupError(f"allocation {allocation_id} is not active")
+            a.backend_job_id = str(backend_job_id)
+            return _info(a)
+
+    def record_gpus(
+        self, allocation_id: int, gpus: Iterable[tuple[str, int]], backend_job_id: str | None = None
+    ) -> tuple[AllocationInfo, list[int]]:
+        """Write the GPUs a scheduler gave a deferred allocation, and mark it running.
+
+        The scheduler is the authority on its own GPUs: if another live allocation of the
+        same backend still holds one of them, that allocation's job has ended and its end
+        was not seen yet, so it is released here (its id is returned) rather than the
+        GPU being double-booked. Unknown GPUs raise ``LookupError`` (sync the inventory).
+        """
+        wanted = sorted(set(gpus))
+        with self._tx() as s:
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                raise LookupError(f"allocation {allocation_id} is not active")
+            by_key = {
+                (g.node.name, g.index): g for g in s.scalars(select(Gpu).options(selectinload(Gpu.node)))
+            }
+            missing = [f"{n}:{i}" for n, i in wanted if (n, i) not in by_key]
+            if missing:
+                raise LookupError(f"GPUs {', '.join(missing)} are not in the ledger's inventory")
+            ids = {by_key[k].id for k in wanted}
+            released = []
+            for other in self._active(s):
+                if other.id == a.id or not ids & {ag.gpu_id for ag in other.gpus if ag.held}:
+                    continue
+                if other.backend != a.backend:
+                    raise RuntimeError(
+                        f"GPUs {', '.join(f'{n}:{i}' for n, i in wanted)} are held by allocation "
+                        f"{other.id} of backend {other.backend!r}: two backends share these GPUs"
+                    )
+                self._end(other, f"its {other.backend} job ended (GPUs given to job {backend_job_id})")
+                released.append(other.id)
+            s.flush()
+            current = {ag.gpu_id for ag in a.gpus if ag.held}
+            if current and current != ids:
+                raise RuntimeError(f"allocation {a.id} already holds other GPUs")
+            if not current:
+                a.gpus = [AllocationGpu(gpu=by_key[k], held=True) for k in wanted]
+            a.state = "running"
+            a.started = a.started or self.clock()
+            if backend_job_id is not None:
+                a.backend_job_id = str(backend_job_id)
+            s.flush()
+            return _info(a), released
 
     def release(self, allocation_id: int, reason: str = "released") -> bool:
         """Give the GPUs back. Idempotent: False when it was already released or unknown."""
@@ -476,6 +569,19 @@ class Ledger:
         """Live allocations, filtered by column values, e.g. ``user="alice"``."""
         with self._read() as s:
             return [_info(a) for a in self._active(s, **where)]
+
+    def released_with_jobs(self, backend: str, job_ids: Iterable[str]) -> list[AllocationInfo]:
+        """Released allocations of ``backend`` whose job id is one of ``job_ids``."""
+        ids = [str(j) for j in job_ids]
+        if not ids:
+            return []
+        with self._read() as s:
+            q = select(Allocation).where(
+                Allocation.backend == backend,
+                Allocation.state == "released",
+                Allocation.backend_job_id.in_(ids),
+            )
+            return [_info(a) for a in s.scalars(q.options(selectinload(Allocation.gpus)))]
 
     def gpu_table(self) -> list[GpuStatus]:
         with self._read() as s:

@@ -125,6 +125,21 @@ class GpuSpawnerMixin(Configurable):
         """Nodes a server of this backend may get GPUs on (None: anywhere)."""
         return None
 
+    def parse_options(self) -> form.GpuOptions:
+        """``user_options`` checked (raises ``policy.Refusal``); backends may accept more."""
+        return form.parse_gpu_options(self.user_options, default_gpus=self.default_gpus)
+
+    def admission(self, opts: form.GpuOptions) -> dict:
+        """Extra ``Ledger.allocate`` arguments of this backend (blocking; runs in a thread)."""
+        return {"on_nodes": self.placement_nodes()}
+
+    def gpu_env(self, allocation: AllocationInfo | None) -> dict[str, str]:
+        return make_gpu_env(allocation)
+
+    async def mark_started(self, allocation: AllocationInfo) -> AllocationInfo:
+        """Record in the ledger that the backend started the server."""
+        return await self._in_ledger("mark_running", allocation.id, self.backend_job_id())
+
     async def _render_gpu_form(self, _spawner=None) -> str:
         groups = self._groups()
         allowance, models = await asyncio.to_thread(
@@ -140,14 +155,15 @@ class GpuSpawnerMixin(Configurable):
 
     def get_env(self):
         env = super().get_env()
-        env.update(make_gpu_env(self.gpu_allocation))
+        env.update(self.gpu_env(self.gpu_allocation))
         return env
 
     async def _admit(self) -> AllocationInfo | None:
         try:
-            opts = form.parse_gpu_options(self.user_options, default_gpus=self.default_gpus)
+            opts = self.parse_options()
             if opts.count == 0:
                 return None
+            extra = await asyncio.to_thread(self.admission, opts)
             request = asyncio.ensure_future(
                 self._in_ledger(
                     "allocate",
@@ -158,7 +174,7 @@ class GpuSpawnerMixin(Configurable):
                     server_name=self.name,
                     model=opts.model,
                     backend=self.backend_name,
-                    on_nodes=await asyncio.to_thread(self.placement_nodes),
+                    **extra,
                 )
             )
             try:
@@ -181,17 +197,17 @@ class GpuSpawnerMixin(Configurable):
         allocation = await self._admit()
         self.gpu_allocation = allocation
         self.allocation_id = allocation.id if allocation else 0
-        if allocation:
+        if allocation and allocation.gpus:
             gpus = ", ".join(g.label for g in allocation.gpus)
             self._progress(20, f"Allocated {len(allocation.gpus)} GPU(s): {gpus}")
+        elif allocation:
+            self._progress(20, f"Admitted {allocation.gpu_count} GPU(s) within your limit")
         else:
             self._progress(20, "Starting without GPUs")
         try:
             url = await super().start()
             if allocation:
-                self.gpu_allocation = await self._in_ledger(
-                    "mark_running", allocation.id, self.backend_job_id()
-                )
+                self.gpu_allocation = await self.mark_started(allocation)
         except BaseException:
             if allocation:
                 await self._release(allocation.id, "server failed to start")

@@ -108,6 +108,9 @@ class Allocation(Base):
     end_reason: Mapped[str | None] = mapped_column(String(255))
     # burst allocations live only while renewed; None for servers (the backend tracks them)
     lease_expires: Mapped[datetime | None] = mapped_column(DateTime)
+    # GPUs asked for; counts against the limit even before the backend has placed them
+    # (a queued Slurm job). None on rows older than migration 0003: len(gpus) then.
+    gpu_count: Mapped[int | None] = mapped_column(Integer)
     gpus: Mapped[list[AllocationGpu]] = relationship(
         back_populates="allocation", cascade="all, delete-orphan"
     )
@@ -131,6 +134,17 @@ class AllocationGpu(Base):
     held: Mapped[bool] = mapped_column(Boolean, default=True)
     allocation: Mapped[Allocation] = relationship(back_populates="gpus")
     gpu: Mapped[Gpu] = relationship()
+
+
+class KnownUser(Base):
+    """A user a spawner has seen, with their JupyterHub groups at that time: what lets any
+    process (the CLI too) work out everyone's effective limit, e.g. for Slurm accounting."""
+
+    __tablename__ = "known_users"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    groups: Mapped[str] = mapped_column(String(4000), default="")  # comma-separated
+    updated: Mapped[datetime] = mapped_column(DateTime)
 
 
 class LedgerLock(Base):

@@ -72,11 +72,12 @@ class GpuHub(Configurable):
     ).tag(config=True)
 
     inventory = CaselessStrEnum(
-        ["nvml", "simulated"],
+        ["nvml", "simulated", "slurm"],
         default_value="nvml",
         help="""Where the list of GPUs comes from: ``"nvml"`` (the NVIDIA driver on this
-        machine) or ``"simulated"`` (``simulated_gpus``, for machines without GPUs).
-        ``c.GpuHub.inventory = "simulated"``
+        machine), ``"simulated"`` (``simulated_gpus``, for machines without GPUs) or
+        ``"slurm"`` (every node's GPUs as ``sinfo`` reports them; GPU types become models).
+        ``c.GpuHub.inventory = "slurm"``
         """,
     ).tag(config=True)
 
@@ -137,13 +138,25 @@ class GpuHub(Configurable):
     def read_inventory(self) -> tuple[Gpu, ...]:
         if self.inventory == "simulated":
             return inventory.parse_simulated(self.simulated_gpus)
+        if self.inventory == "slurm":
+            from .slurm.cluster import read_cluster
+
+            return tuple(read_cluster(max_age=0).inventory())
         return inventory.nvml_gpus(self.node_name or socket.gethostname())
 
     def local_nodes(self) -> set[str]:
-        """The ledger nodes this machine's inventory speaks for (its servers run here)."""
+        """The ledger nodes this inventory speaks for (a Slurm hub: every node of the cluster)."""
         if self.inventory == "simulated":
             return {g.node for g in inventory.parse_simulated(self.simulated_gpus)}
+        if self.inventory == "slurm":
+            from .slurm.cluster import read_cluster
+
+            return {n.name for n in read_cluster().nodes}
         return {self.node_name or socket.gethostname()}
+
+    def sync_inventory(self) -> None:
+        """Read the inventory again and write it to the ledger (a node joined the cluster)."""
+        self.open_ledger(sync=False).sync_inventory(self.read_inventory(), nodes=self.local_nodes())
 
     def open_ledger(self, sync: bool = True) -> Ledger:
         """The process's ledger for ``db_url``, opened (and synced) once per process.

@@ -1,0 +1,139 @@
+"""gpuhub limits written into Slurm's accounting, so a plain ``sbatch`` is bounded too.
+
+Each known user's effective ``max_gpus`` becomes their association's
+``GrpTRES=gres/gpu=N`` (``-1``: no limit) in ``c.SlurmAccounting.account``; a user Slurm
+does not know yet is added first (``sacctmgr add user``). Needs slurmdbd with
+``AccountingStorageEnforce=associations,limits`` and ``AccountingStorageTRES=gres/gpu``.
+
+Who writes: the spawner before each submission (for its user, whose groups it knows),
+``gpuhub limits set/unset`` and the broker's limit API (for every user the change touches).
+GPU-hours quotas stay gpuhub's own (Slurm's ``GrpTRESMins`` counts differently).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from traitlets import Bool, Float, Unicode
+from traitlets.config import LoggingConfigurable
+
+from ..policy import EffectiveLimit
+from .jobs import SlurmError
+
+UNLIMITED = -1
+
+
+@dataclass(frozen=True)
+class Association:
+    user: str
+    account: str
+    gpus: int  # GrpTRES gres/gpu, -1 when unset
+
+
+def parse_associations(text: str) -> dict[str, Association]:
+    """``sacctmgr -n -P show assoc format=user,account,grptres`` to user -> association."""
+    out = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 3 or not fields[0]:
+            continue
+        user, account, tres = fields
+        gpus = UNLIMITED
+        for item in tres.split(","):
+            key, _, value = item.partition("=")
+            if key == "gres/gpu" and value.lstrip("-").isdigit():
+                gpus = int(value)
+        out[user] = Association(user, account, gpus)
+    return out
+
+
+def wanted_gpus(eff: EffectiveLimit) -> int:
+    return UNLIMITED if eff.limit.max_gpus is None else eff.limit.max_gpus
+
+
+def plan(
+    limits: Mapping[str, EffectiveLimit], current: Mapping[str, Association], account: str
+) -> list[list[str]]:
+    """The ``sacctmgr`` commands that make Slurm match ``limits`` (pure)."""
+    commands = []
+    for user, eff in sorted(limits.items()):
+        want = wanted_gpus(eff)
+        have = current.get(user)
+        if have is None:
+            commands.append(["sacctmgr", "-i", "add", "user", user, f"Account={account}"])
+        if have is None or have.gpus != want:
+            commands.append(
+                [
+                    "sacctmgr",
+                    "-i",
+                    "modify",
+                    "user",
+                    "where",
+                    f"name={user}",
+                    f"account={account}",
+                    "set",
+                    f"GrpTRES=gres/gpu={want}",
+                ]
+            )
+    return commands
+
+
+class SlurmAccounting(LoggingConfigurable):
+    """``c.SlurmAccounting.*``: gpuhub limits written to Slurm associations."""
+
+    enabled = Bool(
+        False,
+        help="""Write each user's GPU limit to their Slurm association (``GrpTRES=gres/gpu=N``)
+        and add users to Slurm's accounting database when first seen. Needs slurmdbd.
+        Without it, gpuhub's own admission still bounds everything gpuhub launches, but not
+        a user's own ``sbatch``. ``c.SlurmAccounting.enabled = True``""",
+    ).tag(config=True)
+
+    account = Unicode(
+        "gpuhub",
+        help="""Slurm account new users join and whose associations carry the limits
+        (create it once: ``sacctmgr add account gpuhub``). ``c.SlurmAccounting.account = "gpuhub"``""",
+    ).tag(config=True)
+
+    timeout = Float(
+        30.0,
+        help="""Seconds one ``sacctmgr`` call may take. ``c.SlurmAccounting.timeout = 30``""",
+    ).tag(config=True)
+
+    def _run(self, argv: list[str]) -> str:
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout)
+        except FileNotFoundError:
+            raise SlurmError("sacctmgr is not installed (Slurm accounting needs slurmdbd)") from None
+        except subprocess.TimeoutExpired:
+            raise SlurmError(f"{' '.join(argv[:3])} took longer than {self.timeout:g} s") from None
+        if r.returncode != 0 and "Nothing new added" not in r.stdout + r.stderr:
+            raise SlurmError(f"{' '.join(argv[:4])} failed: {(r.stderr or r.stdout).strip()[-300:]}")
+        return r.stdout
+
+    def associations(self) -> dict[str, Association]:
+        out = self._run(
+            [
+                "sacctmgr",
+                "-n",
+                "-P",
+                "show",
+                "assoc",
+                f"account={self.account}",
+                "format=user,account,grptres",
+            ]
+        )
+        return parse_associations(out)
+
+    def sync(self, ledger, users=None) -> list[list[str]]:
+        """Make Slurm's associations match the ledger for ``users`` (default: every known user).
+        Returns the commands run."""
+        if not self.enabled:
+            return []
+        commands = plan(ledger.effective_limits(users), self.associations(), self.account)
+        for argv in commands:
+            self.log.info("gpuhub: %s", " ".join(argv))
+            self._run(argv)
+        return commands

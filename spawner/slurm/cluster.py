@@ -1,0 +1,42 @@
+"""The cluster as ``sinfo`` shows it, cached for a short while (the spawn form reads it)."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+from . import jobs
+
+_cache: dict[str, tuple[float, jobs.Cluster]] = {}
+_lock = threading.Lock()
+
+
+def read_cluster(max_age: float = 30.0, timeout: float = 20.0) -> jobs.Cluster:
+    """Nodes, GPUs and partitions from ``sinfo``; at most ``max_age`` seconds old."""
+    with _lock:
+        hit = _cache.get("sinfo")
+        if hit and time.monotonic() - hit[0] < max_age:
+            return hit[1]
+        try:
+            out = subprocess.run(
+                jobs.sinfo_argv(), capture_output=True, text=True, timeout=timeout, check=True
+            )
+        except FileNotFoundError:
+            raise jobs.SlurmError(
+                "sinfo is not installed: the Slurm backend needs Slurm's client commands"
+            ) from None
+        except subprocess.TimeoutExpired:
+            raise jobs.SlurmError(f"sinfo took longer than {timeout:g} s") from None
+        except subprocess.CalledProcessError as e:
+            raise jobs.SlurmError(f"sinfo failed: {e.stderr.strip()[-300:]}") from None
+        cluster = jobs.parse_sinfo(out.stdout)
+        if not cluster.nodes:
+            raise jobs.SlurmError("sinfo lists no nodes")
+        _cache["sinfo"] = (time.monotonic(), cluster)
+        return cluster
+
+
+def forget() -> None:
+    with _lock:
+        _cache.clear()

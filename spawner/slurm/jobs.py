@@ -1,0 +1,259 @@
+"""What Slurm prints, parsed; what gpuhub asks Slurm, as argument lists. No I/O here.
+
+Formats relied on (Slurm 22.05 and later):
+
+- ``sinfo -h -N -o '%N|%G|%P|%T'``: one line per node and partition, e.g.
+  ``gpu-node1|gpu:a100:4(S:0)|gpu*|idle`` (``*`` marks the default partition).
+- ``squeue -h -t all -o '%i|%T|%r|%N|%u|%j|%S'``: one line per job, e.g.
+  ``12|PENDING|Resources||alice|gpuhub-server|N/A``.
+- ``scontrol -d show job ID``: per-node lines ``Nodes=gpu-node1 CPU_IDs=0-1 Mem=2000
+  GRES=gpu:a100:2(IDX:2-3)``. ``IDX`` holds the node's own GPU indices, whatever
+  ``CUDA_VISIBLE_DEVICES`` says inside the job (it is renumbered under device cgroups).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..policy import Gpu
+
+SQUEUE_FORMAT = "%i|%T|%r|%N|%u|%j|%S"
+SINFO_FORMAT = "%N|%G|%P|%T"
+PENDING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"})
+RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"})
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed or printed something gpuhub cannot read."""
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """``gpu-node[1-2,4],login01`` to its host names (Slurm's hostlist syntax, zero padding kept)."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", expr.strip()):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            width = len(lo)
+            for n in range(int(lo), int(hi or lo) + 1):
+                for rest in expand_hostlist(suffix) if "[" in suffix else [suffix]:
+                    hosts.append(f"{prefix}{n:0{width}d}{rest}")
+    return hosts
+
+
+def parse_index_list(text: str) -> list[int]:
+    """``0-1,3`` to ``[0, 1, 3]``."""
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        lo, _, hi = item.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+# nodes and GPUs --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GresEntry:
+    type: str | None  # "a100", or None for untyped GPUs
+    count: int
+
+
+def parse_gres(text: str) -> list[GresEntry]:
+    """The GPU entries of a node's GRES string: ``gpu:a100:4(S:0),gpu:2`` -> entries in order."""
+    out = []
+    for item in re.split(r",(?![^(]*\))", text or ""):
+        item = re.sub(r"\(.*\)$", "", item.strip())
+        fields = item.split(":")
+        if fields[0] != "gpu" or len(fields) < 2:
+            continue
+        count = fields[-1]
+        if not count.isdigit():
+            continue
+        out.append(GresEntry(fields[1] if len(fields) == 3 else None, int(count)))
+    return out
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    name: str
+    gres: tuple[GresEntry, ...]
+    partitions: tuple[str, ...]
+    state: str
+
+    def gpus(self, untyped_model: str = "GPU") -> list[Gpu]:
+        """The node's GPUs, indexed as Slurm indexes them (gres.conf order, from 0)."""
+        out, index = [], 0
+        for entry in self.gres:
+            for _ in range(entry.count):
+                out.append(Gpu(self.name, index, entry.type or untyped_model))
+                index += 1
+        return out
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: tuple[SlurmNode, ...]
+    partitions: tuple[str, ...]  # in sinfo's order
+    default_partition: str | None
+
+    def partition_nodes(self, partition: str) -> set[str]:
+        return {n.name for n in self.nodes if partition in n.partitions}
+
+    def inventory(self, untyped_model: str = "GPU") -> list[Gpu]:
+        return [g for n in self.nodes for g in n.gpus(untyped_model)]
+
+
+def parse_sinfo(text: str) -> Cluster:
+    nodes: dict[str, dict] = {}
+    partitions: list[str] = []
+    default = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|")
+        if len(fields) != 4:
+            raise SlurmError(f"unexpected sinfo line: {line!r}")
+        name, gres, partition, state = (f.strip() for f in fields)
+        if partition.endswith("*"):
+            partition = partition[:-1]
+            default = partition
+        if partition not in partitions:
+            partitions.append(partition)
+        node = nodes.setdefault(name, {"gres": tuple(parse_gres(gres)), "partitions": [], "state": state})
+        node["partitions"].append(partition)
+    return Cluster(
+        nodes=tuple(
+            SlurmNode(name, d["gres"], tuple(d["partitions"]), d["state"].rstrip("*~#$@+^-"))
+            for name, d in sorted(nodes.items())
+        ),
+        partitions=tuple(partitions),
+        default_partition=default,
+    )
+
+
+# jobs -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    state: str  # Slurm's long state: PENDING, RUNNING, COMPLETED, CANCELLED, ...
+    reason: str = ""
+    nodes: tuple[str, ...] = ()
+    user: str = ""
+    name: str = ""
+    start_time: str = ""  # expected start of a pending job, when Slurm knows it
+
+    @property
+    def pending(self) -> bool:
+        return self.state in PENDING_STATES
+
+    @property
+    def running(self) -> bool:
+        return self.state in RUNNING_STATES
+
+    @property
+    def ended(self) -> bool:
+        return not (self.pending or self.running)
+
+    def describe(self) -> str:
+        """For the spawn page: ``queued (Resources), expected start 2026-11-29T18:00:00``."""
+        if self.pending:
+            reason = self.reason if self.reason and self.reason != "None" else "waiting"
+            text = f"Queued in Slurm as job {self.job_id} ({reason})"
+            if self.start_time and self.start_time not in ("N/A", "Unknown"):
+                text += f", expected start {self.start_time}"
+            return text
+        if self.running:
+            return f"Slurm job {self.job_id} running on {', '.join(self.nodes)}"
+        return f"Slurm job {self.job_id} ended ({self.state.lower()})"
+
+
+def parse_squeue(text: str) -> dict[str, JobInfo]:
+    jobs = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|")
+        if len(fields) < 7:
+            raise SlurmError(f"unexpected squeue line: {line!r}")
+        job_id, state, reason, nodes, user, name = (f.strip() for f in fields[:6])
+        start = "|".join(fields[6:]).strip()
+        jobs[job_id] = JobInfo(
+            job_id=job_id,
+            state=state.split()[0] if state else "UNKNOWN",
+            reason=reason,
+            nodes=tuple(expand_hostlist(nodes)) if nodes and nodes != "(null)" else (),
+            user=user,
+            name=name,
+            start_time=start,
+        )
+    return jobs
+
+
+def parse_job_gpus(text: str) -> list[tuple[str, int]]:
+    """``scontrol -d show job`` to the job's GPUs as (node, node-local index)."""
+    out: list[tuple[str, int]] = []
+    for m in re.finditer(r"\bNodes=(\S+)[^\n]*?\bGRES=(\S+)", text):
+        nodes, gres = m.groups()
+        indices: list[int] = []
+        for idx in re.findall(r"gpu(?::[^:(,\s]+)*:\d+\(IDX:([0-9,\-]+)\)", gres):
+            indices.extend(parse_index_list(idx))
+        for node in expand_hostlist(nodes):
+            out.extend((node, i) for i in indices)
+    return sorted(set(out))
+
+
+def gres_request(count: int, model: str | None) -> str:
+    """``--gres`` value: ``gpu:a100:2``, or ``gpu:2`` for any type."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"a GPU job needs a count of 1 or more; got {count!r}")
+    if model is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", model):
+        raise ValueError(f"not a Slurm GPU type: {model!r}")
+    return f"gpu:{model}:{count}" if model else f"gpu:{count}"
+
+
+# commands -------------------------------------------------------------------------------
+
+
+def squeue_argv(names: Iterable[str]) -> list[str]:
+    """Every gpuhub job in one call (recently ended ones too, for their final state)."""
+    return ["squeue", "-h", "-t", "all", "--name", ",".join(sorted(names)), "-o", SQUEUE_FORMAT]
+
+
+def sinfo_argv() -> list[str]:
+    return ["sinfo", "-h", "-N", "-o", SINFO_FORMAT]
+
+
+def job_detail_argv(job_id: str) -> list[str]:
+    return ["scontrol", "-d", "show", "job", str(job_id)]
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What ``sbatch`` is run with: the argument list (script on stdin) and its environment."""
+
+    argv: list[str]
+    script: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def parse_sbatch(output: str) -> str:
+    """``sbatch --parsable`` prints ``ID`` or ``ID;cluster``; anything else is an error."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    if not lines:
+        raise SlurmError("sbatch printed no job id")
+    job_id = lines[-1].split(";")[0].strip()
+    if not job_id.isdigit():
+        raise SlurmError(f"sbatch printed no job id: {output.strip()[-200:]!r}")
+    return job_id

@@ -1,0 +1,288 @@
+"""``gpu-slurm``: batchspawner's ``SlurmSpawner`` with GPUs admitted by the gpuhub ledger.
+
+- The form offers the cluster's partitions and GPU types (``sinfo``, cached), what is
+  free in each partition and what the user may still take.
+- ``start()``: the ledger admits the count within the user's limit *before* ``sbatch``
+  (the job may then wait in Slurm's queue: a request never exceeds the limit, but may
+  exceed what is free now); the job id is recorded as soon as ``sbatch`` answers; once
+  the job runs, the GPUs Slurm gave it (``scontrol -d show job``) are written to the
+  ledger. While pending, the spawn page shows Slurm's state and reason.
+- Job state comes from the process's one :class:`~.watcher.SlurmWatcher`, never from an
+  ``squeue`` per spawner; a failed query keeps the last known state.
+- Commands run without a shell (``sudo -E -u USER sbatch`` by default), the batch script
+  is rendered by :mod:`.script` (``c.GpuSlurmSpawner.batch_script`` to override it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shlex
+import sys
+
+from batchspawner import JobStatus, SlurmSpawner
+from jupyterhub.spawner import SpawnException
+from traitlets import Float, Int, List, Unicode, default
+
+from .. import form
+from ..ledger import AllocationInfo
+from ..mixin import GpuSpawnerMixin
+from . import callback, jobs, script
+from .accounting import SlurmAccounting
+from .cluster import read_cluster
+from .watcher import get_watcher, run_command
+
+callback.install()
+
+
+def slurm_gpu_env(allocation: AllocationInfo | None) -> dict[str, str]:
+    """The gpuhub variables of a Slurm server. Slurm itself sets ``CUDA_VISIBLE_DEVICES``
+    and ``SLURM_JOB_GPUS`` inside the job (the GPUs are not known before it runs)."""
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "GPUHUB_BACKEND": "slurm"}
+    if allocation is None:
+        env.update(CUDA_VISIBLE_DEVICES="", GPUHUB_ALLOCATION_ID="")
+    else:
+        env.update(GPUHUB_ALLOCATION_ID=str(allocation.id))
+    return env
+
+
+class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
+    """SlurmSpawner with GPUs from the gpuhub ledger (``spawner_class = "gpu-slurm"``)."""
+
+    backend_name = "slurm"
+
+    batch_script = Unicode(
+        script.SERVER_TEMPLATE,
+        help="""Jinja2 template of the server's batch script. Values: ``user``, ``job_name``,
+        ``output``, ``homedir``, ``export``, ``gres``, ``partition``, ``cpus``, ``memory``,
+        ``runtime``, ``account``, ``directives`` (a list), ``prologue``, ``command`` (quoted).
+        Preview the result with ``gpuhub slurm script --user NAME --gpus N``.
+        ``c.GpuSlurmSpawner.batch_script = open("/etc/jupyterhub/server.sbatch").read()``""",
+    ).tag(config=True)
+
+    partitions = List(
+        Unicode(),
+        help="""Partitions users may choose in the form (default: every partition ``sinfo``
+        shows). ``c.GpuSlurmSpawner.partitions = ["gpu", "interactive"]``""",
+    ).tag(config=True)
+
+    default_partition = Unicode(
+        "",
+        help="""Partition preselected in the form and used when a request names none
+        (default: Slurm's default partition). ``c.GpuSlurmSpawner.default_partition = "gpu"``""",
+    ).tag(config=True)
+
+    cpus_per_gpu = Int(
+        2,
+        help="""CPUs the server's job asks for per GPU (at least 1 in all).
+        ``c.GpuSlurmSpawner.cpus_per_gpu = 8``""",
+    ).tag(config=True)
+
+    extra_directives = List(
+        Unicode(),
+        help="""More ``#SBATCH`` options, one option each.
+        ``c.GpuSlurmSpawner.extra_directives = ["--qos=interactive"]``""",
+    ).tag(config=True)
+
+    output_template = Unicode(
+        "{homedir}/.gpuhub-server-%j.log",
+        help="""Where the server job's output goes (``{homedir}`` is the user's home; ``%j``
+        Slurm's job id). ``c.GpuSlurmSpawner.output_template = "/scratch/{username}/jupyter-%j.log"``""",
+    ).tag(config=True)
+
+    cluster_cache_seconds = Float(
+        30.0,
+        help="""How long the partitions and GPU types read from ``sinfo`` are reused for forms.
+        ``c.GpuSlurmSpawner.cluster_cache_seconds = 30``""",
+    ).tag(config=True)
+
+    status_timeout = Float(
+        5.0,
+        help="""Seconds ``poll()`` waits for the watcher's first answer about a job before it
+        counts the job as alive (unknown is never dead). ``c.GpuSlurmSpawner.status_timeout = 5``""",
+    ).tag(config=True)
+
+    @default("batchspawner_singleuser_cmd")
+    def _default_singleuser(self):
+        found = os.path.join(os.path.dirname(sys.executable), "batchspawner-singleuser")
+        return found if os.path.exists(found) else "batchspawner-singleuser"
+
+    _last_status = Unicode("")
+
+    # cluster, form, admission --------------------------------------------------------
+
+    def cluster(self) -> jobs.Cluster:
+        return read_cluster(self.cluster_cache_seconds)
+
+    def allowed_partitions(self, cluster: jobs.Cluster) -> list[str]:
+        return [p for p in cluster.partitions if not self.partitions or p in self.partitions]
+
+    def chosen_partition(self, cluster: jobs.Cluster, requested: str | None) -> str:
+        return requested or self.default_partition or cluster.default_partition or cluster.partitions[0]
+
+    def parse_options(self) -> form.GpuOptions:
+        return form.parse_gpu_options(
+            self.user_options,
+            default_gpus=self.default_gpus,
+            partitions=self.allowed_partitions(self.cluster()),
+        )
+
+    def admission(self, opts: form.GpuOptions) -> dict:
+        cluster = self.cluster()
+        return {
+            "on_nodes": cluster.partition_nodes(self.chosen_partition(cluster, opts.partition)),
+            "deferred": True,
+        }
+
+    async def _render_gpu_form(self, _spawner=None) -> str:
+        groups = self._groups()
+
+        def facts():
+            cluster = self.cluster()
+            free = {
+                (st.gpu.node, st.gpu.index) for st in self.ledger.gpu_table() if st.present and not st.holder
+            }
+            per_partition = {
+                p: sum(1 for node, _ in free if node in cluster.partition_nodes(p))
+                for p in self.allowed_partitions(cluster)
+            }
+            allowance = self.ledger.allowance(self.user.name, groups)
+            return allowance, self.ledger.models(), per_partition, self.chosen_partition(cluster, None)
+
+        allowance, models, per_partition, chosen = await asyncio.to_thread(facts)
+        # a request may wait in the queue: what the user may take is bounded by the limit only
+        most = max((len(n.gpus()) for n in (await asyncio.to_thread(self.cluster)).nodes), default=0)
+        room = allowance.may_take if allowance.may_take is not None else most
+        allowance = dataclasses.replace(allowance, fits=min(room, most))
+        return form.render_form(allowance, models, self.default_gpus, per_partition, chosen)
+
+    # the job ------------------------------------------------------------------------
+
+    def gpu_env(self, allocation):
+        return slurm_gpu_env(allocation)
+
+    @property
+    def watcher(self):
+        gpuhub = self.gpuhub
+        return get_watcher(
+            self.config, lambda: gpuhub.open_ledger(), gpuhub.db_url, gpuhub.sync_inventory, self.log
+        )
+
+    def backend_job_id(self) -> str | None:
+        return self.job_id or None
+
+    def _prefix(self) -> list[str]:
+        return [part.format(username=self.user.name) for part in shlex.split(self.exec_prefix)]
+
+    def render_script(self, opts: form.GpuOptions | None = None) -> str:
+        opts = opts or self.parse_options()
+        cluster = self.cluster()
+        home = self.req_homedir
+        env = self.get_env()
+        return script.render(
+            self.batch_script,
+            command=[self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args()],
+            directives=self.extra_directives,
+            user=self.user.name,
+            job_name="gpuhub-server",
+            output=self.output_template.format(homedir=home, username=self.user.name),
+            homedir=home,
+            export=script.export_list(env),
+            gres=jobs.gres_request(opts.count, opts.model) if opts.count else "",
+            partition=self.chosen_partition(cluster, opts.partition),
+            cpus=max(1, opts.count * self.cpus_per_gpu),
+            memory=self.req_memory,
+            runtime=self.req_runtime,
+            account=self.req_account,
+            prologue=self.req_prologue,
+        )
+
+    def _sync_account(self) -> None:
+        """Remember the user's groups and write their limit to Slurm's accounting (adding
+        the user there when first seen) before their first job."""
+        ledger = self.ledger
+        ledger.note_user(self.user.name, self._groups())
+        SlurmAccounting(config=self.config, log=self.log).sync(ledger, [self.user.name])
+
+    async def submit_batch_script(self):
+        opts = self.parse_options()
+        try:
+            await asyncio.to_thread(self._sync_account)
+        except jobs.SlurmError as e:
+            raise SpawnException(
+                f"Slurm accounting could not be updated for you: {e}. Ask an admin to check slurmdbd.",
+                reason="gpuhub_slurm_accounting",
+                status_code=503,
+            ) from None
+        text = await asyncio.to_thread(self.render_script, opts)
+        argv = [*self._prefix(), "sbatch", "--parsable"]
+        self.log.info("gpuhub: submitting %s's server to Slurm: %s", self.user.name, " ".join(argv))
+        try:
+            out = await run_command(argv, 60, input=text, env=self.get_env())
+        except jobs.SlurmError as e:
+            raise SpawnException(
+                f"Slurm refused the job: {e}", reason="gpuhub_slurm_refused", status_code=400
+            ) from None
+        self.job_id = jobs.parse_sbatch(out)
+        self.watcher.track(self.job_id)
+        if self.allocation_id:
+            await self._in_ledger("attach_job", self.allocation_id, self.job_id)
+        self._progress(30, f"Submitted to Slurm as job {self.job_id}")
+        return self.job_id
+
+    async def query_job_status(self):
+        if not self.job_id:
+            self.job_status = ""
+            return JobStatus.NOTFOUND
+        watcher = self.watcher
+        watcher.track(self.job_id)
+        verdict, info = watcher.job(self.job_id)
+        if verdict == "unknown":
+            await watcher.next_update(self.status_timeout)
+            verdict, info = watcher.job(self.job_id)
+        if verdict == "unknown":
+            self.job_status = "UNKNOWN"
+            return JobStatus.UNKNOWN
+        if verdict == "gone" or info.ended:
+            self.job_status = info.state if info else ""
+            return JobStatus.NOTFOUND
+        self.job_status = f"{info.state} {info.nodes[0] if info.nodes else ''}".strip()
+        text = info.describe()
+        if self._spawn_pending and text != self._last_status:
+            self._last_status = text
+            self._progress(40 if info.pending else 50, text)
+        return JobStatus.RUNNING if info.running else JobStatus.PENDING
+
+    def state_gethost(self):
+        _, info = self.watcher.job(self.job_id)
+        return info.nodes[0] if info and info.nodes else None
+
+    async def cancel_batch_job(self):
+        argv = [*self._prefix(), "scancel", str(self.job_id)]
+        self.log.info("gpuhub: cancelling Slurm job %s of %s", self.job_id, self.user.name)
+        try:
+            await run_command(argv, 30)
+        finally:
+            self.watcher.track(self.job_id)  # look again now
+
+    async def mark_started(self, allocation: AllocationInfo) -> AllocationInfo:
+        """Write the GPUs Slurm gave the job (the watcher would too, a moment later)."""
+        out = await run_command(jobs.job_detail_argv(self.job_id), 30)
+        gpus = jobs.parse_job_gpus(out)
+        try:
+            info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
+        except LookupError:
+            await asyncio.to_thread(self.gpuhub.sync_inventory)
+            info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
+        self._progress(55, f"Slurm job {self.job_id} holds {', '.join(g.label for g in info.gpus)}")
+        return info
+
+    def load_state(self, state):
+        super().load_state(state)
+        if self.job_id:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self.watcher.track(self.job_id)

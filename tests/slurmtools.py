@@ -1,0 +1,112 @@
+"""The real Slurm cluster of ``scripts/slurm-cluster`` for tests: two nodes with 4 fake
+GPUs each, munge, slurmctld, slurmdbd. ``scripts/test`` starts it when run as root and
+sets ``GPUHUB_REQUIRE_SLURM=1``, so in CI these tests run or fail, never skip. Elsewhere
+they skip with a message that says how to enable them.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .hubtools import REPO, Hub, process_environ, wait_for
+
+SCRIPT = REPO / "scripts" / "slurm-cluster"
+USERS = ("alice", "bob", "carol", "dave")
+VENV_BIN = Path(sys.executable).parent
+
+
+def require_cluster() -> None:
+    """Skip (or, with GPUHUB_REQUIRE_SLURM=1, fail) unless the test cluster answers."""
+    up = subprocess.run([str(SCRIPT), "status"], capture_output=True, text=True)
+    if up.returncode == 0:
+        return
+    if os.geteuid() == 0:
+        started = subprocess.run([str(SCRIPT), "start"], capture_output=True, text=True)
+        if started.returncode == 0:
+            return
+        why = started.stdout[-2000:] + started.stderr[-2000:]
+    else:
+        why = "not root"
+    message = (
+        "the Slurm test cluster is not running; start it as root with `sudo scripts/slurm-cluster start` "
+        f"(or run the suite as root: `scripts/test`). ({why.strip()})"
+    )
+    if os.environ.get("GPUHUB_REQUIRE_SLURM") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def ensure_unix_users(names=USERS) -> None:
+    """Slurm jobs run as real users: create the demo users (home directories) if missing."""
+    for name in names:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", name], check=True)
+
+
+def slurm(*argv: str, user: str | None = None, input: str | None = None, check=True):
+    cmd = list(argv) if user is None else ["sudo", "-u", user, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, input=input, check=check, timeout=60)
+
+
+def job_state(job_id: str) -> str:
+    out = slurm("squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T", check=False).stdout.strip()
+    return out or "GONE"
+
+
+def cancel_all_jobs() -> None:
+    slurm("scancel", "--full", "--name", "gpuhub-server,gpuhub-engines,gpuhub-test", check=False)
+    for name in USERS:
+        slurm("scancel", "-u", name, check=False)
+
+    def none_left():
+        out = slurm("squeue", "-h", "-o", "%i %T", check=False).stdout.strip()
+        return not out
+
+    wait_for(none_left, 60, "every Slurm job to end", interval=0.5)
+
+
+SLURM_HUB_CONFIG = f"""
+c.JupyterHub.spawner_class = "gpu-slurm"
+c.GpuHub.inventory = "slurm"
+c.SlurmAccounting.enabled = True
+c.Spawner.cmd = ["{VENV_BIN / "jupyterhub-singleuser"}"]
+c.Spawner.args = []
+c.GpuSlurmSpawner.batchspawner_singleuser_cmd = "{VENV_BIN / "batchspawner-singleuser"}"
+c.SlurmWatcher.min_interval = 0.5
+c.SlurmWatcher.max_interval = 2
+c.Spawner.start_timeout = 120
+"""
+
+
+class SlurmHub(Hub):
+    """The demo hub (users, groups, limits) with the Slurm backend on the test cluster."""
+
+    def __init__(self, workdir, extra_config: str = ""):
+        super().__init__(workdir, SLURM_HUB_CONFIG + extra_config)
+
+    def job_id(self, user: str, name: str = "") -> str:
+        return self.server(user, name)["state"]["job_id"]
+
+    def server_pid(self, user: str, name: str = "") -> int:
+        """The server process of the user's job, found by its SLURM_JOB_ID."""
+        job = self.job_id(user, name)
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+                if b"jupyterhub-singleuser" not in cmd:
+                    continue
+                if process_environ(int(proc.name)).get("SLURM_JOB_ID") == job:
+                    return int(proc.name)
+            except OSError:
+                continue
+        raise AssertionError(f"no server process of job {job}")
