@@ -148,7 +148,10 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         return 0
     ledger = settings.open_ledger(sync=False)  # the hub keeps the inventory; this only reads it
     if args.command == "limits":
-        return _limits(args, ledger, out)
+        code = _limits(args, ledger, out)
+        if args.action != "show":
+            _sync_slurm(settings, ledger, args, out)
+        return code
     if args.command == "gpus":
         rows = []
         for st in ledger.gpu_table():
@@ -212,6 +215,26 @@ def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
     gpus, hours = _fmt_limit(limit)
     print(f"{scope} limit{' for ' + name if name else ''}: {gpus} GPUs, GPU-hours {hours}", file=out)
     return 0
+
+
+def _sync_slurm(settings: GpuHub, ledger: Ledger, args: argparse.Namespace, out) -> None:
+    """With ``c.SlurmAccounting.enabled``, write the changed limits to Slurm's associations:
+    the named user's, or every known user's after a default or group change."""
+    from .slurm.accounting import SlurmAccounting
+    from .slurm.jobs import SlurmError
+
+    accounting = SlurmAccounting(config=settings.config)
+    if not accounting.enabled:
+        return
+    users = None
+    if args.user:
+        name = args.user[0] if isinstance(args.user, list | tuple) else args.user
+        users = sorted({name, *ledger.effective_limits()})
+    try:
+        for argv in accounting.sync(ledger, users):
+            print("slurm: " + " ".join(argv[2:]), file=out)
+    except SlurmError as e:
+        raise UsageError(f"the ledger is updated, but Slurm's accounting is not: {e}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

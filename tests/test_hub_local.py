@@ -1,8 +1,9 @@
-"""End to end on a real JupyterHub + configurable-http-proxy with the local GPU spawner.
+"""End to end on a real JupyterHub + configurable-http-proxy, once per backend.
 
-The hub runs the demo configuration (4 simulated GPUs; alice may hold 3, bob and carol 2
-as students, dave 1) on free loopback ports. What a server got is read from the running
-server process, not from the spawner object.
+The same test bodies run with the local GPU spawner (the demo: 4 simulated GPUs on this
+machine) and with the Slurm spawner on the real test cluster (2 nodes of 4 fake GPUs,
+``scripts/slurm-cluster``); alice may hold 3, bob and carol 2 as students, dave 1. What a
+server got is read from the running server process (``/proc``), not from the spawner.
 """
 
 import html
@@ -13,16 +14,27 @@ from pathlib import Path
 
 import pytest
 
+from . import slurmtools
 from .hubtools import Hub, xsrf_from
 
 pytestmark = pytest.mark.hub
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("hub")).start()
+@pytest.fixture(scope="module", params=["local", "slurm"])
+def hub(request, tmp_path_factory):
+    if request.param == "slurm":
+        slurmtools.require_cluster()
+        slurmtools.ensure_unix_users()
+        slurmtools.cancel_all_jobs()
+        h = slurmtools.SlurmHub(tmp_path_factory.mktemp("slurmhub")).start()
+        h.backend, h.total, h.models = "slurm", 8, "a100"
+    else:
+        h = Hub(tmp_path_factory.mktemp("hub")).start()
+        h.backend, h.total, h.models = "local", 4, "Simulated A100"
     yield h
     h.stop()
+    if request.param == "slurm":
+        slurmtools.cancel_all_jobs()
 
 
 @pytest.fixture
@@ -41,7 +53,10 @@ def holders(ledger):
 
 
 def visible(env):
-    return set(env["CUDA_VISIBLE_DEVICES"].split(",")) - {""}
+    """The GPUs a server process sees, as node:index (Slurm: the node's own indices)."""
+    if "SLURM_JOB_GPUS" in env:
+        return {f"{env['SLURMD_NODENAME']}:{i}" for i in env["SLURM_JOB_GPUS"].split(",") if i}
+    return {f"{env['GPUHUB_NODE']}:{i}" for i in env["CUDA_VISIBLE_DEVICES"].split(",") if i}
 
 
 def test_rest_and_form_spawns_get_their_own_gpus(hub, ledger, clean):
@@ -54,7 +69,7 @@ def test_rest_and_form_spawns_get_their_own_gpus(hub, ledger, clean):
     browser = hub.login("carol")
     page = browser.get(f"{hub.url}/hub/spawn")
     assert page.status_code == 200
-    assert re.search(r'data-gpuhub="free">2<', page.text)  # alice holds 2 of 4
+    assert re.search(rf'data-gpuhub="free">{hub.total - 2}<', page.text)  # alice holds 2
     assert re.search(r'data-gpuhub="fits">2<', page.text)  # carol: students limit 2
     posted = browser.post(
         f"{hub.url}/hub/spawn",
@@ -71,9 +86,17 @@ def test_rest_and_form_spawns_get_their_own_gpus(hub, ledger, clean):
         assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         allocation = ledger.get(int(env["GPUHUB_ALLOCATION_ID"]))
         assert allocation.state == "running"
-        assert allocation.cuda_visible_devices == env["CUDA_VISIBLE_DEVICES"]
-        assert allocation.backend_job_id == str(hub.server_pid(allocation.user))
+        assert {g.label for g in allocation.gpus} == visible(env)
+        if hub.backend == "local":
+            assert allocation.cuda_visible_devices == env["CUDA_VISIBLE_DEVICES"]
+            assert allocation.backend_job_id == str(hub.server_pid(allocation.user))
+        else:
+            assert allocation.backend_job_id == env["SLURM_JOB_ID"] == hub.job_id(allocation.user)
     assert sorted(holders(ledger).values()) == ["alice", "alice", "carol", "carol"]
+    if hub.backend == "slurm":
+        hub.stop_server("alice")
+        assert sorted(holders(ledger).values()) == ["carol", "carol"]
+        return  # a full Slurm cluster queues instead of refusing: test_hub_slurm.py
 
     # the machine is full: dave is refused with what he holds, his limit and what fits
     before = holders(ledger)
@@ -88,7 +111,7 @@ def test_rest_and_form_spawns_get_their_own_gpus(hub, ledger, clean):
     hub.stop_server("alice")
     assert sorted(holders(ledger).values()) == ["carol", "carol"]
     page = hub.login("bob").get(f"{hub.url}/hub/spawn")
-    assert re.search(r'data-gpuhub="free">2<', page.text)
+    assert re.search(rf'data-gpuhub="free">{hub.total - 2}<', page.text)
 
 
 def test_over_the_limit_is_refused_with_the_message(hub, ledger, clean):
@@ -117,7 +140,7 @@ def test_over_the_limit_is_refused_with_the_message(hub, ledger, clean):
         ({"gpus": True}, 400, "must be a whole number"),
         ({"gpus": None}, 400, "must be a whole number"),
         ({"gpus": 99}, 400, "has at most 4"),
-        ({"gpus": 1, "gpu_model": "H100"}, 400, "no GPU model 'H100' here. Models here: Simulated A100"),
+        ({"gpus": 1, "gpu_model": "H100"}, 400, "no GPU model 'H100' here. Models here: {models}"),
         ({"gpus": 1, "cpus": 64}, 400, "Unknown option 'cpus'"),
         ({"gpus": [1, 2]}, 400, "one value per option"),
     ],
@@ -126,7 +149,7 @@ def test_bad_rest_user_options_are_refused(hub, ledger, clean, options, status, 
     before = holders(ledger)
     r = hub.spawn("bob", options)
     assert r.status_code == status, r.text
-    assert words in r.json()["message"]
+    assert words.format(models=hub.models) in r.json()["message"]
     assert holders(ledger) == before
     assert hub.server("bob") is None
     assert ledger.active(user="bob") == []
@@ -156,6 +179,7 @@ def test_zero_gpus_hides_every_gpu(hub, ledger, clean):
     hub.wait_ready("dave")
     env = hub.server_env("dave")
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["GPUHUB_ALLOCATION_ID"] == ""
+    assert not env.get("SLURM_JOB_GPUS")
     assert holders(ledger) == {}
 
 
@@ -174,7 +198,7 @@ def test_a_dead_server_gives_its_gpus_back(hub, ledger, clean):
 
 
 def test_a_limit_set_with_the_cli_wins_on_the_next_spawn(hub, ledger, clean):
-    gpuhub = [str(Path(sys.executable).with_name("gpuhub")), "--db-url", hub.ledger_url]
+    gpuhub = [str(Path(sys.executable).with_name("gpuhub")), "-f", str(hub.dir / "jupyterhub_config.py")]
     assert hub.spawn("dave", {"gpus": 2}).status_code == 403  # default limit 1
     subprocess.run([*gpuhub, "limits", "set", "--user", "dave", "2"], check=True, capture_output=True)
     try:

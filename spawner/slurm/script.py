@@ -35,7 +35,8 @@ SERVER_TEMPLATE = """\
 {% endif %}{% for line in directives %}#SBATCH {{ line }}
 {% endfor %}
 set -euo pipefail
-{{ prologue }}
+{% if not gres %}export CUDA_VISIBLE_DEVICES=  # no GPUs asked for: hide any the node has
+{% endif %}{{ prologue }}
 # the batch step itself runs the server: %%distributed may add srun steps beside it
 exec {{ command }}
 """
