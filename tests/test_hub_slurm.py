@@ -1,0 +1,211 @@
+"""The Slurm backend's own behaviour, on the real test cluster (``scripts/slurm-cluster``):
+queueing, jobs ended outside gpuhub, a controller outage, restart reconcile, and limits
+inside Slurm's accounting. The spawn tests shared with the local backend are in
+``test_hub_local.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from spawner.ledger import Ledger
+from spawner.policy import Limit
+
+from . import slurmtools
+from .hubtools import wait_for
+from .slurmtools import SlurmHub, job_state, slurm
+
+pytestmark = pytest.mark.hub
+STATE = Path(os.environ.get("GPUHUB_SLURM_DIR", "/var/tmp/gpuhub-slurm"))
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    slurmtools.require_cluster()
+    slurmtools.ensure_unix_users()
+    slurmtools.cancel_all_jobs()
+    h = SlurmHub(tmp_path_factory.mktemp("slurmhub"), "c.JupyterHub.cleanup_servers = False").start()
+    yield h
+    h.stop()
+    slurmtools.cancel_all_jobs()
+
+
+@pytest.fixture
+def ledger(hub):
+    led = Ledger(hub.ledger_url)
+    yield led
+    for user in slurmtools.USERS:
+        led.unset_limit("user", user)
+    led.close()
+
+
+@pytest.fixture
+def clean(hub):
+    yield
+    for user in slurmtools.USERS:
+        r = hub.api("GET", f"/users/{user}")
+        if r.status_code == 200 and r.json()["servers"]:
+            hub.stop_server(user)
+    slurmtools.cancel_all_jobs()
+
+
+def holders(ledger):
+    return {st.gpu.label: st.holder.user for st in ledger.gpu_table() if st.holder}
+
+
+def progress_until(hub, user: str, words: list[str], timeout: float = 60) -> list[str]:
+    """Read the spawn page's progress stream until a message has all ``words``."""
+    seen = []
+    with requests.get(
+        f"{hub.url}/hub/api/users/{user}/server/progress",
+        headers={"Authorization": f"token {hub.token}"},
+        stream=True,
+        timeout=timeout,
+    ) as r:
+        deadline = time.monotonic() + timeout
+        for line in r.iter_lines(decode_unicode=True):
+            if line and line.startswith("data:"):
+                seen.append(json.loads(line[5:]).get("message", ""))
+                if all(w in seen[-1] for w in words):
+                    return seen
+            if time.monotonic() > deadline:
+                break
+    raise AssertionError(f"no progress message with {words}; saw {seen}")
+
+
+def test_a_full_cluster_queues_shows_why_and_starts_when_gpus_free(hub, ledger, clean):
+    ledger.set_limit("user", "alice", Limit(max_gpus=4))
+    ledger.set_limit("user", "bob", Limit(max_gpus=4))
+    for user in ("alice", "bob"):
+        assert hub.spawn(user, {"gpus": 4}).status_code in (201, 202)
+    for user in ("alice", "bob"):
+        hub.wait_ready(user, timeout=120)
+    assert len(holders(ledger)) == 8
+
+    # carol's request fits her limit but not the cluster now: it waits in Slurm's queue
+    r = hub.spawn("carol", {"gpus": 2})
+    assert r.status_code == 202, r.text
+    messages = progress_until(hub, "carol", ["Queued in Slurm", "Resources"])
+    [pending] = ledger.active(user="carol")
+    assert pending.state == "starting" and pending.gpus == () and pending.gpu_count == 2
+    assert job_state(pending.backend_job_id) == "PENDING"
+    assert any("Admitted 2 GPU(s)" in m for m in messages)
+    # the queued request counts against carol's limit (students: 2) at once
+    assert ledger.allowance("carol", ["students"]).may_take == 0
+
+    # dave queues too, and stops while pending: his job is cancelled, nothing is held
+    assert hub.spawn("dave", {"gpus": 1}).status_code == 202
+    progress_until(hub, "dave", ["Queued in Slurm"])
+    [dave] = ledger.active(user="dave")
+    hub.stop_server("dave")
+    wait_for(
+        lambda: job_state(dave.backend_job_id) in ("CANCELLED", "GONE"), 30, "dave's job to be cancelled"
+    )
+    assert ledger.get(dave.id).state == "released"
+
+    # alice stops: carol's job starts on the GPUs alice had
+    alice_gpus = {g.label for g in ledger.active(user="alice")[0].gpus}
+    hub.stop_server("alice")
+    hub.wait_ready("carol", timeout=120)
+    [running] = ledger.active(user="carol")
+    assert running.state == "running" and {g.label for g in running.gpus} <= alice_gpus
+    env = slurmtools.process_environ(hub.server_pid("carol"))
+    assert {f"{env['SLURMD_NODENAME']}:{i}" for i in env["SLURM_JOB_GPUS"].split(",")} == {
+        g.label for g in running.gpus
+    }
+
+
+def test_a_job_cancelled_outside_gpuhub_frees_its_gpus(hub, ledger, clean):
+    assert hub.spawn("bob", {"gpus": 2}).status_code in (201, 202)
+    hub.wait_ready("bob")
+    [alloc] = ledger.active(user="bob")
+    slurm("scancel", alloc.backend_job_id)
+    wait_for(lambda: ledger.get(alloc.id).state == "released", 30, "the watcher to release bob's GPUs")
+    assert "ended" in ledger.get(alloc.id).end_reason or "gone" in ledger.get(alloc.id).end_reason
+    wait_for(lambda: hub.server("bob") is None, 60, "the hub to notice bob's server is gone")
+    assert holders(ledger) == {}
+
+
+def test_a_controller_outage_declares_no_server_dead(hub, ledger, clean):
+    assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
+    hub.wait_ready("alice")
+    [alloc] = ledger.active(user="alice")
+    pid = int((STATE / "run" / "slurmctld.pid").read_text())
+    os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: slurm("squeue", "-h", check=False).returncode != 0, 30, "slurmctld to be down")
+    try:
+        failures_before = hub.log_path.read_text().count("squeue failed")
+        outage_end = time.monotonic() + 30
+        while time.monotonic() < outage_end:  # the outage itself: 30 s with no controller
+            assert hub.server("alice")["ready"], "the hub declared alice's server dead"
+            assert ledger.get(alloc.id).state == "running"
+            time.sleep(1)
+        assert hub.log_path.read_text().count("squeue failed") > failures_before
+    finally:
+        subprocess.run([str(slurmtools.SCRIPT), "start"], check=True, capture_output=True)
+    wait_for(lambda: "squeue answers again" in hub.log_path.read_text(), 60, "the watcher to recover")
+    assert hub.server("alice")["ready"] and ledger.get(alloc.id).state == "running"
+    assert job_state(alloc.backend_job_id) == "RUNNING"
+    hub.stop_server("alice")
+    assert ledger.get(alloc.id).state == "released"
+
+
+def test_a_restarted_hub_reconciles_with_squeue(hub, ledger, clean):
+    for user in ("alice", "bob"):
+        assert hub.spawn(user, {"gpus": 2}).status_code in (201, 202)
+    for user in ("alice", "bob"):
+        hub.wait_ready(user)
+    [alice] = ledger.active(user="alice")
+    [bob] = ledger.active(user="bob")
+    hub.stop()  # cleanup_servers = False: the jobs keep running
+    assert job_state(alice.backend_job_id) == "RUNNING"
+    slurm("scancel", bob.backend_job_id)  # bob's job ends while nobody watches
+    wait_for(lambda: job_state(bob.backend_job_id) != "RUNNING", 30, "bob's job to end")
+    assert ledger.get(bob.id).state == "running"  # nobody told the ledger yet
+    hub.start()
+    wait_for(lambda: ledger.get(bob.id).state == "released", 60, "the restarted hub to release bob's GPUs")
+    wait_for(lambda: hub.server("bob") is None, 60, "the hub to drop bob's server")
+    kept = ledger.get(alice.id)
+    assert kept.state == "running" and kept.gpus == alice.gpus
+    assert hub.server("alice")["ready"] and hub.job_id("alice") == alice.backend_job_id
+
+
+def test_limits_reach_slurm_accounting(hub, ledger, clean):
+    gpuhub = [str(Path(sys.executable).with_name("gpuhub")), "-f", str(hub.dir / "jupyterhub_config.py")]
+    r = subprocess.run([*gpuhub, "limits", "set", "--user", "alice", "2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    try:
+        _limits_bound_plain_sbatch(gpuhub)
+    finally:
+        subprocess.run([*gpuhub, "limits", "unset", "--user", "alice"], capture_output=True)
+
+
+def _limits_bound_plain_sbatch(gpuhub):
+    assoc = slurm("sacctmgr", "-n", "-P", "show", "assoc", "user=alice", "format=grptres").stdout
+    assert "gres/gpu=2" in assoc
+    job = "#!/bin/bash\nsleep 300\n"
+    sbatch = ["sbatch", "--parsable", "--job-name=gpuhub-test", "-o", "/dev/null", "--chdir=/tmp"]
+    # a plain sbatch from a terminal is bounded too: 3 GPUs at once is refused outright
+    over = slurm(*sbatch, "--gres=gpu:3", user="alice", input=job, check=False)
+    assert over.returncode != 0 and "AssocGrpGRES" in over.stderr, over.stderr
+    # two 1-GPU jobs run; the third waits on the association's GPU limit
+    ids = [slurm(*sbatch, "--gres=gpu:1", user="alice", input=job).stdout.strip() for _ in range(3)]
+    wait_for(lambda: [job_state(i) for i in ids[:2]] == ["RUNNING", "RUNNING"], 30, "two jobs to run")
+    reason = lambda: slurm("squeue", "-h", "-j", ids[2], "-o", "%T %r").stdout.strip()  # noqa: E731
+    wait_for(lambda: reason() == "PENDING AssocGrpGRES", 30, "the third job to wait on the limit")
+    # unset returns alice to her config limit (3), in Slurm as well
+    r = subprocess.run([*gpuhub, "limits", "unset", "--user", "alice"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (
+        "gres/gpu=3" in slurm("sacctmgr", "-n", "-P", "show", "assoc", "user=alice", "format=grptres").stdout
+    )
+    wait_for(lambda: job_state(ids[2]) == "RUNNING", 30, "the third job to start under the new limit")
