@@ -53,6 +53,10 @@ class BrokerClient:
         body = {"gpus": gpus, "nodes": nodes, "gpus_per_node": gpus_per_node, "lease_seconds": lease_seconds}
         return self._call("POST", "allocations", {k: v for k, v in body.items() if v is not None})
 
+    def attach_job(self, allocation_id: int, job_id: str) -> dict:
+        """Tell gpuhub which Slurm job runs a burst's engines."""
+        return self._call("POST", f"allocations/{allocation_id}/job", {"job_id": str(job_id)})
+
     def renew(self, allocation_id: int, lease_seconds: float) -> dict:
         return self._call("POST", f"allocations/{allocation_id}/renew", {"lease_seconds": lease_seconds})
 

@@ -28,7 +28,8 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
         # as torchrun does: one OpenMP thread per rank unless the user chose otherwise, or
         # several ranks on one machine fight over its cores (5x slower measured here)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    threading.Thread(target=_watch, args=(kernel_pid,), daemon=True, name="gpuhub-watchdog").start()
+    if kernel_pid:  # 0: the kernel is on another machine (Slurm ends those engines' job)
+        threading.Thread(target=_watch, args=(kernel_pid,), daemon=True, name="gpuhub-watchdog").start()
     import torch
     import torch.distributed as dist
 

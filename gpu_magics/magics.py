@@ -157,9 +157,41 @@ class DistributedMagics(Magics):
 
     # pool -----------------------------------------------------------------------------
 
+    def _slurm_pool(self, args, timeout: float) -> EnginePool:
+        """Engines as Slurm tasks: a step of this server's job when it holds the GPUs, else a
+        burst job of their own (admitted by the broker, placed by Slurm over ``--nodes``)."""
+        from .slurmengines import SlurmLauncher, plan_launch
+
+        own = len([g for g in os.environ.get("SLURM_JOB_GPUS", "").split(",") if g.strip()])
+        try:
+            mode, nodes, per_node = plan_launch(own, args.gpus, args.nodes, args.gpus_per_node)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        launcher = SlurmLauncher(
+            mode, nodes, per_node, os.path.expanduser("~"), os.environ.get("SLURM_JOB_PARTITION", "")
+        )
+        if mode == "job":
+            client = BrokerClient.from_env()
+            if client is None:
+                raise UsageError(
+                    f"%%distributed --gpus {args.gpus} needs a burst job, and no gpuhub broker is "
+                    f"configured (GPUHUB_BROKER_URL). This server's job holds {own} GPUs."
+                )
+            try:
+                alloc = client.request(args.gpus, nodes, per_node, self.lease_seconds)
+            except BrokerError as e:
+                raise UsageError(
+                    f"gpuhub refused {args.gpus} GPUs for %%distributed: {e.message} Own server GPUs: {own}."
+                ) from None
+            self.burst = alloc
+            self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print)
+            launcher.on_submitted = lambda job_id: client.attach_job(alloc["id"], job_id)
+        return EnginePool([], args.backend, timeout, launcher=launcher, n=args.gpus)
+
     def _ensure_pool(self, args) -> EnginePool:
         timeout = args.timeout or self.timeout
-        shape = (args.gpus,)
+        shape = (args.gpus, args.nodes, args.gpus_per_node)
+        on_slurm = os.environ.get("GPUHUB_BACKEND") == "slurm"
         key = (shape, args.backend, timeout)
         with self.lock:
             if self.pool is not None and (self.key != key or self.pool.broken):
@@ -167,14 +199,20 @@ class DistributedMagics(Magics):
                 print(f"gpuhub: restarting the engines (the pool {why}).")
                 # the GPUs stay ours unless the number of ranks changed
                 self._stop_pool(release=self.key[0] != shape)
-            if self.burst is not None and (len(self.burst["gpus"]) != args.gpus or self._lease_lost()):
-                self._release_burst()
+            if self.burst is not None and (
+                on_slurm or len(self.burst["gpus"]) != args.gpus or self._lease_lost()
+            ):
+                self._release_burst()  # a Slurm burst's job ended with its engines: ask anew
             if self.pool is None:
                 try:
-                    slots = self._current_slots() if self.burst else self._acquire(args.gpus)
-                    specs = make_rank_specs(slots, "127.0.0.1", free_port())
-                    pool = EnginePool(specs, args.backend, timeout)
-                    handle = display(f"Starting engines: 0 of {len(specs)} up", display_id=True)
+                    if on_slurm:
+                        pool = self._slurm_pool(args, timeout)
+                    else:
+                        slots = self._current_slots() if self.burst else self._acquire(args.gpus)
+                        pool = EnginePool(
+                            make_rank_specs(slots, "127.0.0.1", free_port()), args.backend, timeout
+                        )
+                    handle = display(f"Starting engines: 0 of {pool.size} up", display_id=True)
 
                     def progress(up, n):
                         update_display(f"Starting engines: {up} of {n} up", display_id=handle.display_id)
@@ -188,8 +226,8 @@ class DistributedMagics(Magics):
                     self._release_burst()  # nothing may keep GPUs that no engine uses
                     raise
                 update_display(
-                    f"{len(specs)} engines up: "
-                    + ", ".join(f"rank {s.rank} on {s.slot.label}" for s in specs),
+                    f"{pool.size} engines up: "
+                    + ", ".join(f"rank {s.rank} on {s.slot.label}" for s in pool.specs),
                     display_id=handle.display_id,
                 )
                 self.pool, self.key = pool, key
@@ -289,7 +327,8 @@ class DistributedMagics(Magics):
                 raise UsageError(f"--{name.replace('_', '-')} must be 1 or more; got {value}")
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError(f"--timeout must be more than 0 seconds; got {args.timeout:g}")
-        if (args.nodes or 1) > 1 or args.gpus_per_node not in (None, args.gpus):
+        on_slurm = os.environ.get("GPUHUB_BACKEND") == "slurm"
+        if not on_slurm and ((args.nodes or 1) > 1 or args.gpus_per_node not in (None, args.gpus)):
             raise UsageError(
                 "this server runs every engine on its own machine: --nodes 1 only (multi-node "
                 "%%distributed needs the Slurm backend)"

@@ -63,8 +63,12 @@ def is_distributed_error(ename: str, evalue: str) -> bool:
 
 
 class EnginePool:
-    def __init__(self, specs: list[RankSpec], backend: str | None, timeout_s: float):
+    def __init__(
+        self, specs: list[RankSpec], backend: str | None, timeout_s: float, launcher=None, n: int = 0
+    ):
         self.specs = specs
+        self.launcher = launcher  # a SlurmLauncher: engines as Slurm tasks, ranks from where they land
+        self.n = n or len(specs)
         self.backend = backend
         self.timeout_s = timeout_s
         self.cluster = None
@@ -78,7 +82,7 @@ class EnginePool:
 
     @property
     def size(self) -> int:
-        return len(self.specs)
+        return len(self.specs) or self.n
 
     @property
     def pids(self) -> list[int]:
@@ -90,13 +94,24 @@ class EnginePool:
         from .engine import setup_rank
 
         n = self.size
-        self.cluster = ipp.Cluster(n=0, controller_ip="127.0.0.1", log=_quiet_log())
+        if self.launcher is None:
+            self.cluster = ipp.Cluster(n=0, controller_ip="127.0.0.1", log=_quiet_log())
+        else:  # engines on Slurm nodes connect to this node
+            self.cluster = ipp.Cluster(
+                n=0, controller_ip="0.0.0.0", controller_location=self.launcher.location, log=_quiet_log()
+            )
         # detect a dead engine in ~1.5 s rather than ~10 s
         self.cluster.controller_args = [f"--HeartMonitor.period={HEARTBEAT_MS}"]
         self.cluster.start_controller_sync()
         self.controller_pid = self.cluster.controller.pid
         self._start_reaper([self.controller_pid])  # from now on a killed kernel leaves nothing
-        self.cluster.start_engines_sync(n=n)
+        if self.launcher is None:
+            self.cluster.start_engines_sync(n=n)
+        else:
+            from .slurmengines import engine_argv
+
+            self.launcher.start(engine_argv(self.cluster))
+            self._start_reaper([self.controller_pid, *self.launcher.local_pids])
         self.client = self.cluster.connect_client_sync()
         deadline = time.monotonic() + timeout
         up = -1
@@ -110,9 +125,13 @@ class EnginePool:
             time.sleep(0.1)
         progress(n, n)
         self.engine_ids = sorted(self.client.ids)[:n]
+        envs = [spec.env() for spec in self.specs]
+        kernel_pid = os.getpid()
+        if self.launcher is not None:
+            envs, kernel_pid = self._slurm_ranks(timeout)
         setups = [
-            self.client[eid].apply_async(setup_rank, spec.env(), self.backend, self.timeout_s, os.getpid())
-            for eid, spec in zip(self.engine_ids, self.specs, strict=True)
+            self.client[eid].apply_async(setup_rank, env, self.backend, self.timeout_s, kernel_pid)
+            for eid, env in zip(self.engine_ids, envs, strict=True)
         ]
         # wait for all together: rank 0 blocks in init_process_group until every rank is in,
         # so a rank that fails fast must be reported as itself, not as rank 0's timeout
@@ -128,7 +147,32 @@ class EnginePool:
             )
         self.infos = [ar.get() for ar in setups]
         self.view = self.client[self.engine_ids]
-        self._start_reaper([self.controller_pid, *self.pids])
+        mine = [] if getattr(self, "_remote", False) else self.pids  # only pids of this machine
+        self._start_reaper([self.controller_pid, *mine, *(self.launcher.local_pids if self.launcher else [])])
+
+    def _slurm_ranks(self, timeout: float) -> tuple[list[dict], int]:
+        """Ranks from where Slurm put each engine; a free port on rank 0's node."""
+        import socket
+
+        from .slurmengines import EngineFacts, assign_ranks, cuda_device, engine_facts
+
+        raw = {eid: self.client[eid].apply_async(engine_facts) for eid in self.engine_ids}
+        facts = {}
+        for eid, ar in raw.items():
+            d = ar.get(timeout=timeout)
+            facts[eid] = EngineFacts(
+                eid, d["node"], d["local_id"], tuple(d["gpus"]), tuple(d["cuda"]), d["host"], d["pid"]
+            )
+            self.launcher.step = self.launcher.step or d["step"]
+        first = assign_ranks(list(facts.values()), 0, "gpuhub")[0][0]
+        port = self.client[first].apply_async(_free_port).get(timeout=timeout)
+        pairs = assign_ranks(list(facts.values()), port, f"gpuhub-{self.launcher.job_id}")
+        self.engine_ids = [eid for eid, _ in pairs]
+        self.specs = [spec for _, spec in pairs]
+        envs = [dict(spec.env(), CUDA_VISIBLE_DEVICES=cuda_device(facts[eid])) for eid, spec in pairs]
+        here = socket.gethostname()
+        self._remote = any(f.host != here for f in facts.values())
+        return envs, 0 if self._remote else os.getpid()
 
     def _start_reaper(self, pids: list[int]) -> None:
         """(Re)start the reaper: a process of its own session that outlives a killed kernel
@@ -241,6 +285,10 @@ class EnginePool:
     # signals and shutdown ----------------------------------------------------------------
 
     def signal(self, sig: int, ranks: list[int] | None = None) -> None:
+        if self.launcher is not None and getattr(self, "_remote", False):
+            # pids on other machines mean nothing here: Slurm signals every engine task
+            self.launcher.signal(sig)
+            return
         for r in ranks if ranks is not None else range(self.size):
             try:
                 os.kill(self.infos[r]["pid"], sig)
@@ -262,16 +310,30 @@ class EnginePool:
                     self.client.close()
                 if self.cluster is not None:
                     self.cluster.stop_cluster_sync()
+                if self.launcher is not None:
+                    self.launcher.stop()
         except Exception as e:  # stopping must not fail the caller; the processes are ended below
             print(f"gpuhub: while stopping the engines: {e}", file=sys.stderr)
         finally:
             # whatever ipyparallel managed (at interpreter exit it often cannot), end them all
-            kill_trees([pid for pid in (self.controller_pid, *self.pids) if pid])
+            local = [] if getattr(self, "_remote", False) else self.pids
+            if self.launcher is not None:
+                local = [*local, *self.launcher.local_pids]
+            kill_trees([pid for pid in (self.controller_pid, *local) if pid])
             if self.reaper is not None:
                 self.reaper.kill()
                 self.reaper.wait()
             self.cluster = self.client = self.view = self.reaper = None
             self.infos = []  # these pids are not ours any more: never signal them again
+
+
+def _free_port() -> int:
+    """Runs on rank 0's engine: a port free on its node for the process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def _quiet_log() -> logging.Logger:

@@ -21,6 +21,15 @@ class ServerGpus:
     model: str | None
 
 
+def _slurm_gpus(env: Mapping[str, str]) -> tuple[str, ...]:
+    """A Slurm server's GPUs as node:index, from what Slurm sets inside the job (the
+    node's own indices, whatever CUDA_VISIBLE_DEVICES numbering the cluster uses)."""
+    if env.get("GPUHUB_BACKEND") != "slurm":
+        return ()
+    node = env.get("SLURMD_NODENAME", "")
+    return tuple(f"{node}:{i}" for i in env.get("SLURM_JOB_GPUS", "").split(",") if i.strip())
+
+
 def server_gpus(environ: Mapping[str, str] | None = None) -> ServerGpus:
     env = os.environ if environ is None else environ
     on_gpuhub = "GPUHUB_ALLOCATION_ID" in env
@@ -28,7 +37,7 @@ def server_gpus(environ: Mapping[str, str] | None = None) -> ServerGpus:
     return ServerGpus(
         on_gpuhub=on_gpuhub,
         allocation_id=int(raw_id) if raw_id.isdigit() else None,
-        gpus=tuple(g for g in env.get("GPUHUB_GPUS", "").split(",") if g),
+        gpus=tuple(g for g in env.get("GPUHUB_GPUS", "").split(",") if g) or _slurm_gpus(env),
         cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         model=env.get("GPUHUB_GPU_MODEL") or None,
     )

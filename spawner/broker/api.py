@@ -68,8 +68,9 @@ class AllocationsHandler(APIHandler):
                 model=req.gpu_model,
                 max_nodes=req.nodes,
                 gpus_per_node=req.gpus_per_node,
-                backend="local",
+                backend=self.broker.backend,
                 lease_seconds=req.lease_seconds or cfg.lease_seconds,
+                deferred=self.broker.backend == "slurm",
             )
         except policy.Refusal as e:
             metrics.refusals.labels(reason=e.reason).inc()
@@ -118,6 +119,37 @@ class RenewHandler(APIHandler):
         except ValueError:
             return self.fail(409, f"Allocation {a.id} is a server's; it has no lease to renew.", "no_lease")
         self.finish(views.allocation_json(renewed))
+
+
+class JobHandler(APIHandler):
+    """``POST allocations/{id}/job {"job_id": "123"}``: the Slurm job that runs a burst's
+    engines. Checked with Slurm: the job must exist and belong to the allocation's user.
+    The hub's watcher then writes the job's GPUs and ends the allocation with the job."""
+
+    async def post(self, allocation_id: str):
+        _caller, a = await self.find_allocation(allocation_id)
+        cfg = self.broker.settings
+        if self.broker.backend != "slurm" or a.purpose != "distributed":
+            return self.fail(409, f"Allocation {a.id} is not a Slurm burst; it takes no job id.", "not_slurm")
+        try:
+            body = schemas.parse_json_object(self.request.body, cfg.max_body_bytes)
+            job_id = schemas.parse_job(body)
+        except schemas.BadRequest as e:
+            return self.fail(400, str(e), "bad_request")
+        if not a.active:
+            return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
+        if a.backend_job_id not in (None, job_id):
+            return self.fail(409, f"Allocation {a.id} already runs as job {a.backend_job_id}.", "has_job")
+        from ..slurm.watcher import run_command
+
+        try:
+            owner = (await run_command(["squeue", "-h", "-j", job_id, "-o", "%u"], 20)).strip()
+        except Exception:
+            owner = ""
+        if owner != a.user:
+            return self.fail(400, f"Slurm has no job {job_id} of {a.user} waiting or running.", "bad_job")
+        attached = await self.broker.run(self.broker.ledger.attach_job, a.id, job_id)
+        self.finish(views.allocation_json(attached))
 
 
 class UsageHandler(APIHandler):
@@ -207,6 +239,7 @@ def api_handlers(prefix: str) -> list[tuple]:
         (f"{api}/allocations", AllocationsHandler),
         (rf"{api}/allocations/(\d{{1,18}})", AllocationHandler),  # beyond: no such id (404)
         (rf"{api}/allocations/(\d{{1,18}})/renew", RenewHandler),
+        (rf"{api}/allocations/(\d{{1,18}})/job", JobHandler),
         (f"{api}/usage", UsageHandler),
         (f"{api}/limits", LimitsHandler),
         (rf"{api}/limits/(default|group|user)(?:/([^/]+))?", LimitHandler),

@@ -68,6 +68,7 @@ async def main() -> None:
         api_token=os.environ["JUPYTERHUB_API_TOKEN"],
         prefix=os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpuhub/"),
     )
+    broker.backend = "slurm" if hub_settings.inventory == "slurm" else "local"
     url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101"))
     make_app(broker).listen(url.port, url.hostname)
 

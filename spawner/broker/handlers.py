@@ -31,6 +31,7 @@ class Broker:
         self.api_url = api_url.rstrip("/")
         self.api_token = api_token
         self.prefix = prefix
+        self.backend = "local"  # "slurm": bursts are Slurm jobs the user submits (deferred GPUs)
         self._groups: dict[str, tuple[float, list[str]]] = {}
 
     async def run(self, fn, *args, **kw):

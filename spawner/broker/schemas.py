@@ -112,3 +112,14 @@ def parse_limit_body(body: dict, default_window_hours: float) -> LimitBody:
         gpu_hours=_number(body, "gpu_hours", lo=0, hi=1e9),
         window_hours=window if window is not None else default_window_hours,
     )
+
+
+def parse_job(body: dict) -> str:
+    """``{"job_id": "123"}``: a Slurm job id (digits only)."""
+    _only(body, ("job_id",))
+    job = body.get("job_id")
+    if isinstance(job, int) and not isinstance(job, bool):
+        job = str(job)
+    if not isinstance(job, str) or not job.isdigit() or len(job) > 18:
+        raise BadRequest('\'job_id\' must be a Slurm job id (digits), e.g. {"job_id": "123"}.')
+    return job

@@ -1,0 +1,216 @@
+"""``%%distributed`` engines as Slurm tasks, one per GPU, when the server runs in Slurm.
+
+Two ways, chosen by :func:`plan_launch`:
+
+- **steps**: the session's own job holds enough GPUs on its node: the engines are one
+  ``srun`` step inside it (``--ntasks=N --gres=gpu:N``), nothing new is allocated;
+- **job**: otherwise a burst allocation is admitted by the broker (within the user's
+  limit), and the engines are a batch job of the user (``--nodes M
+  --ntasks-per-node G --gres=gpu:G``) placed by Slurm, whose job id the broker records.
+  The hub's watcher writes the GPUs Slurm gave it to the ledger, and cancels the job if
+  the allocation ends first (lease lost, admin release).
+
+Every task reports where it runs (node, local id, the GPUs of its step); ranks follow
+torchrun's order (node by node, GPU by GPU) and each engine is pinned to the GPU of its
+local id, whatever numbering ``CUDA_VISIBLE_DEVICES`` uses on that cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from .ranks import RankSpec, Slot, make_rank_specs
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What one engine task reports about itself."""
+
+    engine_id: int
+    node: str  # SLURMD_NODENAME
+    local_id: int  # SLURM_LOCALID
+    gpus: tuple[int, ...]  # node indices of its step's GPUs (SLURM_STEP_GPUS or SLURM_JOB_GPUS)
+    cuda: tuple[str, ...]  # its CUDA_VISIBLE_DEVICES entries, in the same order
+    host: str  # socket.gethostname(): whether its pid can be signalled from here
+    pid: int
+
+
+def engine_facts() -> dict:
+    """Runs inside each engine (pushed by ipyparallel)."""
+    import os as _os
+    import socket as _socket
+
+    env = _os.environ
+    gpus = env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS") or ""
+    return {
+        "node": env.get("SLURMD_NODENAME") or _socket.gethostname(),
+        "local_id": int(env.get("SLURM_LOCALID", "0")),
+        "gpus": [int(g) for g in gpus.split(",") if g.strip().isdigit()],
+        "cuda": [c for c in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if c],
+        "host": _socket.gethostname(),
+        "pid": _os.getpid(),
+        "job": env.get("SLURM_JOB_ID", ""),
+        "step": env.get("SLURM_STEP_ID", ""),
+    }
+
+
+def assign_ranks(facts: list[EngineFacts], master_port: int, run_id: str) -> list[tuple[int, RankSpec]]:
+    """(engine id, its rank) for every engine: rank 0 on the first node, GPU order within
+    each node; each engine's GPU is the one at its local id in its step's GPU list."""
+    slots: dict[Slot, EngineFacts] = {}
+    for f in facts:
+        if f.local_id >= len(f.gpus):
+            raise RuntimeError(
+                f"engine {f.engine_id} on {f.node} is task {f.local_id} but its step has GPUs {list(f.gpus)}"
+            )
+        slot = Slot(f.node, f.gpus[f.local_id])
+        if slot in slots:
+            raise RuntimeError(f"two engines got GPU {slot.label}")
+        slots[slot] = f
+    ordered = sorted(slots)
+    specs = make_rank_specs(ordered, ordered[0].node, master_port, run_id=run_id)
+    out = []
+    for spec in specs:
+        f = slots[spec.slot]
+        out.append((f.engine_id, spec))
+    return out
+
+
+def cuda_device(f: EngineFacts) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value that leaves this engine its one GPU: the entry at
+    its local id (renumbered from 0 under device cgroups, node indices without)."""
+    if f.local_id < len(f.cuda):
+        return f.cuda[f.local_id]
+    return str(f.gpus[f.local_id])
+
+
+def plan_launch(
+    own_gpus: int, wanted: int, nodes: int | None, gpus_per_node: int | None
+) -> tuple[str, int, int]:
+    """("steps" | "job", nodes, GPUs per node). Steps when the session's job holds enough
+    GPUs and one node is asked for; else a job spread evenly over ``nodes``."""
+    if (nodes or 1) == 1 and wanted <= own_gpus and gpus_per_node in (None, wanted):
+        return "steps", 1, wanted
+    if nodes is None:
+        nodes = 1 if gpus_per_node is None else -(-wanted // gpus_per_node)
+    per_node = gpus_per_node or -(-wanted // nodes)
+    if per_node * nodes != wanted:
+        raise ValueError(
+            f"--gpus {wanted} does not split evenly over {nodes} nodes; give --gpus-per-node so "
+            "that nodes x GPUs per node = GPUs, e.g. --gpus 8 --nodes 2"
+        )
+    return "job", nodes, per_node
+
+
+class SlurmLauncher:
+    """Starts and stops the engines' Slurm tasks (a step of this job, or a job of their own)."""
+
+    def __init__(self, mode: str, nodes: int, per_node: int, workdir: str, partition: str = ""):
+        self.mode, self.nodes, self.per_node = mode, nodes, per_node
+        self.workdir = workdir
+        self.partition = partition
+        self.proc: subprocess.Popen | None = None
+        self.job_id = ""
+        self.step = ""
+        self.on_submitted = None  # called with the job id once sbatch accepted the engines' job
+
+    @property
+    def location(self) -> str:
+        """Where engines reach the controller: this node's name."""
+        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+    def start(self, engine_argv: list[str]) -> None:
+        srun = shutil.which("srun") or "srun"
+        if self.mode == "steps":
+            n = self.per_node
+            self.job_id = os.environ["SLURM_JOB_ID"]
+            self.proc = subprocess.Popen(
+                [
+                    srun,
+                    f"--jobid={self.job_id}",
+                    "--nodes=1",
+                    f"--ntasks={n}",
+                    f"--gres=gpu:{n}",
+                    "--kill-on-bad-exit=0",
+                    "--export=ALL",
+                    *engine_argv,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            return
+        from spawner.slurm import jobs, script
+
+        text = script.render(
+            script.ENGINES_TEMPLATE,
+            command=engine_argv,
+            user=os.environ.get("USER", ""),
+            job_name="gpuhub-engines",
+            output=os.path.join(self.workdir, "gpuhub-engines-%j.log"),
+            workdir=self.workdir,
+            nodes=self.nodes,
+            per_node=self.per_node,
+            gres=jobs.gres_request(self.per_node, None),
+            partition=self.partition,
+            cpus="",
+            memory="",
+            account="",
+        )
+        out = subprocess.run(
+            [shutil.which("sbatch") or "sbatch", "--parsable"],
+            input=text,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"Slurm refused the engines' job: {out.stderr.strip()[-400:]}")
+        self.job_id = jobs.parse_sbatch(out.stdout)
+        if self.on_submitted is not None:
+            self.on_submitted(self.job_id)
+
+    @property
+    def target(self) -> str:
+        return f"{self.job_id}.{self.step}" if self.mode == "steps" and self.step else self.job_id
+
+    def signal(self, sig: int) -> None:
+        """Signal every engine task through Slurm (they may run on other nodes)."""
+        if self.job_id:
+            name = signal.Signals(sig).name.removeprefix("SIG")
+            flags = ["--full"] if self.mode == "job" else []
+            subprocess.run(
+                ["scancel", *flags, f"--signal={name}", self.target], capture_output=True, timeout=30
+            )
+
+    def stop(self) -> None:
+        if self.mode == "steps":
+            if self.step:
+                subprocess.run(["scancel", self.target], capture_output=True, timeout=30)
+            if self.proc is not None:
+                self.proc.kill()
+                self.proc.wait()
+        elif self.job_id:
+            subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
+
+    @property
+    def local_pids(self) -> list[int]:
+        """Processes of ours on this machine that the kernel's reaper must end."""
+        return [self.proc.pid] if self.proc is not None else []
+
+
+def engine_argv(cluster) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ipyparallel.engine",
+        f"--profile-dir={cluster.profile_dir}",
+        f"--cluster-id={cluster.cluster_id}",
+    ]

@@ -1,0 +1,140 @@
+"""``%%distributed`` on the Slurm backend, end to end: a Slurm-spawned server's own kernel
+(started through the server's REST API, as JupyterLab does) runs DDP
+
+- inside its own allocation (2 GPUs: one ``srun`` step, nothing new allocated), and
+- across both nodes of the test cluster (``--gpus 8 --nodes 2``: a burst job of the user,
+  admitted by the broker, placed by Slurm), including a burst job killed mid-training.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from spawner.ledger import Ledger
+from spawner.policy import Limit
+
+from . import slurmtools
+from .hubtools import wait_for
+from .slurmtools import SlurmHub, job_state, slurm
+from .test_distributed_hub import run
+
+pytestmark = pytest.mark.hub
+
+DDP = """%%distributed {args}
+import os, torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(rank)
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(20):
+    x = torch.randn(16, 8); loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+checksum = sum(float(p.sum()) for p in model.parameters())
+print(f"node={{os.environ['SLURMD_NODENAME']}} job={{os.environ['SLURM_JOB_ID']}} world={{world_size}} "
+      f"gpu={{os.environ['GPUHUB_RANK_GPU']}} checksum={{checksum:.6f}}")
+"""
+LINE = re.compile(r"\[rank (\d+)\] node=(\S+) job=(\d+) world=(\d+) gpu=(\S+) checksum=(\S+)")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    slurmtools.require_cluster()
+    slurmtools.ensure_unix_users()
+    slurmtools.cancel_all_jobs()
+    h = SlurmHub(tmp_path_factory.mktemp("slurmhub"), "c.DistributedMagics.lease_seconds = 30\n").start()
+    h.wait_for_broker()
+    yield h
+    h.stop()
+    slurmtools.cancel_all_jobs()
+
+
+def kernel_of(hub, user: str) -> BlockingKernelClient:
+    r = hub.api_url_request("POST", f"/user/{user}/api/kernels", json={"name": "python3-gpus"})
+    assert r.status_code == 201, r.text
+    kid = r.json()["id"]
+    conn = wait_for(
+        lambda: glob.glob(f"/home/{user}/.local/share/jupyter/runtime/kernel-{kid}.json"),
+        30,
+        "the kernel file",
+    )[0]
+    kc = BlockingKernelClient(connection_file=conn)
+    kc.load_connection_file()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return kc
+
+
+def ranks_of(out: str) -> dict[int, tuple]:
+    return {int(m[0]): m[1:] for m in LINE.findall(out)}
+
+
+def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
+    ledger = Ledger(hub.ledger_url)
+    ledger.set_limit("user", "alice", Limit(max_gpus=10))
+    try:
+        # 1. a 2-GPU server: --gpus 2 runs as a step of its own job, nothing else is allocated
+        assert hub.spawn("alice", {"gpus": 2}).status_code in (201, 202)
+        hub.wait_ready("alice", timeout=120)
+        [server] = ledger.active(user="alice")
+        kc = kernel_of(hub, "alice")
+        status, out = run(kc, DDP.format(args="--gpus 2"))
+        assert status == "ok", out
+        ranks = ranks_of(out)
+        assert sorted(ranks) == [0, 1], out
+        assert {r[1] for r in ranks.values()} == {server.backend_job_id}  # inside the server's job
+        assert {r[3] for r in ranks.values()} == {g.label for g in server.gpus}
+        assert len({r[4] for r in ranks.values()}) == 1  # DDP kept the replicas identical
+        assert [a.id for a in ledger.active(user="alice")] == [server.id]
+        run(kc, "%distributed shutdown")
+        kc.stop_channels()
+        hub.stop_server("alice")
+
+        # 2. a server without GPUs: --gpus 8 --nodes 2 is a burst job over both nodes
+        assert hub.spawn("alice", {"gpus": 0}).status_code in (201, 202)
+        hub.wait_ready("alice", timeout=120)
+        kc = kernel_of(hub, "alice")
+        status, out = run(kc, DDP.format(args="--gpus 8 --nodes 2"), timeout=300)
+        assert status == "ok", out
+        ranks = ranks_of(out)
+        assert sorted(ranks) == list(range(8)), out
+        assert {r[0] for r in ranks.values()} == {"gpu-node1", "gpu-node2"}
+        assert [r[0] for _, r in sorted(ranks.items())] == ["gpu-node1"] * 4 + ["gpu-node2"] * 4
+        assert {r[2] for r in ranks.values()} == {"8"} and len({r[4] for r in ranks.values()}) == 1
+        [job] = {r[1] for r in ranks.values()}
+        [burst] = [a for a in ledger.active(user="alice") if a.purpose == "distributed"]
+        assert burst.backend_job_id == job and burst.gpu_count == 8
+        wait_for(lambda: len(ledger.get(burst.id).gpus) == 8, 30, "the watcher to record the burst's GPUs")
+        assert {g.label for g in ledger.get(burst.id).gpus} == {r[3] for r in ranks.values()}
+
+        # the same pool answers the next cell (warm engines, same job)
+        status, out = run(kc, "%%distributed --gpus 8 --nodes 2\nprint('again', os.environ['SLURM_JOB_ID'])")
+        assert status == "ok" and out.count(f"again {job}") == 8, out
+
+        # 3. the burst job is killed mid-training: the failure is reported, the next cell recovers
+        slow = "%%distributed --gpus 8 --nodes 2\nimport time\nfor _ in range(600):\n    time.sleep(0.1)\n"
+        kc.execute(slow)
+        wait_for(lambda: job_state(job) == "RUNNING", 10, "the burst job")
+        slurm("scancel", job)
+        reply = kc.get_shell_msg(timeout=120)
+        assert reply["content"]["status"] == "error"
+        assert "rank" in "".join(reply["content"].get("traceback", [])) or reply["content"]["ename"]
+        wait_for(lambda: ledger.get(burst.id).state == "released", 30, "the killed burst to be released")
+        status, out = run(kc, DDP.format(args="--gpus 8 --nodes 2"), timeout=300)
+        assert status == "ok", out
+        assert sorted(ranks_of(out)) == list(range(8))
+        assert {r[1] for r in ranks_of(out).values()} != {job}  # a new job
+        run(kc, "%distributed shutdown")
+        wait_for(
+            lambda: not [a for a in ledger.active(user="alice") if a.purpose == "distributed"],
+            30,
+            "the burst to be released on shutdown",
+        )
+        kc.stop_channels()
+        hub.stop_server("alice")
+    finally:
+        ledger.unset_limit("user", "alice")
+        ledger.close()
