@@ -21,7 +21,7 @@ from spawner.ledger import Ledger
 from spawner.policy import Limit
 
 from . import slurmtools
-from .hubtools import wait_for
+from .hubtools import wait_for, xsrf_from
 from .slurmtools import SlurmHub, job_state, slurm
 
 pytestmark = pytest.mark.hub
@@ -209,3 +209,75 @@ def _limits_bound_plain_sbatch(gpuhub):
         "gres/gpu=3" in slurm("sacctmgr", "-n", "-P", "show", "assoc", "user=alice", "format=grptres").stdout
     )
     wait_for(lambda: job_state(ids[2]) == "RUNNING", 30, "the third job to start under the new limit")
+
+
+def grp_gpus(user: str) -> str:
+    out = slurm(
+        "sacctmgr", "-n", "-P", "show", "assoc", f"user={user}", "account=gpuhub", "format=grptres"
+    ).stdout
+    return out.strip()
+
+
+def test_limits_set_through_the_broker_reach_slurm(hub, ledger, clean):
+    # carol is seen by the hub (a spawn records her groups), then her group's limit changes
+    assert hub.spawn("carol", {"gpus": 0}).status_code in (201, 202)
+    hub.wait_ready("carol")
+    assert grp_gpus("carol") == "gres/gpu=2"  # students: 2, written before her first job
+    hub.wait_for_broker()
+    admin = hub.user_token("admin")
+    r = hub.broker("PUT", "limits/group/students", admin, json={"max_gpus": 1})
+    assert r.status_code == 200, r.text
+    assert grp_gpus("carol") == "gres/gpu=1"
+    r = hub.broker("DELETE", "limits/group/students", admin)
+    assert r.status_code == 204, r.text
+    assert grp_gpus("carol") == "gres/gpu=2"
+
+
+def test_the_form_offers_partitions_and_a_partition_is_honoured(hub, ledger, clean):
+    browser = hub.login("bob")
+    page = browser.get(f"{hub.url}/hub/spawn").text
+    assert 'name="partition"' in page
+    assert '<option value="gpu" data-free="8" selected>' in page
+    assert '<option value="interactive" data-free="4"' in page
+    assert "waits in the queue" in page
+    # a partition that does not exist is refused before anything reaches Slurm
+    r = hub.spawn("bob", {"gpus": 1, "partition": "nope"})
+    assert r.status_code == 400 and "Partitions: gpu, interactive" in r.json()["message"]
+    assert ledger.active(user="bob") == []
+    # "interactive" has only gpu-node1: the job lands there
+    posted = browser.post(
+        f"{hub.url}/hub/spawn",
+        data={"gpus": "2", "partition": "interactive", "_xsrf": xsrf_from(page)},
+        allow_redirects=False,
+    )
+    assert posted.status_code == 302, posted.text[-1000:]
+    hub.wait_ready("bob")
+    [alloc] = ledger.active(user="bob")
+    assert {g.node for g in alloc.gpus} == {"gpu-node1"}
+    assert slurm("squeue", "-h", "-j", alloc.backend_job_id, "-o", "%P").stdout.strip() == "interactive"
+
+
+def test_the_port_callback_takes_only_a_port_from_the_servers_own_token(hub, ledger, clean):
+    assert hub.spawn("dave", {"gpus": 1}).status_code in (201, 202)
+    hub.wait_ready("dave")
+    env = slurmtools.process_environ(hub.server_pid("dave"))
+    token = env["JUPYTERHUB_API_TOKEN"]
+    url = f"{hub.url}/hub/api/batchspawner"
+    headers = {"Authorization": f"token {token}"}
+    [alloc] = ledger.active(user="dave")
+    # batchspawner's own handler would set any attribute: here the job id and allocation
+    bad = requests.post(
+        url, headers=headers, json={"port": 1234, "job_id": "1", "allocation_id": 0}, timeout=10
+    )
+    assert bad.status_code == 400
+    assert requests.post(url, headers=headers, json={"port": "1"}, timeout=10).status_code == 400
+    # a running server's port is settled
+    assert requests.post(url, headers=headers, json={"port": 1234}, timeout=10).status_code == 409
+    # another user's token is not a server token of dave's
+    other = requests.post(
+        url, headers={"Authorization": f"token {hub.user_token('dave')}"}, json={"port": 1}, timeout=10
+    )
+    assert other.status_code == 403
+    state = hub.server("dave")["state"]
+    assert state["job_id"] == alloc.backend_job_id and state["gpuhub_allocation_id"] == alloc.id
+    assert hub.server("dave")["ready"]

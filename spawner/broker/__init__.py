@@ -22,7 +22,7 @@ SERVICE = "gpuhub"
 
 
 def _settings_json(c) -> str:
-    sections = {name: dict(c[name]) for name in ("GpuHub", "GpuBroker") if name in c}
+    sections = {name: dict(c[name]) for name in ("GpuHub", "GpuBroker", "SlurmAccounting") if name in c}
     return json.dumps(sections)
 
 

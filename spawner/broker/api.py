@@ -214,15 +214,40 @@ class LimitHandler(AdminHandler):
             return self.fail(400, str(e), "bad_request")
         limit = policy.Limit(lim.max_gpus, lim.gpu_hours, lim.window_hours)
         await self.broker.run(self.broker.ledger.set_limit, scope, name, limit)
-        self.finish({"scope": scope, "name": name, "origin": "ledger", **views.limit_json(limit)})
+        if await self._sync_slurm(scope, name):
+            self.finish({"scope": scope, "name": name, "origin": "ledger", **views.limit_json(limit)})
 
     async def delete(self, scope: str, name: str | None = None):
         self.require_admin()
         scope, name = self._key(scope, name)
         if not await self.broker.run(self.broker.ledger.unset_limit, scope, name):
             raise web.HTTPError(404, f"No ledger {scope} limit {name!r} to remove.")
-        self.set_status(204)
-        self.finish()
+        if await self._sync_slurm(scope, name):
+            self.set_status(204)
+            self.finish()
+
+    async def _sync_slurm(self, scope: str, name: str) -> bool:
+        """Write the change to Slurm's associations (when enabled): the user's, or every known
+        user's after a default or group change. False (and a 502 sent) when Slurm refused."""
+        accounting = self.broker.accounting
+        if accounting is None or not accounting.enabled:
+            return True
+        ledger = self.broker.ledger
+
+        def sync():
+            users = sorted({name, *ledger.effective_limits()}) if scope == "user" else None
+            return accounting.sync(ledger, users)
+
+        from ..slurm.jobs import SlurmError
+
+        try:
+            await self.broker.run(sync)
+        except SlurmError as e:
+            self.fail(
+                502, f"The ledger's limit is changed, but Slurm's accounting is not: {e}", "slurm_accounting"
+            )
+            return False
+        return True
 
 
 class ClusterHandler(AdminHandler):

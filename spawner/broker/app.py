@@ -69,6 +69,9 @@ async def main() -> None:
         prefix=os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpuhub/"),
     )
     broker.backend = "slurm" if hub_settings.inventory == "slurm" else "local"
+    from ..slurm.accounting import SlurmAccounting
+
+    broker.accounting = SlurmAccounting(config=hub_settings.config)
     url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101"))
     make_app(broker).listen(url.port, url.hostname)
 

@@ -32,6 +32,7 @@ class Broker:
         self.api_token = api_token
         self.prefix = prefix
         self.backend = "local"  # "slurm": bursts are Slurm jobs the user submits (deferred GPUs)
+        self.accounting = None  # a SlurmAccounting: limits written to Slurm associations too
         self._groups: dict[str, tuple[float, list[str]]] = {}
 
     async def run(self, fn, *args, **kw):

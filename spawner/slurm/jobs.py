@@ -103,7 +103,7 @@ class SlurmNode:
 @dataclass(frozen=True)
 class Cluster:
     nodes: tuple[SlurmNode, ...]
-    partitions: tuple[str, ...]  # in sinfo's order
+    partitions: tuple[str, ...]  # the default partition first, then by name
     default_partition: str | None
 
     def partition_nodes(self, partition: str) -> set[str]:
@@ -136,7 +136,7 @@ def parse_sinfo(text: str) -> Cluster:
             SlurmNode(name, d["gres"], tuple(d["partitions"]), d["state"].rstrip("*~#$@+^-"))
             for name, d in sorted(nodes.items())
         ),
-        partitions=tuple(partitions),
+        partitions=tuple(sorted(partitions, key=lambda p: (p != default, p))),
         default_partition=default,
     )
 
