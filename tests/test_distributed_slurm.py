@@ -127,14 +127,17 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         assert status == "ok", out
         assert sorted(ranks_of(out)) == list(range(8))
         assert {r[1] for r in ranks_of(out).values()} != {job}  # a new job
-        run(kc, "%distributed shutdown")
-        wait_for(
-            lambda: not [a for a in ledger.active(user="alice") if a.purpose == "distributed"],
-            30,
-            "the burst to be released on shutdown",
-        )
+        # 4. the server stops with the pool still up (no shutdown): nothing is left behind
+        [burst] = [a for a in ledger.active(user="alice") if a.purpose == "distributed"]
         kc.stop_channels()
         hub.stop_server("alice")
+        wait_for(
+            lambda: job_state(burst.backend_job_id) in ("CANCELLED", "COMPLETED", "GONE"),
+            90,
+            "the burst job to end",
+        )
+        wait_for(lambda: ledger.get(burst.id).state == "released", 60, "the burst to be released")
+        assert ledger.active(user="alice") == []
     finally:
         ledger.unset_limit("user", "alice")
         ledger.close()
