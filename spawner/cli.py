@@ -30,6 +30,7 @@ from .inventory import InventoryError
 from .ledger import Ledger, utcnow
 from .policy import DEFAULT_WINDOW_HOURS, Limit
 from .settings import GpuHub
+from .slurm.jobs import SlurmError
 
 
 class UsageError(Exception):
@@ -103,6 +104,13 @@ def make_parser() -> argparse.ArgumentParser:
     usage.add_argument("--since", default="30d", help="start: a date or a span such as 7d (default 30d)")
     usage.add_argument("--until", help="end (default: now)")
     usage.add_argument("--user")
+    slurm = sub.add_parser("slurm", help="the Slurm backend").add_subparsers(dest="action", required=True)
+    sscript = slurm.add_parser("script", help="preview the batch script of a user's server")
+    sscript.add_argument("--user", required=True)
+    sscript.add_argument("--gpus", type=int, default=1)
+    sscript.add_argument("--gpu-model")
+    sscript.add_argument("--partition", default="")
+    slurm.add_parser("sync", help="write every known user's GPU limit to Slurm's accounting")
     dbp = sub.add_parser("db", help="ledger database").add_subparsers(dest="action", required=True)
     dbp.add_parser("upgrade", help="migrate the ledger to this gpuhub's schema")
     kernel = sub.add_parser("kernel", help="notebook kernels").add_subparsers(dest="action", required=True)
@@ -146,11 +154,35 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         db.upgrade(settings.db_url)
         print(f"ledger {db.safe_url(settings.db_url)} is at schema {db.head_revision()}", file=out)
         return 0
+    if args.command == "slurm" and args.action == "script":
+        from .slurm.spawner import preview_script
+
+        if args.gpus < 0:
+            raise UsageError("--gpus must be 0 or more")
+        try:
+            text = preview_script(settings.config, args.user, args.gpus, args.gpu_model, args.partition)
+        except ValueError as e:  # a value that cannot go on an #SBATCH line
+            raise UsageError(str(e)) from None
+        print(text, end="", file=out)
+        return 0
     ledger = settings.open_ledger(sync=False)  # the hub keeps the inventory; this only reads it
+    if args.command == "slurm":
+        from .slurm.accounting import SlurmAccounting
+
+        accounting = SlurmAccounting(config=settings.config)
+        if not accounting.enabled:
+            raise UsageError(
+                "Slurm accounting is off: set c.SlurmAccounting.enabled = True in the hub's config"
+            )
+        commands = accounting.sync(ledger)
+        for argv in commands:
+            print("slurm: " + " ".join(argv[2:]), file=out)
+        print(f"{len(commands)} change(s) written to Slurm's accounting", file=out)
+        return 0
     if args.command == "limits":
         code = _limits(args, ledger, out)
         if args.action != "show":
-            _sync_slurm(settings, ledger, args, out)
+            _sync_slurm_after(settings, ledger, args, out)
         return code
     if args.command == "gpus":
         rows = []
@@ -217,7 +249,7 @@ def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
     return 0
 
 
-def _sync_slurm(settings: GpuHub, ledger: Ledger, args: argparse.Namespace, out) -> None:
+def _sync_slurm_after(settings: GpuHub, ledger: Ledger, args: argparse.Namespace, out) -> None:
     """With ``c.SlurmAccounting.enabled``, write the changed limits to Slurm's associations:
     the named user's, or every known user's after a default or group change."""
     from .slurm.accounting import SlurmAccounting
@@ -242,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (UsageError, db.SchemaError, InventoryError) as e:
+    except (UsageError, db.SchemaError, InventoryError, SlurmError) as e:
         print(f"gpuhub: error: {e}", file=sys.stderr)
         return 2
 

@@ -418,6 +418,13 @@ class Ledger:
             policy.check_request(request, eff, self._holdings(s, user, eff.limit), inventory, free)
             if count == 0:
                 raise policy.Refusal("An allocation needs at least 1 GPU.", reason="bad_request", fits=None)
+            if deferred and policy.place(request, inventory, inventory) is None:
+                raise policy.Refusal(
+                    f"{count} GPUs cannot be split as asked ({gpus_per_node or 'any'} per node, at most "
+                    f"{max_nodes or 'any'} nodes) on these nodes, even when all are free; "
+                    "ask for another split.",
+                    reason="too_large",
+                )
             chosen = () if deferred else policy.place(request, free, inventory)
             if chosen is None:
                 raise policy.Refusal(

@@ -12,6 +12,9 @@ import inspect
 from .broker.settings import GpuBroker
 from .mixin import GpuSpawnerMixin
 from .settings import GpuHub
+from .slurm.accounting import SlurmAccounting
+from .slurm.spawner import GpuSlurmSpawner
+from .slurm.watcher import SlurmWatcher
 
 SECTIONS = (
     (GpuHub, "GpuHub", "Ledger, inventory and limits. Read by the hub, its spawners and the `gpuhub` CLI."),
@@ -20,6 +23,18 @@ SECTIONS = (
         GpuBroker,
         "GpuBroker",
         "The broker service (enabled by `enable_broker(c)`, which passes these to the service).",
+    ),
+    (
+        GpuSlurmSpawner,
+        "GpuSlurmSpawner",
+        "The Slurm spawner (`gpu-slurm`), beside batchspawner's own `req_*` settings "
+        "(`req_memory`, `req_runtime`, `req_account`, `req_prologue`, `exec_prefix`). See docs/slurm.md.",
+    ),
+    (SlurmWatcher, "SlurmWatcher", "The hub's one poller of gpuhub's Slurm jobs."),
+    (
+        SlurmAccounting,
+        "SlurmAccounting",
+        "Limits written into Slurm's accounting (slurmdbd), read by the hub, the broker and the CLI.",
     ),
 )
 
@@ -37,6 +52,8 @@ def render_reference() -> str:
         own = cls.class_own_traits(config=True)
         for name, trait in sorted(own.items()):
             default = trait.default_value_repr()
+            if len(default) > 100:  # a template: shown in its module, not here
+                default = "(the template in spawner/slurm/script.py)"
             out += [
                 f"### `c.{section}.{name}`",
                 "",

@@ -21,8 +21,15 @@ from ..policy import Gpu
 
 SQUEUE_FORMAT = "%i|%T|%r|%N|%u|%j|%S"
 SINFO_FORMAT = "%N|%G|%P|%T"
-PENDING_STATES = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"})
-RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"})
+# waiting for resources (or held): no GPUs yet
+PENDING_STATES = frozenset(
+    {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD",
+     "POWER_UP_NODE"}
+)  # fmt: skip
+# holding its nodes and GPUs (a suspended or stopped job keeps them)
+RUNNING_STATES = frozenset(
+    {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "SUSPENDED", "STOPPED", "RESIZING"}
+)
 
 
 class SlurmError(RuntimeError):

@@ -177,26 +177,49 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
 
     def render_script(self, opts: form.GpuOptions | None = None) -> str:
         opts = opts or self.parse_options()
-        cluster = self.cluster()
-        home = self.req_homedir
-        env = self.get_env()
+        return self.script_for(
+            self.user.name,
+            self.req_homedir,
+            sorted(self.get_env()),
+            [self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args()],
+            opts,
+            self.chosen_partition(self.cluster(), opts.partition),
+        )
+
+    def script_for(self, user, homedir, env_names, command, opts: form.GpuOptions, partition: str) -> str:
+        """The server's batch script from explicit inputs (``gpuhub slurm script`` previews it)."""
         return script.render(
             self.batch_script,
-            command=[self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args()],
+            command=command,
             directives=self.extra_directives,
-            user=self.user.name,
+            user=user,
             job_name="gpuhub-server",
-            output=self.output_template.format(homedir=home, username=self.user.name),
-            homedir=home,
-            export=script.export_list(env),
+            output=self.output_template.format(homedir=homedir, username=user),
+            homedir=homedir,
+            export=script.export_list(dict.fromkeys(env_names, "")),
             gres=jobs.gres_request(opts.count, opts.model) if opts.count else "",
-            partition=self.chosen_partition(cluster, opts.partition),
+            partition=partition,
             cpus=max(1, opts.count * self.cpus_per_gpu),
             memory=self.req_memory,
             runtime=self.req_runtime,
             account=self.req_account,
             prologue=self.req_prologue,
         )
+
+    async def start(self):
+        try:
+            return await super().start()
+        except RuntimeError as e:
+            if "disappeared" not in str(e):  # batchspawner: the job ended before the server answered
+                raise
+            home = self.req_homedir
+            log = self.output_template.format(homedir=home, username=self.user.name)
+            raise SpawnException(
+                f"Your server's Slurm job ended before the server started ({self.job_status or 'gone'}). "
+                f"Its output is in {log} (with the job id for %j); tell an admin if it does not say why.",
+                reason="gpuhub_slurm_job_ended",
+                status_code=500,
+            ) from None
 
     def _sync_account(self) -> None:
         """Remember the user's groups and write their limit to Slurm's accounting (adding
@@ -216,6 +239,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
                 status_code=503,
             ) from None
         text = await asyncio.to_thread(self.render_script, opts)
+        self.log.info("gpuhub: batch script of %s:\n%s", self.user.name, text)
         argv = [*self._prefix(), "sbatch", "--parsable"]
         self.log.info("gpuhub: submitting %s's server to Slurm: %s", self.user.name, " ".join(argv))
         try:
@@ -286,3 +310,34 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             except RuntimeError:
                 return
             self.watcher.track(self.job_id)
+
+
+def preview_script(config, user: str, gpus: int, model: str | None = None, partition: str = "") -> str:
+    """The batch script a server of ``user`` would be submitted with, for admins to check
+    a template: the hub's real settings, the standard variables' names (their values, such
+    as the server's token, exist only at spawn time)."""
+    sp = GpuSlurmSpawner(config=config)
+    names = [
+        "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "GPUHUB_ALLOCATION_ID", "GPUHUB_BACKEND", "HOME",
+        "JUPYTERHUB_API_TOKEN", "JUPYTERHUB_API_URL", "JUPYTERHUB_CLIENT_ID", "JUPYTERHUB_HOST",
+        "JUPYTERHUB_OAUTH_CALLBACK_URL", "JUPYTERHUB_SERVER_NAME", "JUPYTERHUB_SERVICE_PREFIX",
+        "JUPYTERHUB_SERVICE_URL", "JUPYTERHUB_USER", "PATH", "SHELL", "USER",
+    ]  # fmt: skip
+    try:
+        import pwd
+
+        home = pwd.getpwnam(user).pw_dir
+    except KeyError:
+        home = f"/home/{user}"
+    if not partition:
+        try:
+            cluster = read_cluster()
+            partition = sp.default_partition or cluster.default_partition or ""
+        except jobs.SlurmError:
+            partition = sp.default_partition
+    if gpus:
+        names.remove("CUDA_VISIBLE_DEVICES")  # Slurm sets it inside the job
+    opts = form.GpuOptions(count=gpus, model=model, partition=partition or None)
+    return sp.script_for(
+        user, home, names, [sp.batchspawner_singleuser_cmd, *sp.cmd, *sp.args], opts, partition
+    )

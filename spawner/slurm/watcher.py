@@ -105,10 +105,13 @@ async def run_command(argv: list[str], timeout: float, input: str | None = None,
         out, err = await asyncio.wait_for(
             proc.communicate(input.encode() if input is not None else None), timeout
         )
-    except (TimeoutError, asyncio.CancelledError):
+    except TimeoutError:
         proc.kill()
         await proc.wait()
         raise jobs.SlurmError(f"{_name(argv)} took longer than {timeout:g} s") from None
+    except asyncio.CancelledError:
+        proc.kill()
+        raise
     if proc.returncode != 0:
         raise jobs.SlurmError(
             f"{_name(argv)} failed (exit {proc.returncode}): {err.decode(errors='replace').strip()[-500:]}"

@@ -1,0 +1,379 @@
+"""Slurm backend units without a cluster: parsers, batch scripts (golden files), accounting plans,
+the watcher's decisions, and one watcher cycle against fake squeue/scontrol/scancel on PATH."""
+
+import os
+import shlex
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from spawner.ledger import AllocationInfo, Ledger
+from spawner.policy import EffectiveLimit, Gpu, Limit, LimitRules
+from spawner.slurm import accounting, jobs, script
+from spawner.slurm.jobs import GresEntry, JobInfo, SlurmError
+from spawner.slurm.watcher import SlurmWatcher, orphans, reconcile
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+# jobs.py: parsers ------------------------------------------------------------------------
+
+SHOW_JOB = """\
+JobId=4 JobName=gpuhub-server
+   JobState=RUNNING Reason=None Dependency=(null)
+   NumNodes=1 NumCPUs=4 NumTasks=1 ReqNodeList=(null) ExcNodeList=(null)
+   NodeList=gpu-node1
+   TRES=cpu=4,mem=4000M,node=1,billing=4,gres/gpu=2
+   JOB_GRES=gpu:a100:2
+"""
+
+
+def show(*lines):
+    return SHOW_JOB + "".join(f"     Nodes={n} CPU_IDs=0-3 Mem=4000 GRES={g}\n" for n, g in lines)
+
+
+def gres(args):
+    return jobs.gres_request(*args)
+
+
+HL, IDX, GRES, GPUS = jobs.expand_hostlist, jobs.parse_index_list, jobs.parse_gres, jobs.parse_job_gpus
+SB = jobs.parse_sbatch
+N1 = "gpu-node1"
+SQUEUE = ["squeue", "-h", "-t", "all", "--name", "gpuhub-engines,gpuhub-server", "-o", "%i|%T|%r|%N|%u|%j|%S"]
+
+
+# fmt: off
+@pytest.mark.parametrize("fn, arg, want", [
+    (HL, "gpu-node1", ["gpu-node1"]),
+    (HL, "gpu-node[1-3]", ["gpu-node1", "gpu-node2", "gpu-node3"]),
+    (HL, "gpu-node[1-2,4],login01", ["gpu-node1", "gpu-node2", "gpu-node4", "login01"]),
+    (HL, "n[01-03]", ["n01", "n02", "n03"]),
+    (HL, "n[08-10]", ["n08", "n09", "n10"]),
+    (HL, "a[1-2],b[9-10],c", ["a1", "a2", "b9", "b10", "c"]),
+    (HL, "n[1-2]-ib[0-1]", ["n1-ib0", "n1-ib1", "n2-ib0", "n2-ib1"]),
+    (IDX, "0", [0]), (IDX, "0-1,3", [0, 1, 3]), (IDX, "", []),
+    (GRES, "gpu:a100:4", [GresEntry("a100", 4)]),
+    (GRES, "gpu:2", [GresEntry(None, 2)]),
+    (GRES, "gpu:a100:4(S:0-1)", [GresEntry("a100", 4)]),
+    (GRES, "mps:100,gpu:v100:1(S:0,1),shard:8", [GresEntry("v100", 1)]),
+    (GRES, "gpu:a100:4(S:0),gpu:2", [GresEntry("a100", 4), GresEntry(None, 2)]),
+    (GRES, "(null)", []),
+    (GPUS, show((N1, "gpu:a100:2(IDX:2-3)")), [(N1, 2), (N1, 3)]),
+    (GPUS, show((N1, "gpu:1(IDX:0)")), [(N1, 0)]),
+    (GPUS, show((N1, "gpu:a100:1(IDX:3)"), ("n2", "gpu:a100:2(IDX:0,2)")), [(N1, 3), ("n2", 0), ("n2", 2)]),
+    (GPUS, show(("n[1-2]", "gpu:a100:2(IDX:0-1)")), [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]),
+    (GPUS, show(), []),  # pending: no per-node line yet
+    (gres, (2, "a100"), "gpu:a100:2"), (gres, (1, None), "gpu:1"),
+    (SB, "12", "12"), (SB, "12;cluster\n", "12"), (SB, "warning: x\n13\n", "13"),
+    (jobs.squeue_argv, ["gpuhub-server", "gpuhub-engines"], SQUEUE),
+])
+def test_pure(fn, arg, want):
+    assert fn(arg) == want
+
+
+@pytest.mark.parametrize("fn, arg, error",
+    [(gres, a, ValueError) for a in [(0, None), (True, None), (-1, "a"), (2.0, None), (1, "a 1"), (1, "")]]
+    + [(SB, out, SlurmError) for out in ["", "\n", "Submitted batch job 12", "sbatch: error: failed"]]
+    + [(jobs.parse_sinfo, "node1|gpu:4|gpu\n", SlurmError), (jobs.parse_squeue, "12|PENDING|x\n", SlurmError)]
+    + [(script.export_list, {"PATH": "/bin", bad: "x"}, ValueError) for bad in ["A B", "1X", "A;", "A=", ""]],
+)
+def test_refused(fn, arg, error):
+    with pytest.raises(error):
+        fn(arg)
+# fmt: on
+
+
+def test_parse_sinfo_cluster_partitions_and_inventory():
+    c = jobs.parse_sinfo(
+        "gpu-node1|gpu:a100:4(S:0)|gpu*|idle\ngpu-node1|gpu:a100:4(S:0)|all|idle\n"
+        "gpu-node2|gpu:2,gpu:v100:1|all|mix\ncpu-node1|(null)|all|idle*\n"
+    )
+    assert c.partitions == ("gpu", "all") and c.default_partition == "gpu"
+    assert [(n.name, n.partitions, n.state) for n in c.nodes] == [("cpu-node1", ("all",), "idle"),
+        ("gpu-node1", ("gpu", "all"), "idle"), ("gpu-node2", ("all",), "mix")]  # fmt: skip
+    assert (c.partition_nodes("gpu"), c.partition_nodes("nope")) == ({"gpu-node1"}, set())
+    assert c.partition_nodes("all") == {"cpu-node1", "gpu-node1", "gpu-node2"}
+    # indices run on across gres entries, in gres.conf order; untyped GPUs get the given model
+    gpus = c.nodes[2].gpus("T4")
+    assert [f"{g.label}={g.model}" for g in gpus] == ["gpu-node2:0=T4", "gpu-node2:1=T4", "gpu-node2:2=v100"]
+    assert [f"{g.label}={g.model}" for g in c.inventory()] == [f"gpu-node1:{i}=a100" for i in range(4)] + [
+        "gpu-node2:0=GPU", "gpu-node2:1=GPU", "gpu-node2:2=v100"]  # fmt: skip
+    assert jobs.parse_sinfo("").default_partition is None
+
+
+def test_parse_squeue():
+    assert jobs.parse_squeue(
+        "12|PENDING|Resources||alice|gpuhub-server|2026-11-29T18:00:00\n\n"
+        "13|RUNNING|None|gpu-node[1-2]|bob|gpuhub-engines|N/A\n"
+        "14|CANCELLED by 1000|None|(null)|bob|gpuhub-server|N/A\n"
+    ) == {
+        "12": JobInfo("12", "PENDING", "Resources", (), "alice", "gpuhub-server", "2026-11-29T18:00:00"),
+        "13": JobInfo("13", "RUNNING", "None", ("gpu-node1", "gpu-node2"), "bob", "gpuhub-engines", "N/A"),
+        "14": JobInfo("14", "CANCELLED", "None", (), "bob", "gpuhub-server", "N/A"),
+    }
+    assert jobs.parse_squeue("") == {}
+
+
+# fmt: off
+@pytest.mark.parametrize("job, flags, text", [
+    (JobInfo("12", "PENDING", "Resources", start_time="2026-11-29T18:00"), "P",
+     "Queued in Slurm as job 12 (Resources), expected start 2026-11-29T18:00"),
+    (JobInfo("12", "PENDING", "None", start_time="N/A"), "P", "Queued in Slurm as job 12 (waiting)"),
+    (JobInfo("12", "REQUEUED", "Priority", start_time="Unknown"),
+     "P", "Queued in Slurm as job 12 (Priority)"),
+    (JobInfo("13", "RUNNING", nodes=("n1", "n2")), "R", "Slurm job 13 running on n1, n2"),
+    (JobInfo("13", "COMPLETING", nodes=("n1",)), "R", "Slurm job 13 running on n1"),
+    *[(JobInfo("14", s), "E", f"Slurm job 14 ended ({s.lower()})")
+      for s in ("COMPLETED", "TIMEOUT", "FAILED")],
+])
+def test_job_states_and_describe(job, flags, text):
+    assert (job.pending, job.running, job.ended) == (flags == "P", flags == "R", flags == "E")
+    assert job.describe() == text
+# fmt: on
+
+
+# script.py: golden files and refused injections ------------------------------------------
+
+
+def check_golden(name: str, text: str) -> None:
+    """Compare with tests/golden/NAME; GPUHUB_REGEN_GOLDEN=1 rewrites the file first."""
+    path = GOLDEN / name
+    if os.environ.get("GPUHUB_REGEN_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; rerun with GPUHUB_REGEN_GOLDEN=1 if that is intended"
+
+
+# fmt: off
+SERVER = dict(
+    user="alice", job_name="gpuhub-server", output="/home/alice/.gpuhub-server-%j.log", homedir="/home/alice",
+    export=script.export_list({"PATH": "/usr/bin", "JUPYTERHUB_API_TOKEN": "s3cret", "JUPYTERHUB_USER": "a"}),
+    gres="gpu:a100:2", partition="gpu", cpus=4, memory="", runtime="8:00:00", account="",
+    directives=["--qos=interactive"], prologue="module load cuda",
+    command=["/opt/venv/bin/batchspawner-singleuser", "/opt/venv/bin/jupyterhub-singleuser", "--debug"],
+)
+ENGINES = dict(
+    user="alice", job_name="gpuhub-engines", output="/home/alice/.gpuhub-engines-%j.log",
+    workdir="/home/alice", nodes=2, per_node=4, gres="gpu:a100:4", partition="gpu", cpus=8, memory="16G",
+    account="research",
+    directives=["--qos=interactive", "--exclusive"],
+    command=["/opt/venv/bin/python", "-m", "ipyparallel.engine", "--profile-dir=/home/alice/my dir", "$HOME"],
+)
+
+
+@pytest.mark.parametrize("name, template, values", [
+    ("server.sbatch", script.SERVER_TEMPLATE, SERVER),
+    ("server-0gpus.sbatch", script.SERVER_TEMPLATE, {**SERVER, "gres": ""}),
+    ("engines.sbatch", script.ENGINES_TEMPLATE, ENGINES),
+])
+def test_rendered_scripts_match_golden_files(name, template, values):
+    text = script.render(template, **values)
+    check_golden(name, text)
+    lines = text.splitlines()
+    assert "s3cret" not in text and lines[-1].startswith("exec ")
+    if name == "server-0gpus.sbatch":
+        assert "export CUDA_VISIBLE_DEVICES=  # no GPUs asked for: hide any the node has" in lines
+        assert not any(line.startswith("#SBATCH --gres") for line in lines)
+    else:
+        assert f"#SBATCH --gres={values['gres']}" in lines and "CUDA_VISIBLE_DEVICES" not in text
+    cmd = values["command"]
+    assert shlex.split(lines[-1])[-len(cmd) :] == cmd  # quoted for the shell, word by word
+# fmt: on
+
+
+@pytest.mark.parametrize("key", ["user", "output", "gres", "partition", "memory", "account", "runtime"])
+@pytest.mark.parametrize("value", ["a b", "a\nb", "gpu\n", "a;b", "a$b", "a'b", 'a"b', "a`b", "a\\b"])
+def test_render_refuses_a_value_that_is_not_one_word(key, value):
+    with pytest.raises(ValueError, match=key):
+        script.render(script.SERVER_TEMPLATE, **{**SERVER, key: value})
+
+
+@pytest.mark.parametrize(
+    "line", ["--qos=a --x", "#SBATCH --x", "qos=high", "--qos=a\n#SBATCH --x", "--q=$X", "--"]
+)
+def test_render_refuses_a_directive_that_is_not_one_option(line):
+    with pytest.raises(ValueError, match="one option"):
+        script.render(script.SERVER_TEMPLATE, **{**SERVER, "directives": [line]})
+
+
+# accounting.py ---------------------------------------------------------------------------
+
+
+def test_parse_associations():
+    text = "|gpuhub|\nalice|gpuhub|cpu=4,gres/gpu=2\nbob|gpuhub|\ncarol|gpuhub|gres/gpu=-1,mem=1G\njunk\n"
+    assert {u: (a.user, a.account, a.gpus) for u, a in accounting.parse_associations(text).items()} == {
+        "alice": ("alice", "gpuhub", 2),
+        "bob": ("bob", "gpuhub", -1),
+        "carol": ("carol", "gpuhub", -1),
+    }
+
+
+def eff(max_gpus):
+    return EffectiveLimit(Limit(max_gpus=max_gpus), "default")
+
+
+@pytest.mark.parametrize("max_gpus, want", [(2, 2), (0, 0), (None, -1)])
+def test_wanted_gpus(max_gpus, want):
+    assert accounting.wanted_gpus(eff(max_gpus)) == want
+
+
+ADD = "sacctmgr -i add user alice Account=gpuhub".split()
+
+
+def modify(n):
+    return [*"sacctmgr -i modify user where name=alice account=gpuhub set".split(), f"GrpTRES=gres/gpu={n}"]
+
+
+@pytest.mark.parametrize(
+    "max_gpus, current, commands",
+    [
+        (2, None, [ADD, modify(2)]),
+        (None, None, [ADD, modify(-1)]),
+        (2, 2, []),
+        (None, -1, []),
+        (3, 2, [modify(3)]),
+        (None, 2, [modify(-1)]),
+        (0, -1, [modify(0)]),
+    ],
+)
+def test_plan(max_gpus, current, commands):
+    have = {} if current is None else {"alice": accounting.Association("alice", "gpuhub", current)}
+    assert accounting.plan({"alice": eff(max_gpus)}, have, "gpuhub") == commands
+
+
+# watcher.py: decisions -------------------------------------------------------------------
+
+NOW = datetime(2026, 11, 1, 12, 0)
+
+
+def alloc(job_id="7", count=2, gpus=0, minutes=1, state="starting", end_reason=None):
+    return AllocationInfo(
+        id=1, user="alice", purpose="server", server_name="", state=state,
+        created=NOW - timedelta(minutes=minutes), started=None, ended=None, backend="slurm",
+        backend_job_id=job_id, end_reason=end_reason,
+        gpus=tuple(Gpu("gpu-node1", i, "a100") for i in range(gpus)), gpu_count=count,
+    )  # fmt: skip
+
+
+def listing(job_id="7", state="RUNNING"):
+    return {job_id: JobInfo(job_id, state)}
+
+
+# fmt: off
+@pytest.mark.parametrize("a, listed, expected", [
+    (alloc(None, minutes=4), {}, None),
+    (alloc(None, minutes=5), {}, None),
+    (alloc(None, minutes=6), {}, ("release", None, "never reached Slurm (hub stopped while submitting)")),
+    (alloc(), {}, ("release", "7", "Slurm job 7 is gone")),
+    (alloc(), listing("8"), ("release", "7", "Slurm job 7 is gone")),
+    (alloc(), listing(state="COMPLETED"), ("release", "7", "Slurm job 7 ended (completed)")),
+    (alloc(gpus=2), listing(state="CANCELLED"), ("release", "7", "Slurm job 7 ended (cancelled)")),
+    (alloc(), listing(state="TIMEOUT"), ("release", "7", "Slurm job 7 ended (timeout)")),
+    (alloc(), listing(), ("record", "7", "")),
+    (alloc(gpus=1), listing(), ("record", "7", "")),
+    (alloc(gpus=2), listing(), None),
+    (alloc(), listing(state="PENDING"), None),
+])
+def test_reconcile(a, listed, expected):
+    actions = reconcile([a], listed, NOW)
+    assert [(x.kind, x.job_id, x.reason) for x in actions] == ([] if expected is None else [expected])
+    assert all(x.allocation is a for x in actions)
+# fmt: on
+
+
+@pytest.mark.parametrize(
+    "listed, cancel",
+    [(listing(), True), (listing(state="PENDING"), True), (listing(state="COMPLETED"), False), ({}, False)],
+)
+def test_orphans(listed, cancel):
+    listed = {**listed, "8": JobInfo("8", "RUNNING")}  # another job never matters
+    a = alloc(state="released", end_reason="lease expired")
+    want = [("cancel", "7", "its allocation was released (lease expired)")] if cancel else []
+    assert [(x.kind, x.job_id, x.reason) for x in orphans([a], listed)] == want
+
+
+# watcher.py: one cycle against fake Slurm commands ---------------------------------------
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """squeue prints squeue.txt (exit 1 while `down` exists), scontrol prints a job on
+    gpu-node1:1-2, scancel appends its arguments to scancel.log."""
+    q = shlex.quote
+    bodies = {
+        "squeue": f"[ -e {q(str(tmp_path / 'down'))} ] && exit 1\ncat {q(str(tmp_path / 'squeue.txt'))}",
+        "scontrol": "echo 'JobId=7 JobName=gpuhub-server'\n"
+        "echo '   Nodes=gpu-node1 CPU_IDs=0-3 Mem=4000 GRES=gpu:a100:2(IDX:1-2)'",
+        "scancel": f'echo "$@" >> {q(str(tmp_path / "scancel.log"))}',
+    }
+    for name, body in bodies.items():
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    (tmp_path / "squeue.txt").write_text("")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    led = Ledger(f"sqlite:///{tmp_path}/l.sqlite", config_rules=LimitRules(default=Limit(max_gpus=4)))
+    led.sync_inventory([Gpu("gpu-node1", i, "a100") for i in range(4)])
+    watcher = SlurmWatcher(lambda: led)
+    monkeypatch.setattr(watcher, "start", lambda: None)  # cycles run only when a test awaits one
+    yield tmp_path, led, watcher
+    led.close()
+
+
+def queued(led, job_id, count=2):
+    a = led.allocate("alice", [], count, deferred=True, backend="slurm")
+    return led.attach_job(a.id, job_id)
+
+
+def labels(info):
+    return [g.label for g in info.gpus]
+
+
+async def test_watcher_records_the_gpus_of_a_started_job(fake):
+    d, led, watcher = fake
+    a = queued(led, "7")
+    (d / "squeue.txt").write_text("7|RUNNING|None|gpu-node1|alice|gpuhub-server|N/A\n")
+    assert await watcher.cycle() is True
+    got = led.get(a.id)
+    assert (got.state, labels(got), got.backend_job_id) == ("running", ["gpu-node1:1", "gpu-node1:2"], "7")
+    assert await watcher.cycle() is False  # nothing left to do
+
+
+async def test_watcher_keeps_its_state_through_an_outage_then_releases_what_is_gone(fake):
+    d, led, watcher = fake
+    a = queued(led, "7")
+    watcher.track("7")
+    (d / "squeue.txt").write_text("7|PENDING|Resources||alice|gpuhub-server|N/A\n")
+    assert await watcher.cycle() is True
+    before = dict(watcher.jobs)
+    assert watcher.job("7") == ("known", before["7"]) and before["7"].pending
+    watcher.track("8")  # submitted after the last successful query
+    (d / "down").touch()
+    for n in (1, 2):
+        assert await watcher.cycle() is False
+        assert watcher.failures == n and watcher.jobs == before
+        assert led.get(a.id).state == "starting"
+        assert watcher.job("7")[0] == "known" and watcher.job("8") == ("unknown", None)
+    (d / "down").unlink()
+    (d / "squeue.txt").write_text("")
+    assert await watcher.cycle() is True
+    assert watcher.failures == 0 and watcher.jobs == {}
+    got = led.get(a.id)
+    assert got.state == "released" and got.end_reason == "Slurm job 7 is gone"
+    assert watcher.job("7") == ("gone", None) and watcher.job("8") == ("gone", None)
+    assert watcher.job("99") == ("unknown", None)  # never tracked
+
+
+async def test_watcher_cancels_a_job_whose_allocation_was_released(fake):
+    d, led, watcher = fake
+    for job_id in ("9", "10", "11"):
+        led.release(queued(led, job_id, 1).id, "lease expired")
+    live = queued(led, "12", 1)
+    (d / "squeue.txt").write_text(
+        "9|RUNNING|None|gpu-node1|alice|gpuhub-engines|N/A\n"
+        "10|COMPLETED|None|gpu-node1|alice|gpuhub-engines|N/A\n"
+        "12|PENDING|Priority||alice|gpuhub-server|N/A\n"
+    )
+    assert await watcher.cycle() is True
+    assert (d / "scancel.log").read_text() == "9\n"
+    assert led.get(live.id).state == "starting"
