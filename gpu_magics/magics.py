@@ -168,7 +168,12 @@ class DistributedMagics(Magics):
         except ValueError as e:
             raise UsageError(str(e)) from None
         launcher = SlurmLauncher(
-            mode, nodes, per_node, os.path.expanduser("~"), os.environ.get("SLURM_JOB_PARTITION", "")
+            mode,
+            nodes,
+            per_node,
+            os.path.expanduser("~"),
+            os.environ.get("SLURM_JOB_PARTITION", ""),
+            os.environ.get("GPUHUB_SLURM_ACCOUNT", ""),
         )
         if mode == "job":
             client = BrokerClient.from_env()
@@ -185,6 +190,7 @@ class DistributedMagics(Magics):
                 ) from None
             self.burst = alloc
             self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print)
+            launcher.allocation_id = alloc["id"]
             launcher.on_submitted = lambda job_id: client.attach_job(alloc["id"], job_id)
         return EnginePool([], args.backend, timeout, launcher=launcher, n=args.gpus)
 
@@ -200,9 +206,10 @@ class DistributedMagics(Magics):
                 # the GPUs stay ours unless the number of ranks changed
                 self._stop_pool(release=self.key[0] != shape)
             if self.burst is not None and (
-                on_slurm or len(self.burst["gpus"]) != args.gpus or self._lease_lost()
+                (on_slurm and self.pool is None) or len(self.burst["gpus"]) != args.gpus or self._lease_lost()
             ):
-                self._release_burst()  # a Slurm burst's job ended with its engines: ask anew
+                # a Slurm burst's job ends with its engines: a new pool asks anew
+                self._release_burst()
             if self.pool is None:
                 try:
                     if on_slurm:

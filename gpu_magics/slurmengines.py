@@ -74,7 +74,8 @@ def assign_ranks(facts: list[EngineFacts], master_port: int, run_id: str) -> lis
             raise RuntimeError(f"two engines got GPU {slot.label}")
         slots[slot] = f
     ordered = sorted(slots)
-    specs = make_rank_specs(ordered, ordered[0].node, master_port, run_id=run_id)
+    # rank 0's host name, as its machine knows itself (a Slurm NodeName need not resolve)
+    specs = make_rank_specs(ordered, slots[ordered[0]].host, master_port, run_id=run_id)
     out = []
     for spec in specs:
         f = slots[spec.slot]
@@ -111,10 +112,14 @@ def plan_launch(
 class SlurmLauncher:
     """Starts and stops the engines' Slurm tasks (a step of this job, or a job of their own)."""
 
-    def __init__(self, mode: str, nodes: int, per_node: int, workdir: str, partition: str = ""):
+    def __init__(
+        self, mode: str, nodes: int, per_node: int, workdir: str, partition: str = "", account: str = ""
+    ):
         self.mode, self.nodes, self.per_node = mode, nodes, per_node
         self.workdir = workdir
         self.partition = partition
+        self.account = account
+        self.allocation_id = 0  # the burst's ledger allocation (tagged on the job)
         self.proc: subprocess.Popen | None = None
         self.job_id = ""
         self.step = ""
@@ -122,8 +127,9 @@ class SlurmLauncher:
 
     @property
     def location(self) -> str:
-        """Where engines reach the controller: this node's name."""
-        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        """Where engines reach the controller: this machine's host name (a Slurm NodeName
+        need not resolve)."""
+        return socket.gethostname()
 
     def start(self, engine_argv: list[str]) -> None:
         srun = shutil.which("srun") or "srun"
@@ -204,6 +210,15 @@ class SlurmLauncher:
     def local_pids(self) -> list[int]:
         """Processes of ours on this machine that the kernel's reaper must end."""
         return [self.proc.pid] if self.proc is not None else []
+
+
+def job_env(environ) -> dict[str, str]:
+    """sbatch's environment from inside the server's job: without the job's own SLURM_*,
+    SBATCH_* and SRUN_* variables, which sbatch and srun would read as options (the server's
+    memory and CPUs, its job id) for the engines' job."""
+    return {k: v for k, v in environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))} | (
+        {"SLURM_CONF": environ["SLURM_CONF"]} if "SLURM_CONF" in environ else {}
+    )
 
 
 def engine_argv(cluster) -> list[str]:

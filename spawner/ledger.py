@@ -468,12 +468,26 @@ class Ledger:
             return _info(a)
 
     def attach_job(self, allocation_id: int, backend_job_id: str) -> AllocationInfo:
-        """Record the backend's job id of an allocation that is still starting (queued)."""
+        """Record the backend's job id of a live allocation. Once only: another id, or an id
+        another live allocation already has, raises ``ValueError``."""
+        job = str(backend_job_id)
         with self._tx() as s:
             a = s.get(Allocation, allocation_id)
             if a is None or a.state not in ACTIVE_STATES:
                 raise LookupError(f"allocation {allocation_id} is not active")
-            a.backend_job_id = str(backend_job_id)
+            if a.backend_job_id not in (None, job):
+                raise ValueError(f"allocation {a.id} already runs as job {a.backend_job_id}")
+            taken = s.scalars(
+                select(Allocation.id).where(
+                    Allocation.backend == a.backend,
+                    Allocation.backend_job_id == job,
+                    Allocation.state.in_(ACTIVE_STATES),
+                    Allocation.id != a.id,
+                )
+            ).first()
+            if taken is not None:
+                raise ValueError(f"job {job} is already allocation {taken}'s")
+            a.backend_job_id = job
             return _info(a)
 
     def record_gpus(

@@ -160,7 +160,7 @@ class GpuSpawnerMixin(Configurable):
 
     async def _admit(self) -> AllocationInfo | None:
         try:
-            opts = self.parse_options()
+            opts = await asyncio.to_thread(self.parse_options)  # may ask the scheduler
             if opts.count == 0:
                 return None
             extra = await asyncio.to_thread(self.admission, opts)

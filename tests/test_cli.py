@@ -110,3 +110,37 @@ def test_format_table_and_parse_when():
     assert parse_when("2d", now) == datetime(2026, 11, 27, 12, 0)
     assert parse_when("6h", now) == datetime(2026, 11, 29, 6, 0)
     assert parse_when("2026-11-01", now) == datetime(2026, 11, 1)
+
+
+def test_slurm_script_preview_uses_the_hubs_settings_and_template(tmp_path):
+    (tmp_path / "jupyterhub_config.py").write_text(
+        "c.GpuSlurmSpawner.cpus_per_gpu = 3\n"
+        'c.GpuSlurmSpawner.extra_directives = ["--qos=interactive"]\n'
+        'c.GpuSlurmSpawner.req_runtime = "2:00:00"\n'
+        'c.Spawner.cmd = ["/opt/env/bin/jupyterhub-singleuser"]\n'
+        'c.GpuSlurmSpawner.batchspawner_singleuser_cmd = "/opt/env/bin/batchspawner-singleuser"\n'
+    )
+    text = gpuhub(tmp_path, "slurm", "script", "--user", "nobody", "--gpus", "2", "--partition", "p1").stdout
+    assert text.startswith("#!/bin/bash\n")
+    for line in (
+        "#SBATCH --gres=gpu:2", "#SBATCH --partition=p1", "#SBATCH --cpus-per-task=6",
+        "#SBATCH --time=2:00:00", "#SBATCH --qos=interactive", "#SBATCH --job-name=gpuhub-server",
+        "exec /opt/env/bin/batchspawner-singleuser /opt/env/bin/jupyterhub-singleuser",
+    ):  # fmt: skip
+        assert line in text.splitlines(), line
+    assert "JUPYTERHUB_API_TOKEN" in text and "CUDA_VISIBLE_DEVICES" not in text  # names only, Slurm's GPUs
+    # an admin's own template is what gets rendered
+    (tmp_path / "t.sbatch").write_text("#!/bin/sh\n#SBATCH --gres={{ gres }}\n{{ command }}\n")
+    with open(tmp_path / "jupyterhub_config.py", "a") as f:
+        f.write(f"c.GpuSlurmSpawner.batch_script = open({str(tmp_path / 't.sbatch')!r}).read()\n")
+    text = gpuhub(
+        tmp_path, "slurm", "script", "--user", "nobody", "--gpus", "1", "--gpu-model", "a100"
+    ).stdout
+    assert text.splitlines() == [
+        "#!/bin/sh",
+        "#SBATCH --gres=gpu:a100:1",
+        "/opt/env/bin/batchspawner-singleuser /opt/env/bin/jupyterhub-singleuser",
+    ]
+    # a value that cannot go on an #SBATCH line is an error that says so
+    r = gpuhub(tmp_path, "slurm", "script", "--user", "nobody", "--partition", "a b", ok=False)
+    assert r.returncode == 2 and "partition must be one word" in r.stderr

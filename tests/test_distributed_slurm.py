@@ -52,7 +52,7 @@ def hub(tmp_path_factory):
     slurmtools.cancel_all_jobs()
 
 
-def kernel_of(hub, user: str) -> BlockingKernelClient:
+def kernel_of(hub, user: str) -> tuple[BlockingKernelClient, str]:
     r = hub.api_url_request("POST", f"/user/{user}/api/kernels", json={"name": "python3-gpus"})
     assert r.status_code == 201, r.text
     kid = r.json()["id"]
@@ -65,7 +65,7 @@ def kernel_of(hub, user: str) -> BlockingKernelClient:
     kc.load_connection_file()
     kc.start_channels()
     kc.wait_for_ready(timeout=60)
-    return kc
+    return kc, kid
 
 
 def ranks_of(out: str) -> dict[int, tuple]:
@@ -80,7 +80,7 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         assert hub.spawn("alice", {"gpus": 2}).status_code in (201, 202)
         hub.wait_ready("alice", timeout=120)
         [server] = ledger.active(user="alice")
-        kc = kernel_of(hub, "alice")
+        kc, kid = kernel_of(hub, "alice")
         status, out = run(kc, DDP.format(args="--gpus 2"))
         assert status == "ok", out
         ranks = ranks_of(out)
@@ -89,6 +89,17 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         assert {r[3] for r in ranks.values()} == {g.label for g in server.gpus}
         assert len({r[4] for r in ranks.values()}) == 1  # DDP kept the replicas identical
         assert [a.id for a in ledger.active(user="alice")] == [server.id]
+        # a kernel interrupt (the notebook's stop button) reaches every rank; the next cell works
+        kc.execute("%%distributed --gpus 2\nprint('looping', flush=True)\nwhile True:\n    pass\n")
+        wait_for(
+            lambda: "looping" in (kc.get_iopub_msg(timeout=30)["content"].get("text") or ""), 60, "the loop"
+        )
+        r = hub.api_url_request("POST", f"/user/alice/api/kernels/{kid}/interrupt")
+        assert r.status_code == 204, r.text
+        reply = kc.get_shell_msg(timeout=60)
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        status, out = run(kc, "%%distributed --gpus 2\nprint('after', rank)")
+        assert status == "ok" and "[rank 0] after 0" in out and "[rank 1] after 1" in out, out
         run(kc, "%distributed shutdown")
         kc.stop_channels()
         hub.stop_server("alice")
@@ -96,7 +107,7 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         # 2. a server without GPUs: --gpus 8 --nodes 2 is a burst job over both nodes
         assert hub.spawn("alice", {"gpus": 0}).status_code in (201, 202)
         hub.wait_ready("alice", timeout=120)
-        kc = kernel_of(hub, "alice")
+        kc, _ = kernel_of(hub, "alice")
         status, out = run(kc, DDP.format(args="--gpus 8 --nodes 2"), timeout=300)
         assert status == "ok", out
         ranks = ranks_of(out)

@@ -149,3 +149,22 @@ def test_note_user_and_effective_limits(ledger):
     assert (only["zed"].limit.max_gpus, only["zed"].source) == (2, "default")
     ledger.note_user("alice", ["physics"])  # groups change with the user
     assert ledger.effective_limits(["alice"])["alice"].source == "default"
+
+
+def test_attach_job_is_once_and_a_job_belongs_to_one_allocation(tmp_path):
+    led = Ledger(f"sqlite:///{tmp_path}/l.sqlite", config_rules=LimitRules(default=Limit(max_gpus=8)))
+    led.sync_inventory([Gpu("n1", i, "a100") for i in range(4)])
+    a = led.allocate("alice", [], 1, deferred=True, backend="slurm")
+    b = led.allocate("alice", [], 1, deferred=True, backend="slurm")
+    assert led.attach_job(a.id, "7").backend_job_id == "7"
+    assert led.attach_job(a.id, "7").backend_job_id == "7"  # the same again: fine
+    with pytest.raises(ValueError, match="already runs as job 7"):
+        led.attach_job(a.id, "8")
+    with pytest.raises(ValueError, match=f"already allocation {a.id}'s"):
+        led.attach_job(b.id, "7")
+    assert led.get(b.id).backend_job_id is None
+    led.release(a.id, "done")
+    assert led.attach_job(b.id, "7").backend_job_id == "7"  # a released allocation's id is free
+    with pytest.raises(LookupError):
+        led.attach_job(a.id, "9")
+    led.close()

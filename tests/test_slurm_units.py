@@ -40,7 +40,17 @@ def gres(args):
 HL, IDX, GRES, GPUS = jobs.expand_hostlist, jobs.parse_index_list, jobs.parse_gres, jobs.parse_job_gpus
 SB = jobs.parse_sbatch
 N1 = "gpu-node1"
-SQUEUE = ["squeue", "-h", "-t", "all", "--name", "gpuhub-engines,gpuhub-server", "-o", "%i|%T|%r|%N|%u|%j|%S"]
+SQUEUE = [
+    "squeue",
+    "-h",
+    "-a",
+    "-t",
+    "all",
+    "--name",
+    "gpuhub-engines,gpuhub-server",
+    "-o",
+    "%i|%T|%r|%N|%u|%j|%k|%S",
+]
 
 
 # fmt: off
@@ -104,15 +114,28 @@ def test_parse_sinfo_cluster_partitions_and_inventory():
 
 def test_parse_squeue():
     assert jobs.parse_squeue(
-        "12|PENDING|Resources||alice|gpuhub-server|2026-11-29T18:00:00\n\n"
-        "13|RUNNING|None|gpu-node[1-2]|bob|gpuhub-engines|N/A\n"
-        "14|CANCELLED by 1000|None|(null)|bob|gpuhub-server|N/A\n"
+        "12|PENDING|Resources||alice|gpuhub-server|gpuhub:7|2026-11-29T18:00:00\n\n"
+        "13|RUNNING|None|gpu-node[1-2]|bob|gpuhub-engines|a|b|N/A\n"
+        "14|CANCELLED by 1000|None|(null)|bob|gpuhub-server|(null)|N/A\n"
     ) == {
-        "12": JobInfo("12", "PENDING", "Resources", (), "alice", "gpuhub-server", "2026-11-29T18:00:00"),
-        "13": JobInfo("13", "RUNNING", "None", ("gpu-node1", "gpu-node2"), "bob", "gpuhub-engines", "N/A"),
+        "12": JobInfo(
+            "12", "PENDING", "Resources", (), "alice", "gpuhub-server", "2026-11-29T18:00:00", "gpuhub:7"
+        ),
+        "13": JobInfo(
+            "13", "RUNNING", "None", ("gpu-node1", "gpu-node2"), "bob", "gpuhub-engines", "N/A", "a|b"
+        ),
         "14": JobInfo("14", "CANCELLED", "None", (), "bob", "gpuhub-server", "N/A"),
     }
     assert jobs.parse_squeue("") == {}
+
+
+@pytest.mark.parametrize(
+    "comment, allocation_id",
+    [("gpuhub:7", 7), (" gpuhub:12 ", 12), ("gpuhub:0", None), ("gpuhub:x", None), ("gpuhub:", None),
+     ("mine", None), ("", None), ("GPUHUB:7", None)],
+)  # fmt: skip
+def test_a_jobs_gpuhub_tag(comment, allocation_id):
+    assert JobInfo("1", "RUNNING", comment=comment).allocation_id == allocation_id
 
 
 # fmt: off
@@ -150,13 +173,13 @@ SERVER = dict(
     user="alice", job_name="gpuhub-server", output="/home/alice/.gpuhub-server-%j.log", homedir="/home/alice",
     export=script.export_list({"PATH": "/usr/bin", "JUPYTERHUB_API_TOKEN": "s3cret", "JUPYTERHUB_USER": "a"}),
     gres="gpu:a100:2", partition="gpu", cpus=4, memory="", runtime="8:00:00", account="",
-    directives=["--qos=interactive"], prologue="module load cuda",
+    directives=["--qos=interactive"], prologue="module load cuda", comment="gpuhub:7",
     command=["/opt/venv/bin/batchspawner-singleuser", "/opt/venv/bin/jupyterhub-singleuser", "--debug"],
 )
 ENGINES = dict(
     user="alice", job_name="gpuhub-engines", output="/home/alice/.gpuhub-engines-%j.log",
     workdir="/home/alice", nodes=2, per_node=4, gres="gpu:a100:4", partition="gpu", cpus=8, memory="16G",
-    account="research",
+    account="research", comment="gpuhub:8",
     directives=["--qos=interactive", "--exclusive"],
     command=["/opt/venv/bin/python", "-m", "ipyparallel.engine", "--profile-dir=/home/alice/my dir", "$HOME"],
 )
@@ -172,6 +195,8 @@ def test_rendered_scripts_match_golden_files(name, template, values):
     check_golden(name, text)
     lines = text.splitlines()
     assert "s3cret" not in text and lines[-1].startswith("exec ")
+    # never requeued (a requeued job would come back on other GPUs under the old record)
+    assert "#SBATCH --no-requeue" in lines and f"#SBATCH --comment={values['comment']}" in lines
     if name == "server-0gpus.sbatch":
         assert "export CUDA_VISIBLE_DEVICES=  # no GPUs asked for: hide any the node has" in lines
         assert not any(line.startswith("#SBATCH --gres") for line in lines)
@@ -247,17 +272,28 @@ def test_plan(max_gpus, current, commands):
 NOW = datetime(2026, 11, 1, 12, 0)
 
 
-def alloc(job_id="7", count=2, gpus=0, minutes=1, state="starting", end_reason=None):
+def alloc(
+    job_id="7",
+    count=2,
+    gpus=0,
+    minutes=1,
+    state="starting",
+    end_reason=None,
+    id=1,
+    user="alice",
+    ended_minutes=1,
+):
     return AllocationInfo(
-        id=1, user="alice", purpose="server", server_name="", state=state,
-        created=NOW - timedelta(minutes=minutes), started=None, ended=None, backend="slurm",
+        id=id, user=user, purpose="server", server_name="", state=state,
+        created=NOW - timedelta(minutes=minutes), started=None,
+        ended=NOW - timedelta(minutes=ended_minutes) if state == "released" else None, backend="slurm",
         backend_job_id=job_id, end_reason=end_reason,
         gpus=tuple(Gpu("gpu-node1", i, "a100") for i in range(gpus)), gpu_count=count,
     )  # fmt: skip
 
 
-def listing(job_id="7", state="RUNNING"):
-    return {job_id: JobInfo(job_id, state)}
+def listing(job_id="7", state="RUNNING", comment="", user="alice"):
+    return {job_id: JobInfo(job_id, state, user=user, comment=comment)}
 
 
 # fmt: off
@@ -265,6 +301,13 @@ def listing(job_id="7", state="RUNNING"):
     (alloc(None, minutes=4), {}, None),
     (alloc(None, minutes=5), {}, None),
     (alloc(None, minutes=6), {}, ("release", None, "never reached Slurm (hub stopped while submitting)")),
+    # its job id never reached the ledger, but the job carries the allocation's tag
+    (alloc(None, minutes=9), listing("8", comment="gpuhub:1"), ("attach", "8", "found by its gpuhub tag")),
+    (alloc(None), listing("8", "PENDING", comment="gpuhub:1"), ("attach", "8", "found by its gpuhub tag")),
+    (alloc(None, minutes=9), listing("8", comment="gpuhub:1", user="bob"),
+     ("release", None, "never reached Slurm (hub stopped while submitting)")),
+    (alloc(None, minutes=9), listing("8", "COMPLETED", comment="gpuhub:1"),
+     ("release", None, "never reached Slurm (hub stopped while submitting)")),
     (alloc(), {}, ("release", "7", "Slurm job 7 is gone")),
     (alloc(), listing("8"), ("release", "7", "Slurm job 7 is gone")),
     (alloc(), listing(state="COMPLETED"), ("release", "7", "Slurm job 7 ended (completed)")),
@@ -282,15 +325,33 @@ def test_reconcile(a, listed, expected):
 # fmt: on
 
 
-@pytest.mark.parametrize(
-    "listed, cancel",
-    [(listing(), True), (listing(state="PENDING"), True), (listing(state="COMPLETED"), False), ({}, False)],
-)
-def test_orphans(listed, cancel):
-    listed = {**listed, "8": JobInfo("8", "RUNNING")}  # another job never matters
-    a = alloc(state="released", end_reason="lease expired")
-    want = [("cancel", "7", "its allocation was released (lease expired)")] if cancel else []
-    assert [(x.kind, x.job_id, x.reason) for x in orphans([a], listed)] == want
+RELEASED = alloc(state="released", end_reason="lease expired")
+GONE = "its allocation was released (lease expired)"
+
+
+# fmt: off
+@pytest.mark.parametrize("live, others, listed, want", [
+    # by job id: a released allocation's job still in Slurm
+    ([], [RELEASED], listing(), [("cancel", "7", GONE)]),
+    ([], [RELEASED], listing(state="PENDING"), [("cancel", "7", GONE)]),
+    ([], [RELEASED], listing(state="COMPLETED"), []),
+    ([], [RELEASED], {}, []),
+    ([], [RELEASED], listing(user="bob"), []),  # the same id, another user's job: never touched
+    ([], [alloc(state="released", end_reason="x", ended_minutes=3000)], listing(), []),  # ids wrap around
+    # by tag: the job of a released allocation whose id never reached the ledger
+    ([], [alloc(None, state="released", end_reason="spawn cancelled")], listing("9", comment="gpuhub:1"),
+     [("cancel", "9", "its allocation was released (spawn cancelled)")]),
+    ([], [alloc(None, id=2, state="starting")], listing("9", comment="gpuhub:2"), []),  # live, attaching
+    ([alloc("7")], [], listing("9", comment="gpuhub:1"), [("cancel", "9", "allocation 1 runs job 7")]),
+    ([alloc(None)], [], listing("9", comment="gpuhub:1"), []),
+    ([alloc("9")], [], listing("9", comment="gpuhub:1"), []),
+    ([alloc("7")], [], listing("9", comment="gpuhub:1", user="bob"), []),
+    ([], [], listing("9", comment="gpuhub:5"), []),  # an allocation this ledger does not know
+])
+def test_orphans(live, others, listed, want):
+    listed = {**listed, "8": JobInfo("8", "RUNNING", user="alice")}  # an untagged unknown job never matters
+    assert [(x.kind, x.job_id, x.reason) for x in orphans(live, others, listed, NOW)] == want
+# fmt: on
 
 
 # watcher.py: one cycle against fake Slurm commands ---------------------------------------
@@ -332,7 +393,7 @@ def labels(info):
 async def test_watcher_records_the_gpus_of_a_started_job(fake):
     d, led, watcher = fake
     a = queued(led, "7")
-    (d / "squeue.txt").write_text("7|RUNNING|None|gpu-node1|alice|gpuhub-server|N/A\n")
+    (d / "squeue.txt").write_text("7|RUNNING|None|gpu-node1|alice|gpuhub-server||N/A\n")
     assert await watcher.cycle() is True
     got = led.get(a.id)
     assert (got.state, labels(got), got.backend_job_id) == ("running", ["gpu-node1:1", "gpu-node1:2"], "7")
@@ -343,7 +404,7 @@ async def test_watcher_keeps_its_state_through_an_outage_then_releases_what_is_g
     d, led, watcher = fake
     a = queued(led, "7")
     watcher.track("7")
-    (d / "squeue.txt").write_text("7|PENDING|Resources||alice|gpuhub-server|N/A\n")
+    (d / "squeue.txt").write_text("7|PENDING|Resources||alice|gpuhub-server||N/A\n")
     assert await watcher.cycle() is True
     before = dict(watcher.jobs)
     assert watcher.job("7") == ("known", before["7"]) and before["7"].pending
@@ -370,10 +431,26 @@ async def test_watcher_cancels_a_job_whose_allocation_was_released(fake):
         led.release(queued(led, job_id, 1).id, "lease expired")
     live = queued(led, "12", 1)
     (d / "squeue.txt").write_text(
-        "9|RUNNING|None|gpu-node1|alice|gpuhub-engines|N/A\n"
-        "10|COMPLETED|None|gpu-node1|alice|gpuhub-engines|N/A\n"
-        "12|PENDING|Priority||alice|gpuhub-server|N/A\n"
+        "9|RUNNING|None|gpu-node1|alice|gpuhub-engines||N/A\n"
+        "10|COMPLETED|None|gpu-node1|alice|gpuhub-engines||N/A\n"
+        "12|PENDING|Priority||alice|gpuhub-server||N/A\n"
     )
     assert await watcher.cycle() is True
     assert (d / "scancel.log").read_text() == "9\n"
     assert led.get(live.id).state == "starting"
+
+
+async def test_watcher_attaches_a_job_found_by_its_tag_and_cancels_one_over_its_admission(fake):
+    d, led, watcher = fake
+    lost = led.allocate("alice", [], 2, deferred=True, backend="slurm")  # sbatch's answer was lost
+    small = queued(led, "21", count=1)
+    (d / "squeue.txt").write_text(
+        f"20|PENDING|Resources||alice|gpuhub-server|gpuhub:{lost.id}|N/A\n"
+        "21|RUNNING|None|gpu-node1|alice|gpuhub-engines||N/A\n"  # scontrol shows 2 GPUs: 1 admitted
+    )
+    assert await watcher.cycle() is True
+    assert led.get(lost.id).backend_job_id == "20" and led.get(lost.id).state == "starting"
+    assert (d / "scancel.log").read_text() == "21\n"
+    got = led.get(small.id)
+    assert got.state == "released" and "holds 2 GPUs, 1 were admitted" in got.end_reason
+    assert led.gpu_table() and not any(st.holder for st in led.gpu_table())

@@ -138,17 +138,35 @@ class JobHandler(APIHandler):
             return self.fail(400, str(e), "bad_request")
         if not a.active:
             return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
-        if a.backend_job_id not in (None, job_id):
-            return self.fail(409, f"Allocation {a.id} already runs as job {a.backend_job_id}.", "has_job")
+        from ..slurm.jobs import SlurmError, parse_squeue
         from ..slurm.watcher import run_command
 
         try:
-            owner = (await run_command(["squeue", "-h", "-j", job_id, "-o", "%u"], 20)).strip()
-        except Exception:
-            owner = ""
-        if owner != a.user:
-            return self.fail(400, f"Slurm has no job {job_id} of {a.user} waiting or running.", "bad_job")
-        attached = await self.broker.run(self.broker.ledger.attach_job, a.id, job_id)
+            out = await run_command(
+                ["squeue", "-h", "-a", "-t", "all", "-j", job_id, "-o", "%i|%T|%r|%N|%u|%j|%k|%S"], 20
+            )
+            job = parse_squeue(out).get(job_id)
+        except SlurmError:
+            job = None
+        if (
+            job is None
+            or job.ended
+            or job.user != a.user
+            or job.name != "gpuhub-engines"
+            or job.allocation_id != a.id
+        ):
+            return self.fail(
+                400,
+                f"Slurm has no live job {job_id} of {a.user} named gpuhub-engines and tagged "
+                f"--comment=gpuhub:{a.id}.",
+                "bad_job",
+            )
+        try:
+            attached = await self.broker.run(self.broker.ledger.attach_job, a.id, job_id)
+        except LookupError:
+            return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
+        except ValueError as e:
+            return self.fail(409, f"{e}.", "has_job")
         self.finish(views.allocation_json(attached))
 
 

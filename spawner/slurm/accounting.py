@@ -102,6 +102,12 @@ class SlurmAccounting(LoggingConfigurable):
         help="""Seconds one ``sacctmgr`` call may take. ``c.SlurmAccounting.timeout = 30``""",
     ).tag(config=True)
 
+    @property
+    def account_for_jobs(self) -> str:
+        """The account gpuhub's jobs are submitted under: the one carrying the limits (a user
+        who already has another default account would otherwise escape them)."""
+        return self.account if self.enabled else ""
+
     def _run(self, argv: list[str]) -> str:
         try:
             r = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout)

@@ -13,7 +13,8 @@ _lock = threading.Lock()
 
 
 def read_cluster(max_age: float = 30.0, timeout: float = 20.0) -> jobs.Cluster:
-    """Nodes, GPUs and partitions from ``sinfo``; at most ``max_age`` seconds old."""
+    """Nodes, GPUs and partitions from ``sinfo``; at most ``max_age`` seconds old, or the
+    last known answer while ``sinfo`` fails."""
     with _lock:
         hit = _cache.get("sinfo")
         if hit and time.monotonic() - hit[0] < max_age:

@@ -4,8 +4,9 @@ Formats relied on (Slurm 22.05 and later):
 
 - ``sinfo -h -N -o '%N|%G|%P|%T'``: one line per node and partition, e.g.
   ``gpu-node1|gpu:a100:4(S:0)|gpu*|idle`` (``*`` marks the default partition).
-- ``squeue -h -t all -o '%i|%T|%r|%N|%u|%j|%S'``: one line per job, e.g.
-  ``12|PENDING|Resources||alice|gpuhub-server|N/A``.
+- ``squeue -h -a -t all -o '%i|%T|%r|%N|%u|%j|%k|%S'``: one line per job, e.g.
+  ``12|PENDING|Resources||alice|gpuhub-server|gpuhub:7|N/A`` (``%k``: the comment, where
+  gpuhub tags each job with its allocation).
 - ``scontrol -d show job ID``: per-node lines ``Nodes=gpu-node1 CPU_IDs=0-1 Mem=2000
   GRES=gpu:a100:2(IDX:2-3)``. ``IDX`` holds the node's own GPU indices, whatever
   ``CUDA_VISIBLE_DEVICES`` says inside the job (it is renumbered under device cgroups).
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..policy import Gpu
 
-SQUEUE_FORMAT = "%i|%T|%r|%N|%u|%j|%S"
+SQUEUE_FORMAT = "%i|%T|%r|%N|%u|%j|%k|%S"
 SINFO_FORMAT = "%N|%G|%P|%T"
 # waiting for resources (or held): no GPUs yet
 PENDING_STATES = frozenset(
@@ -160,6 +161,15 @@ class JobInfo:
     user: str = ""
     name: str = ""
     start_time: str = ""  # expected start of a pending job, when Slurm knows it
+    comment: str = ""
+
+    @property
+    def allocation_id(self) -> int | None:
+        """The ledger allocation gpuhub tagged the job with (``--comment=gpuhub:ID``)."""
+        tag = self.comment.strip()
+        if tag.startswith("gpuhub:") and tag[7:].isdigit() and int(tag[7:]) > 0:
+            return int(tag[7:])
+        return None
 
     @property
     def pending(self) -> bool:
@@ -192,10 +202,11 @@ def parse_squeue(text: str) -> dict[str, JobInfo]:
         if not line.strip():
             continue
         fields = line.split("|")
-        if len(fields) < 7:
+        if len(fields) < 8:
             raise SlurmError(f"unexpected squeue line: {line!r}")
         job_id, state, reason, nodes, user, name = (f.strip() for f in fields[:6])
-        start = "|".join(fields[6:]).strip()
+        comment = "|".join(fields[6:-1]).strip()  # a user's comment may hold "|"
+        start = fields[-1].strip()
         jobs[job_id] = JobInfo(
             job_id=job_id,
             state=state.split()[0] if state else "UNKNOWN",
@@ -204,6 +215,7 @@ def parse_squeue(text: str) -> dict[str, JobInfo]:
             user=user,
             name=name,
             start_time=start,
+            comment="" if comment == "(null)" else comment,
         )
     return jobs
 
@@ -235,11 +247,11 @@ def gres_request(count: int, model: str | None) -> str:
 
 def squeue_argv(names: Iterable[str]) -> list[str]:
     """Every gpuhub job in one call (recently ended ones too, for their final state)."""
-    return ["squeue", "-h", "-t", "all", "--name", ",".join(sorted(names)), "-o", SQUEUE_FORMAT]
+    return ["squeue", "-h", "-a", "-t", "all", "--name", ",".join(sorted(names)), "-o", SQUEUE_FORMAT]
 
 
 def sinfo_argv() -> list[str]:
-    return ["sinfo", "-h", "-N", "-o", SINFO_FORMAT]
+    return ["sinfo", "-h", "-a", "-N", "-o", SINFO_FORMAT]
 
 
 def job_detail_argv(job_id: str) -> list[str]:

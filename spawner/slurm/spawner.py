@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -34,6 +35,9 @@ from .cluster import read_cluster
 from .watcher import get_watcher, run_command
 
 callback.install()
+
+
+UNTYPED = "GPU"  # the ledger's model for GPUs Slurm gives no type (gres "gpu:4")
 
 
 def slurm_gpu_env(allocation: AllocationInfo | None) -> dict[str, str]:
@@ -160,7 +164,11 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
     # the job ------------------------------------------------------------------------
 
     def gpu_env(self, allocation):
-        return slurm_gpu_env(allocation)
+        env = slurm_gpu_env(allocation)
+        account = self.req_account or self._accounting().account_for_jobs
+        if account:  # %%distributed submits its engines' jobs under the same account
+            env["GPUHUB_SLURM_ACCOUNT"] = account
+        return env
 
     @property
     def watcher(self):
@@ -197,63 +205,112 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             output=self.output_template.format(homedir=homedir, username=user),
             homedir=homedir,
             export=script.export_list(dict.fromkeys(env_names, "")),
-            gres=jobs.gres_request(opts.count, opts.model) if opts.count else "",
+            gres=jobs.gres_request(opts.count, None if opts.model == UNTYPED else opts.model)
+            if opts.count
+            else "",
+            comment=f"gpuhub:{self.allocation_id}",
             partition=partition,
             cpus=max(1, opts.count * self.cpus_per_gpu),
             memory=self.req_memory,
             runtime=self.req_runtime,
-            account=self.req_account,
+            account=self.req_account or self._accounting().account_for_jobs,
             prologue=self.req_prologue,
         )
 
     async def start(self):
+        """batchspawner's start, watched: a job that ends before the server answers is a clear
+        error at once (batchspawner alone would wait for the port until start_timeout)."""
+        task = asyncio.ensure_future(super().start())
         try:
-            return await super().start()
+            while True:
+                done, _ = await asyncio.wait([task], timeout=1)
+                if done:
+                    return task.result()
+                if self.job_id and self._job_ended():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                    raise self._ended_error()
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
         except RuntimeError as e:
-            if "disappeared" not in str(e):  # batchspawner: the job ended before the server answered
+            if "disappeared" not in str(e):  # batchspawner: the job ended while pending
                 raise
-            home = self.req_homedir
-            log = self.output_template.format(homedir=home, username=self.user.name)
-            raise SpawnException(
-                f"Your server's Slurm job ended before the server started ({self.job_status or 'gone'}). "
-                f"Its output is in {log} (with the job id for %j); tell an admin if it does not say why.",
-                reason="gpuhub_slurm_job_ended",
-                status_code=500,
-            ) from None
+            raise self._ended_error() from None
+
+    def _job_ended(self) -> bool:
+        verdict, info = self.watcher.job(self.job_id)
+        return verdict == "gone" or (info is not None and info.ended)
+
+    def _ended_error(self) -> SpawnException:
+        log = self.output_template.format(homedir=self.req_homedir, username=self.user.name)
+        _, info = self.watcher.job(self.job_id) if self.job_id else ("", None)
+        state = info.state.lower() if info else "gone"
+        return SpawnException(
+            f"Your server's Slurm job {self.job_id} ended before the server started ({state}). "
+            f"Its output is in {log} (%j is the job id); tell an admin if it does not say why.",
+            reason="gpuhub_slurm_job_ended",
+            status_code=500,
+        )
+
+    def _accounting(self) -> SlurmAccounting:
+        return SlurmAccounting(config=self.config, log=self.log)
 
     def _sync_account(self) -> None:
         """Remember the user's groups and write their limit to Slurm's accounting (adding
         the user there when first seen) before their first job."""
         ledger = self.ledger
         ledger.note_user(self.user.name, self._groups())
-        SlurmAccounting(config=self.config, log=self.log).sync(ledger, [self.user.name])
+        self._accounting().sync(ledger, [self.user.name])
 
     async def submit_batch_script(self):
-        opts = self.parse_options()
+        opts = await asyncio.to_thread(self.parse_options)
         try:
             await asyncio.to_thread(self._sync_account)
         except jobs.SlurmError as e:
-            raise SpawnException(
-                f"Slurm accounting could not be updated for you: {e}. Ask an admin to check slurmdbd.",
-                reason="gpuhub_slurm_accounting",
-                status_code=503,
-            ) from None
+            # slurmctld may still take the job (a user Slurm knows already): try, and say why
+            # if it refuses; gpuhub's own admission has bounded the request either way
+            self.log.warning("gpuhub: Slurm accounting not updated for %s: %s", self.user.name, e)
         text = await asyncio.to_thread(self.render_script, opts)
-        self.log.info("gpuhub: batch script of %s:\n%s", self.user.name, text)
+        self.log.debug("gpuhub: batch script of %s:\n%s", self.user.name, text)
         argv = [*self._prefix(), "sbatch", "--parsable"]
         self.log.info("gpuhub: submitting %s's server to Slurm: %s", self.user.name, " ".join(argv))
+        env = self.get_env()
+        if "SLURM_CONF" in os.environ:  # a cluster whose config is not in /etc/slurm
+            env.setdefault("SLURM_CONF", os.environ["SLURM_CONF"])
+        # shielded: a spawn cancelled now must still learn the job id (stop() cancels that job;
+        # a job whose id is lost anyway is found by its --comment and cancelled by the watcher)
+        submitted = asyncio.ensure_future(run_command(argv, 60, input=text, env=env))
         try:
-            out = await run_command(argv, 60, input=text, env=self.get_env())
+            out = await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                self.job_id = jobs.parse_sbatch(await submitted)
+            raise
         except jobs.SlurmError as e:
             raise SpawnException(
                 f"Slurm refused the job: {e}", reason="gpuhub_slurm_refused", status_code=400
             ) from None
         self.job_id = jobs.parse_sbatch(out)
         self.watcher.track(self.job_id)
+        self._save_state()  # a hub restarted while this job queues must know it
         if self.allocation_id:
             await self._in_ledger("attach_job", self.allocation_id, self.job_id)
         self._progress(30, f"Submitted to Slurm as job {self.job_id}")
         return self.job_id
+
+    def _save_state(self) -> None:
+        """JupyterHub stores a spawner's state only once start() returns; a queued job can
+        outlive the hub before that, so store it now."""
+        orm = getattr(self, "orm_spawner", None)
+        if orm is None:
+            return
+        try:
+            orm.state = self.get_state()
+            self.db.commit()
+        except Exception as e:  # the state is saved again when the start completes
+            self.log.warning("gpuhub: could not save %s's job id early: %s", self._log_name, e)
 
     async def query_job_status(self):
         if not self.job_id:
@@ -283,6 +340,8 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         return info.nodes[0] if info and info.nodes else None
 
     async def cancel_batch_job(self):
+        if not self.job_id:
+            return  # nothing was submitted (or its id was lost: the watcher cancels it by tag)
         argv = [*self._prefix(), "scancel", str(self.job_id)]
         self.log.info("gpuhub: cancelling Slurm job %s of %s", self.job_id, self.user.name)
         try:
@@ -291,9 +350,14 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             self.watcher.track(self.job_id)  # look again now
 
     async def mark_started(self, allocation: AllocationInfo) -> AllocationInfo:
-        """Write the GPUs Slurm gave the job (the watcher would too, a moment later)."""
-        out = await run_command(jobs.job_detail_argv(self.job_id), 30)
-        gpus = jobs.parse_job_gpus(out)
+        """Write the GPUs Slurm gave the job. If Slurm cannot say right now, the server still
+        counts as started and the watcher writes the GPUs at its next cycle."""
+        try:
+            out = await run_command(jobs.job_detail_argv(self.job_id), 30)
+            gpus = jobs.parse_job_gpus(out)
+        except jobs.SlurmError as e:
+            self.log.warning("gpuhub: GPUs of job %s not read yet (%s); the watcher will", self.job_id, e)
+            return await super().mark_started(allocation)
         try:
             info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
         except LookupError:

@@ -38,7 +38,7 @@ JOB_NAMES = ("gpuhub-server", "gpuhub-engines")
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "record" (write the job's GPUs), "release", "cancel"
+    kind: str  # "record" (write the job's GPUs), "attach" (its job id), "release", "cancel"
     allocation: AllocationInfo
     job_id: str | None
     reason: str = ""
@@ -52,11 +52,16 @@ def reconcile(
 ) -> list[Action]:
     """What the ledger must do given Slurm's answer. ``allocations``: live Slurm ones, read
     before the query; ``listed``: the query's jobs; ``now``: the ledger's clock (naive UTC)."""
+    tagged = {j.allocation_id: j for j in listed.values() if j.allocation_id and not j.ended}
     actions = []
     for a in allocations:
         job = listed.get(a.backend_job_id) if a.backend_job_id else None
         if a.backend_job_id is None:
-            if now - a.created > never_submitted_after:
+            found = tagged.get(a.id)
+            if found is not None and found.user == a.user:
+                # submitted, but its id never reached the ledger (a hub stopped, a cancelled spawn)
+                actions.append(Action("attach", a, found.job_id, "found by its gpuhub tag"))
+            elif now - a.created > never_submitted_after:
                 actions.append(
                     Action("release", a, None, "never reached Slurm (hub stopped while submitting)")
                 )
@@ -71,12 +76,43 @@ def reconcile(
     return actions
 
 
-def orphans(released: Iterable[AllocationInfo], listed: dict[str, jobs.JobInfo]) -> list[Action]:
-    """Jobs still in Slurm whose allocation is released: cancel them."""
+def orphans(
+    live: Iterable[AllocationInfo],
+    others: Iterable[AllocationInfo],
+    listed: dict[str, jobs.JobInfo],
+    now: datetime,
+    recent: timedelta = timedelta(days=1),
+) -> list[Action]:
+    """gpuhub jobs still in Slurm that no live allocation accounts for: cancel them.
+
+    ``live``: live Slurm allocations; ``others``: released ones, found by the jobs' ids or
+    tags. A job is cancelled when its allocation was released (recently: job ids wrap
+    around), or when its tag names a live allocation that runs another job. Only jobs of
+    the allocation's own user are touched.
+    """
+    live = {a.id: a for a in live}
+    by_job = {a.backend_job_id: a for a in others if a.backend_job_id}
+    by_id = {a.id: a for a in others}
     out = []
-    for a in released:
-        job = listed.get(a.backend_job_id or "")
-        if job is not None and not job.ended:
+    for job in listed.values():
+        if job.ended:
+            continue
+        a = by_job.get(job.job_id)
+        if a is not None and a.user == job.user and a.ended and now - a.ended < recent:
+            out.append(Action("cancel", a, job.job_id, f"its allocation was released ({a.end_reason})"))
+            continue
+        tag = job.allocation_id
+        if tag is None:
+            continue
+        owner = live.get(tag)
+        if owner is not None:
+            if owner.user == job.user and owner.backend_job_id not in (None, job.job_id):
+                out.append(
+                    Action("cancel", owner, job.job_id, f"allocation {tag} runs job {owner.backend_job_id}")
+                )
+            continue
+        a = by_id.get(tag)
+        if a is not None and a.user == job.user and not a.active:
             out.append(Action("cancel", a, job.job_id, f"its allocation was released ({a.end_reason})"))
     return out
 
@@ -234,12 +270,14 @@ class SlurmWatcher(LoggingConfigurable):
         self.failures = 0
         changed = listed != self.jobs
         self.jobs, self.last_ok = listed, started
-        actions = reconcile(live, listed, ledger.clock())
-        released_ids = [a.backend_job_id for a in live]
-        done = await asyncio.to_thread(
-            lambda: ledger.released_with_jobs("slurm", [j for j in listed if j not in released_ids])
-        )
-        actions += orphans(done, listed)
+        now = ledger.clock()
+        actions = reconcile(live, listed, now)
+        live_ids, live_jobs = {a.id for a in live}, {a.backend_job_id for a in live}
+        others = await asyncio.to_thread(
+            self._others, ledger, [j for j in listed if j not in live_jobs],
+            {j.allocation_id for j in listed.values() if j.allocation_id} - live_ids,
+        )  # fmt: skip
+        actions += orphans(live, others, listed, now)
         for action in actions:
             changed = True
             try:
@@ -253,6 +291,15 @@ class SlurmWatcher(LoggingConfigurable):
                 )
         return changed
 
+    @staticmethod
+    def _others(ledger, job_ids, allocation_ids) -> list[AllocationInfo]:
+        found = {a.id: a for a in ledger.released_with_jobs("slurm", job_ids)}
+        for i in allocation_ids:
+            a = ledger.get(i)
+            if a is not None:
+                found[a.id] = a
+        return list(found.values())
+
     async def _act(self, ledger, action: Action) -> None:
         a = action.allocation
         if action.kind == "release":
@@ -261,6 +308,12 @@ class SlurmWatcher(LoggingConfigurable):
         elif action.kind == "record":
             out = await run_command(jobs.job_detail_argv(action.job_id), self.command_timeout)
             gpus = jobs.parse_job_gpus(out)
+            if len(gpus) > a.gpu_count:  # more than was admitted: over the user's limit
+                reason = f"Slurm job {action.job_id} holds {len(gpus)} GPUs, {a.gpu_count} were admitted"
+                self.log.warning("gpuhub: cancelling job %s of %s: %s", action.job_id, a.user, reason)
+                await run_command(["scancel", str(action.job_id)], self.command_timeout)
+                await asyncio.to_thread(ledger.release, a.id, reason)
+                return
             if len(gpus) < a.gpu_count:
                 raise jobs.SlurmError(f"job {action.job_id} shows {len(gpus)} GPUs, {a.gpu_count} asked for")
             try:
@@ -280,6 +333,15 @@ class SlurmWatcher(LoggingConfigurable):
                 self.log.info(
                     "gpuhub: released allocation %s: Slurm gave its GPUs to job %s", other, action.job_id
                 )
+        elif action.kind == "attach":
+            await asyncio.to_thread(ledger.attach_job, a.id, action.job_id)
+            self.log.info(
+                "gpuhub: allocation %s of %s runs as Slurm job %s (%s)",
+                a.id,
+                a.user,
+                action.job_id,
+                action.reason,
+            )
         elif action.kind == "cancel":
             self.log.info("gpuhub: cancelling Slurm job %s: %s", action.job_id, action.reason)
             await run_command(["scancel", str(action.job_id)], self.command_timeout)
