@@ -168,7 +168,8 @@ class SlurmLauncher:
             partition=self.partition,
             cpus="",
             memory="",
-            account="",
+            account=self.account,
+            comment=f"gpuhub:{self.allocation_id}",
         )
         out = subprocess.run(
             [shutil.which("sbatch") or "sbatch", "--parsable"],
@@ -176,6 +177,7 @@ class SlurmLauncher:
             capture_output=True,
             text=True,
             timeout=60,
+            env=job_env(os.environ),
         )
         if out.returncode != 0:
             raise RuntimeError(f"Slurm refused the engines' job: {out.stderr.strip()[-400:]}")

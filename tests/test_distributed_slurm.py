@@ -124,6 +124,8 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         # the same pool answers the next cell (warm engines, same job)
         status, out = run(kc, "%%distributed --gpus 8 --nodes 2\nprint('again', os.environ['SLURM_JOB_ID'])")
         assert status == "ok" and out.count(f"again {job}") == 8, out
+        assert ledger.get(burst.id).state == "running"  # the burst stays with its warm pool
+        assert job_state(job) == "RUNNING"
 
         # 3. the burst job is killed mid-training: the failure is reported, the next cell recovers
         slow = "%%distributed --gpus 8 --nodes 2\nimport time\nfor _ in range(600):\n    time.sleep(0.1)\n"

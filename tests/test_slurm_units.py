@@ -454,3 +454,74 @@ async def test_watcher_attaches_a_job_found_by_its_tag_and_cancels_one_over_its_
     got = led.get(small.id)
     assert got.state == "released" and "holds 2 GPUs, 1 were admitted" in got.end_reason
     assert led.gpu_table() and not any(st.holder for st in led.gpu_table())
+
+
+# gpu_magics/slurmengines.py: where Slurm put each engine -> ranks ------------------------
+
+
+def facts(eid, node, local, gpus, cuda, host=None):
+    from gpu_magics.slurmengines import EngineFacts
+
+    return EngineFacts(eid, node, local, tuple(gpus), tuple(cuda), host or f"{node}.example", 100 + eid)
+
+
+def test_ranks_follow_nodes_then_gpus_and_pin_the_local_ids_gpu():
+    from gpu_magics.slurmengines import assign_ranks, cuda_device
+
+    # engines registered in any order; node 2 uses cgroups (renumbered from 0), node 1 does not
+    engines = [
+        facts(5, "n2", 1, [4, 6], ["0", "1"]),
+        facts(2, "n1", 0, [2, 3], ["2", "3"]),
+        facts(9, "n2", 0, [4, 6], ["0", "1"]),
+        facts(1, "n1", 1, [2, 3], ["2", "3"]),
+    ]
+    pairs = assign_ranks(engines, 29500, "run")
+    assert [(eid, s.rank, s.local_rank, s.slot.label) for eid, s in pairs] == [
+        (2, 0, 0, "n1:2"), (1, 1, 1, "n1:3"), (9, 2, 0, "n2:4"), (5, 3, 1, "n2:6"),
+    ]  # fmt: skip
+    assert {s.master_addr for _, s in pairs} == {"n1.example"} and {s.master_port for _, s in pairs} == {
+        29500
+    }
+    assert {s.world_size for _, s in pairs} == {4} and {s.local_world_size for _, s in pairs} == {2}
+    by_id = {f.engine_id: f for f in engines}
+    assert [cuda_device(by_id[eid]) for eid, _ in pairs] == ["2", "3", "0", "1"]
+
+
+@pytest.mark.parametrize(
+    "engines, error",
+    [
+        ([facts(1, "n1", 2, [0, 1], ["0", "1"])], "task 2 but its step has GPUs"),
+        ([facts(1, "n1", 0, [0], ["0"]), facts(2, "n1", 0, [0], ["0"])], "two engines got GPU n1:0"),
+    ],
+)
+def test_ranks_refuse_impossible_placements(engines, error):
+    from gpu_magics.slurmengines import assign_ranks
+
+    with pytest.raises(RuntimeError, match=error):
+        assign_ranks(engines, 1, "r")
+
+
+# fmt: off
+@pytest.mark.parametrize("own, wanted, nodes, per_node, plan", [
+    (2, 2, None, None, ("steps", 1, 2)),
+    (4, 2, 1, None, ("steps", 1, 2)),
+    (1, 2, None, None, ("job", 1, 2)),
+    (8, 8, 2, None, ("job", 2, 4)),   # two nodes asked for: never a step of a one-node server
+    (0, 8, None, 4, ("job", 2, 4)),
+    (0, 6, 3, 2, ("job", 3, 2)),
+])
+def test_plan_launch(own, wanted, nodes, per_node, plan):
+    from gpu_magics.slurmengines import plan_launch
+
+    assert plan_launch(own, wanted, nodes, per_node) == plan
+# fmt: on
+
+
+def test_plan_launch_refuses_an_uneven_split_and_the_engines_job_drops_the_servers_slurm_vars():
+    from gpu_magics.slurmengines import job_env, plan_launch
+
+    with pytest.raises(ValueError, match="does not split evenly over 2 nodes"):
+        plan_launch(0, 7, 2, None)
+    env = {"PATH": "/bin", "SLURM_JOB_ID": "4", "SLURM_MEM_PER_NODE": "4000", "SBATCH_X": "1",
+           "SRUN_CPUS_PER_TASK": "4", "SLURM_CONF": "/etc/s.conf", "HOME": "/home/a"}  # fmt: skip
+    assert job_env(env) == {"PATH": "/bin", "HOME": "/home/a", "SLURM_CONF": "/etc/s.conf"}
