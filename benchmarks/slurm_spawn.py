@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.spawn_overhead import spawn_once
 from tests import slurmtools
 from tests.slurmtools import SlurmHub
 
@@ -45,13 +46,7 @@ def bare_sbatch() -> float:
 
 
 def hub_spawn(hub: SlurmHub) -> float:
-    t = time.perf_counter()
-    r = hub.spawn("alice", {"gpus": 2})
-    assert r.status_code in (201, 202), r.text
-    hub.wait_ready("alice", timeout=120)
-    elapsed = time.perf_counter() - t
-    hub.stop_server("alice")
-    return elapsed
+    return spawn_once(hub, {"gpus": 2})
 
 
 def main() -> None:

@@ -56,6 +56,11 @@ def parse_targets(text: str, world: int) -> list[int]:
     return sorted(ranks)
 
 
+def _burst_size(burst: dict) -> int:
+    """GPUs a burst was admitted for (a Slurm burst holds none until its job runs)."""
+    return burst.get("gpu_count") or len(burst["gpus"])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,7 +196,7 @@ class DistributedMagics(Magics):
             self.burst = alloc
             self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print)
             launcher.allocation_id = alloc["id"]
-            launcher.on_submitted = lambda job_id: client.attach_job(alloc["id"], job_id)
+            launcher.on_submitted = lambda job_id: alloc.update(client.attach_job(alloc["id"], job_id))
         return EnginePool([], args.backend, timeout, launcher=launcher, n=args.gpus)
 
     def _ensure_pool(self, args) -> EnginePool:
@@ -206,7 +211,7 @@ class DistributedMagics(Magics):
                 # the GPUs stay ours unless the number of ranks changed
                 self._stop_pool(release=self.key[0] != shape)
             if self.burst is not None and (
-                (on_slurm and self.pool is None) or len(self.burst["gpus"]) != args.gpus or self._lease_lost()
+                (on_slurm and self.pool is None) or _burst_size(self.burst) != args.gpus or self._lease_lost()
             ):
                 # a Slurm burst's job ends with its engines: a new pool asks anew
                 self._release_burst()
@@ -370,7 +375,9 @@ class DistributedMagics(Magics):
         if self.burst:
             expires = self.lease.expires if self.lease else self.burst.get("lease_expires")
             lines.append(
-                f"burst allocation #{self.burst['id']}: {len(self.burst['gpus'])} GPUs, lease until {expires}"
+                f"burst allocation #{self.burst['id']}: {_burst_size(self.burst)} GPUs"
+                + (f" (Slurm job {self.burst['backend_job_id']})" if self.burst.get("backend_job_id") else "")
+                + f", lease until {expires}"
             )
         return "\n".join(lines)
 

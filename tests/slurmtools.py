@@ -10,6 +10,7 @@ import os
 import pwd
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,17 @@ class SlurmHub(Hub):
             except OSError:
                 continue
         raise AssertionError(f"no server process of job {job}")
+
+
+@contextmanager
+def slurm_hub(workdir, extra_config: str = ""):
+    """A started :class:`SlurmHub` on a cluster without jobs; every job ends with it."""
+    require_cluster()
+    ensure_unix_users()
+    cancel_all_jobs()
+    hub = SlurmHub(workdir, extra_config).start()
+    try:
+        yield hub
+    finally:
+        hub.stop()
+        cancel_all_jobs()

@@ -19,7 +19,7 @@ from spawner.policy import Limit
 
 from . import slurmtools
 from .hubtools import wait_for
-from .slurmtools import SlurmHub, job_state, slurm
+from .slurmtools import job_state, slurm
 from .test_distributed_hub import run
 
 pytestmark = pytest.mark.hub
@@ -42,14 +42,8 @@ LINE = re.compile(r"\[rank (\d+)\] node=(\S+) job=(\d+) world=(\d+) gpu=(\S+) ch
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    slurmtools.require_cluster()
-    slurmtools.ensure_unix_users()
-    slurmtools.cancel_all_jobs()
-    h = SlurmHub(tmp_path_factory.mktemp("slurmhub"), "c.DistributedMagics.lease_seconds = 30\n").start()
-    h.wait_for_broker()
-    yield h
-    h.stop()
-    slurmtools.cancel_all_jobs()
+    with slurmtools.slurm_hub(tmp_path_factory.mktemp("slurmhub")) as h:
+        yield h.wait_for_broker()
 
 
 def kernel_of(hub, user: str) -> tuple[BlockingKernelClient, str]:
@@ -126,6 +120,8 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         assert status == "ok" and out.count(f"again {job}") == 8, out
         assert ledger.get(burst.id).state == "running"  # the burst stays with its warm pool
         assert job_state(job) == "RUNNING"
+        status, out = run(kc, "%gpus")
+        assert f"burst allocation #{burst.id}: 8 GPUs (Slurm job {job})" in out, out
 
         # 3. the burst job is killed mid-training: the failure is reported, the next cell recovers
         slow = "%%distributed --gpus 8 --nodes 2\nimport time\nfor _ in range(600):\n    time.sleep(0.1)\n"

@@ -23,18 +23,14 @@ pytestmark = pytest.mark.hub
 @pytest.fixture(scope="module", params=["local", "slurm"])
 def hub(request, tmp_path_factory):
     if request.param == "slurm":
-        slurmtools.require_cluster()
-        slurmtools.ensure_unix_users()
-        slurmtools.cancel_all_jobs()
-        h = slurmtools.SlurmHub(tmp_path_factory.mktemp("slurmhub")).start()
-        h.backend, h.total, h.models = "slurm", 8, "a100"
-    else:
-        h = Hub(tmp_path_factory.mktemp("hub")).start()
-        h.backend, h.total, h.models = "local", 4, "Simulated A100"
+        with slurmtools.slurm_hub(tmp_path_factory.mktemp("slurmhub")) as h:
+            h.backend, h.total, h.models = "slurm", 8, "a100"
+            yield h
+        return
+    h = Hub(tmp_path_factory.mktemp("hub")).start()
+    h.backend, h.total, h.models = "local", 4, "Simulated A100"
     yield h
     h.stop()
-    if request.param == "slurm":
-        slurmtools.cancel_all_jobs()
 
 
 @pytest.fixture

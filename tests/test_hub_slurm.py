@@ -22,7 +22,7 @@ from spawner.policy import Limit
 
 from . import slurmtools
 from .hubtools import wait_for, xsrf_from
-from .slurmtools import SlurmHub, job_state, slurm
+from .slurmtools import job_state, slurm
 
 pytestmark = pytest.mark.hub
 STATE = Path(os.environ.get("GPUHUB_SLURM_DIR", "/var/tmp/gpuhub-slurm"))
@@ -30,13 +30,10 @@ STATE = Path(os.environ.get("GPUHUB_SLURM_DIR", "/var/tmp/gpuhub-slurm"))
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    slurmtools.require_cluster()
-    slurmtools.ensure_unix_users()
-    slurmtools.cancel_all_jobs()
-    h = SlurmHub(tmp_path_factory.mktemp("slurmhub"), "c.JupyterHub.cleanup_servers = False").start()
-    yield h
-    h.stop()
-    slurmtools.cancel_all_jobs()
+    with slurmtools.slurm_hub(
+        tmp_path_factory.mktemp("slurmhub"), "c.JupyterHub.cleanup_servers = False"
+    ) as h:
+        yield h
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ def allocation_json(a: AllocationInfo) -> dict[str, Any]:
         "backend_job_id": a.backend_job_id,
         "nodes": list(a.nodes),
         "gpus": [{"node": g.node, "index": g.index, "model": g.model} for g in a.gpus],
+        "gpu_count": a.gpu_count,
     }
 
 
