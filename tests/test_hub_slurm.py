@@ -91,7 +91,9 @@ def test_a_full_cluster_queues_shows_why_and_starts_when_gpus_free(hub, ledger, 
     # carol's request fits her limit but not the cluster now: it waits in Slurm's queue
     r = hub.spawn("carol", {"gpus": 2})
     assert r.status_code == 202, r.text
-    messages = progress_until(hub, "carol", ["Queued in Slurm", "Resources"])
+    messages = progress_until(
+        hub, "carol", ["Queued in Slurm", "Resources", "1st of 1 waiting in partition gpu"]
+    )
     [pending] = ledger.active(user="carol")
     assert pending.state == "starting" and pending.gpus == () and pending.gpu_count == 2
     assert job_state(pending.backend_job_id) == "PENDING"

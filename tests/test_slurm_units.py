@@ -525,3 +525,19 @@ def test_plan_launch_refuses_an_uneven_split_and_the_engines_job_drops_the_serve
     env = {"PATH": "/bin", "SLURM_JOB_ID": "4", "SLURM_MEM_PER_NODE": "4000", "SBATCH_X": "1",
            "SRUN_CPUS_PER_TASK": "4", "SLURM_CONF": "/etc/s.conf", "HOME": "/home/a"}  # fmt: skip
     assert job_env(env) == {"PATH": "/bin", "HOME": "/home/a", "SLURM_CONF": "/etc/s.conf"}
+
+
+def test_queue_positions_by_priority_then_age_per_partition():
+    text = "30|gpu|100\n31|gpu|500\n32|gpu|100\n33|interactive|1\n34|gpu,interactive|900\nbad line\n"
+    assert jobs.queue_positions(text, {"30", "32", "33", "99"}) == {
+        "30": (3, 4, "gpu"),  # behind 34 (900) and 31 (500); older than 32 at the same priority
+        "32": (4, 4, "gpu"),
+        "33": (2, 2, "interactive"),  # 34 waits in both partitions
+    }
+    job = JobInfo("30", "PENDING", "Priority")
+    assert (
+        job.describe((3, 4, "gpu"))
+        == "Queued in Slurm as job 30 (Priority), 3rd of 4 waiting in partition gpu"
+    )
+    assert [jobs._ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th"]  # fmt: skip

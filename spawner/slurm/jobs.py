@@ -183,17 +183,56 @@ class JobInfo:
     def ended(self) -> bool:
         return not (self.pending or self.running)
 
-    def describe(self) -> str:
-        """For the spawn page: ``queued (Resources), expected start 2026-11-29T18:00:00``."""
+    def describe(self, position: tuple[int, int, str] | None = None) -> str:
+        """For the spawn page: ``Queued in Slurm as job 12 (Resources), 2nd of 3 waiting in
+        partition gpu, expected start 2026-11-29T18:00:00``."""
         if self.pending:
             reason = self.reason if self.reason and self.reason != "None" else "waiting"
             text = f"Queued in Slurm as job {self.job_id} ({reason})"
+            if position is not None:
+                n, of, partition = position
+                text += f", {_ordinal(n)} of {of} waiting in partition {partition}"
             if self.start_time and self.start_time not in ("N/A", "Unknown"):
                 text += f", expected start {self.start_time}"
             return text
         if self.running:
             return f"Slurm job {self.job_id} running on {', '.join(self.nodes)}"
         return f"Slurm job {self.job_id} ended ({self.state.lower()})"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+PENDING_FORMAT = "%i|%P|%Q"
+
+
+def pending_argv() -> list[str]:
+    """Every pending job of the cluster (any user), with its partition and priority."""
+    return ["squeue", "-h", "-a", "-t", "PENDING", "-o", PENDING_FORMAT]
+
+
+def queue_positions(text: str, wanted) -> dict[str, tuple[int, int, str]]:
+    """Where each ``wanted`` pending job stands in its partition: (position, of, partition),
+    by Slurm's priority (higher first, then older). The order the scheduler starts jobs in
+    may differ (backfill), so this is what Slurm's priorities say, not a promise."""
+    by_partition: dict[str, list[tuple[int, int, str]]] = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 3 or not fields[0].isdigit():
+            continue
+        job_id, partitions, priority = fields
+        prio = int(priority) if priority.isdigit() else 0
+        for partition in partitions.split(","):  # a job may wait in several partitions
+            by_partition.setdefault(partition, []).append((-prio, int(job_id), job_id))
+    out = {}
+    for partition, queue in by_partition.items():
+        queue.sort()
+        for i, (_, _, job_id) in enumerate(queue):
+            if job_id in wanted and job_id not in out:
+                out[job_id] = (i + 1, len(queue), partition)
+    return out
 
 
 def parse_squeue(text: str) -> dict[str, JobInfo]:

@@ -329,7 +329,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             self.job_status = info.state if info else ""
             return JobStatus.NOTFOUND
         self.job_status = f"{info.state} {info.nodes[0] if info.nodes else ''}".strip()
-        text = info.describe()
+        text = info.describe(watcher.positions.get(self.job_id))
         if self._spawn_pending and text != self._last_status:
             self._last_status = text
             self._progress(40 if info.pending else 50, text)

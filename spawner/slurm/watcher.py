@@ -189,6 +189,7 @@ class SlurmWatcher(LoggingConfigurable):
         self._ledger_factory = ledger_factory
         self._resync = resync  # re-reads the inventory when Slurm names a GPU the ledger lacks
         self.jobs: dict[str, jobs.JobInfo] = {}
+        self.positions: dict[str, tuple[int, int, str]] = {}  # pending gpuhub jobs in their queues
         self.last_ok = 0.0  # monotonic start of the last successful query
         self.failures = 0
         self._tracked: dict[str, float] = {}
@@ -270,6 +271,7 @@ class SlurmWatcher(LoggingConfigurable):
         self.failures = 0
         changed = listed != self.jobs
         self.jobs, self.last_ok = listed, started
+        await self._queue_positions(listed)
         now = ledger.clock()
         actions = reconcile(live, listed, now)
         live_ids, live_jobs = {a.id for a in live}, {a.backend_job_id for a in live}
@@ -290,6 +292,19 @@ class SlurmWatcher(LoggingConfigurable):
                     e,
                 )
         return changed
+
+    async def _queue_positions(self, listed: dict[str, jobs.JobInfo]) -> None:
+        """One more query, only while a gpuhub job waits: its place in its partition's queue."""
+        waiting = {j for j, info in listed.items() if info.pending}
+        if not waiting:
+            self.positions = {}
+            return
+        try:
+            out = await run_command(jobs.pending_argv(), self.command_timeout)
+        except jobs.SlurmError as e:
+            self.log.debug("gpuhub Slurm watcher: no queue positions (%s)", e)
+            return
+        self.positions = jobs.queue_positions(out, waiting)
 
     @staticmethod
     def _others(ledger, job_ids, allocation_ids) -> list[AllocationInfo]:
