@@ -280,3 +280,26 @@ def test_the_port_callback_takes_only_a_port_from_the_servers_own_token(hub, led
     state = hub.server("dave")["state"]
     assert state["job_id"] == alloc.backend_job_id and state["gpuhub_allocation_id"] == alloc.id
     assert hub.server("dave")["ready"]
+
+
+def test_a_spawn_still_queued_when_the_hub_restarts_leaves_nothing_behind(hub, ledger, clean):
+    ledger.set_limit("user", "alice", Limit(max_gpus=8))
+    assert hub.spawn("alice", {"gpus": 8, "partition": "gpu"}).status_code == 400  # one node has 4
+    for user in ("alice", "bob"):
+        ledger.set_limit("user", user, Limit(max_gpus=4))
+        assert hub.spawn(user, {"gpus": 4}).status_code in (201, 202)
+    for user in ("alice", "bob"):
+        hub.wait_ready(user, timeout=120)
+    assert hub.spawn("carol", {"gpus": 1}).status_code == 202
+    progress_until(hub, "carol", ["Queued in Slurm"])
+    [queued] = ledger.active(user="carol")
+    assert job_state(queued.backend_job_id) == "PENDING"
+    hub.stop()  # JupyterHub cannot resume a pending spawn: the restarted hub must clean it up
+    hub.start()
+    wait_for(lambda: ledger.get(queued.id).state == "released", 90, "carol's queued count to be released")
+    wait_for(
+        lambda: job_state(queued.backend_job_id) in ("CANCELLED", "GONE"), 60, "carol's job to be cancelled"
+    )
+    wait_for(lambda: hub.server("carol") is None, 90, "the hub to drop carol's server")
+    assert {a.user for a in ledger.active()} == {"alice", "bob"}  # the running servers are kept
+    assert hub.server("alice")["ready"] and hub.server("bob")["ready"]
