@@ -205,11 +205,18 @@ class DistributedMagics(Magics):
         on_slurm = os.environ.get("GPUHUB_BACKEND") == "slurm"
         key = (shape, args.backend, timeout)
         with self.lock:
-            if self.pool is not None and (self.key != key or self.pool.broken):
-                why = "was left broken by the last cell" if self.pool.broken else "had other settings"
+            lost = self._lease_lost()
+            if self.pool is not None and (self.key != key or self.pool.broken or lost):
+                why = (
+                    "lost its burst allocation"
+                    if lost
+                    else "was left broken by the last cell"
+                    if self.pool.broken
+                    else "had other settings"
+                )
                 print(f"gpuhub: restarting the engines (the pool {why}).")
                 # the GPUs stay ours unless the number of ranks changed
-                self._stop_pool(release=self.key[0] != shape)
+                self._stop_pool(release=lost or self.key[0] != shape)
             if self.burst is not None and (
                 (on_slurm and self.pool is None) or _burst_size(self.burst) != args.gpus or self._lease_lost()
             ):

@@ -169,10 +169,10 @@ class SlurmLauncher:
             cpus="",
             memory="",
             account=self.account,
-            comment=f"gpuhub:{self.allocation_id}",
         )
+        argv = jobs.sbatch_argv(self.allocation_id)
         out = subprocess.run(
-            [shutil.which("sbatch") or "sbatch", "--parsable"],
+            [shutil.which("sbatch") or "sbatch", *argv[1:]],
             input=text,
             capture_output=True,
             text=True,

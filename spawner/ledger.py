@@ -498,13 +498,18 @@ class Ledger:
         The scheduler is the authority on its own GPUs: if another live allocation of the
         same backend still holds one of them, that allocation's job has ended and its end
         was not seen yet, so it is released here (its id is returned) rather than the
-        GPU being double-booked. Unknown GPUs raise ``LookupError`` (sync the inventory).
+        GPU being double-booked. Unknown GPUs raise ``LookupError`` (sync the inventory); more
+        GPUs than were admitted raise ``ValueError`` (the job is over the user's limit).
         """
         wanted = sorted(set(gpus))
         with self._tx() as s:
             a = s.get(Allocation, allocation_id)
             if a is None or a.state not in ACTIVE_STATES:
                 raise LookupError(f"allocation {allocation_id} is not active")
+            if len(wanted) > _count(a):
+                raise ValueError(
+                    f"allocation {a.id} was admitted for {_count(a)} GPUs; the job shows {len(wanted)}"
+                )
             by_key = {
                 (g.node.name, g.index): g for g in s.scalars(select(Gpu).options(selectinload(Gpu.node)))
             }

@@ -168,3 +168,14 @@ def test_attach_job_is_once_and_a_job_belongs_to_one_allocation(tmp_path):
     with pytest.raises(LookupError):
         led.attach_job(a.id, "9")
     led.close()
+
+
+def test_record_gpus_refuses_more_gpus_than_were_admitted(tmp_path):
+    led = Ledger(f"sqlite:///{tmp_path}/l.sqlite", config_rules=LimitRules(default=Limit(max_gpus=8)))
+    led.sync_inventory([Gpu("n1", i, "a100") for i in range(4)])
+    a = led.allocate("alice", [], 1, deferred=True, backend="slurm")
+    with pytest.raises(ValueError, match="admitted for 1 GPUs; the job shows 2"):
+        led.record_gpus(a.id, [("n1", 0), ("n1", 1)], "7")
+    got = led.get(a.id)
+    assert got.gpus == () and got.state == "starting"
+    led.close()

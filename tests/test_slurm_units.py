@@ -40,6 +40,7 @@ def gres(args):
 HL, IDX, GRES, GPUS = jobs.expand_hostlist, jobs.parse_index_list, jobs.parse_gres, jobs.parse_job_gpus
 SB = jobs.parse_sbatch
 N1 = "gpu-node1"
+TWICE = "12|PENDING|a||u|n|N/A|\n12|RUNNING|a||u|n|N/A|\n"
 SQUEUE = [
     "squeue",
     "-h",
@@ -49,7 +50,7 @@ SQUEUE = [
     "--name",
     "gpuhub-engines,gpuhub-server",
     "-o",
-    "%i|%T|%r|%N|%u|%j|%k|%S",
+    "%i|%T|%r|%N|%u|%j|%S|%k",
 ]
 
 
@@ -85,7 +86,7 @@ def test_pure(fn, arg, want):
 @pytest.mark.parametrize("fn, arg, error",
     [(gres, a, ValueError) for a in [(0, None), (True, None), (-1, "a"), (2.0, None), (1, "a 1"), (1, "")]]
     + [(SB, out, SlurmError) for out in ["", "\n", "Submitted batch job 12", "sbatch: error: failed"]]
-    + [(jobs.parse_sinfo, "node1|gpu:4|gpu\n", SlurmError), (jobs.parse_squeue, "12|PENDING|x\n", SlurmError)]
+    + [(jobs.parse_sinfo, "node1|gpu:4|gpu\n", SlurmError), (jobs.parse_squeue, TWICE, SlurmError)]
     + [(script.export_list, {"PATH": "/bin", bad: "x"}, ValueError) for bad in ["A B", "1X", "A;", "A=", ""]],
 )
 def test_refused(fn, arg, error):
@@ -114,9 +115,11 @@ def test_parse_sinfo_cluster_partitions_and_inventory():
 
 def test_parse_squeue():
     assert jobs.parse_squeue(
-        "12|PENDING|Resources||alice|gpuhub-server|gpuhub:7|2026-11-29T18:00:00\n\n"
-        "13|RUNNING|None|gpu-node[1-2]|bob|gpuhub-engines|a|b|N/A\n"
-        "14|CANCELLED by 1000|None|(null)|bob|gpuhub-server|(null)|N/A\n"
+        "12|PENDING|Resources||alice|gpuhub-server|2026-11-29T18:00:00|gpuhub:7\n\n"
+        "13|RUNNING|None|gpu-node[1-2]|bob|gpuhub-engines|N/A|a|b\n"
+        "14|CANCELLED by 1000|None|(null)|bob|gpuhub-server|N/A|(null)\n"
+        "a comment's second line|with|bars|that|is|not|a|job\n"
+        "12|PENDING\n"
     ) == {
         "12": JobInfo(
             "12", "PENDING", "Resources", (), "alice", "gpuhub-server", "2026-11-29T18:00:00", "gpuhub:7"
@@ -129,10 +132,29 @@ def test_parse_squeue():
     assert jobs.parse_squeue("") == {}
 
 
+def test_a_comment_cannot_forge_a_job_line():
+    # a user's comment with a newline that imitates alice's job line: the answer is refused
+    text = (
+        "5|RUNNING|None|n1|alice|gpuhub-server|N/A|gpuhub:1\n9|RUNNING|None|n1|mallory|gpuhub-server|N/A|x\n"
+    )
+    text += "5|COMPLETED|None|n1|alice|gpuhub-server|N/A|gpuhub:1\n"
+    with pytest.raises(SlurmError, match="job 5 twice"):
+        jobs.parse_squeue(text)
+    # and a comment cannot add GPUs to scontrol's answer: only Slurm's indented per-node lines count
+    detail = "JobId=9 Comment=x Nodes=gpu-node2 GRES=gpu:a100:4(IDX:0-3)\n"
+    detail += "   Nodes=n1 CPU_IDs=0 GRES=gpu:1(IDX:2)\n"
+    assert jobs.parse_job_gpus(detail) == [("n1", 2)]
+
+
+def test_sbatch_never_requeues_and_tags_its_allocation():
+    assert jobs.sbatch_argv(7) == ["sbatch", "--parsable", "--no-requeue", "--comment=gpuhub:7"]
+
+
 @pytest.mark.parametrize(
     "comment, allocation_id",
     [("gpuhub:7", 7), (" gpuhub:12 ", 12), ("gpuhub:0", None), ("gpuhub:x", None), ("gpuhub:", None),
-     ("mine", None), ("", None), ("GPUHUB:7", None)],
+     ("mine", None), ("", None), ("GPUHUB:7", None), ("gpuhub:\u00b2", None), ("gpuhub:07", None),
+     ("gpuhub:7 more", None)],
 )  # fmt: skip
 def test_a_jobs_gpuhub_tag(comment, allocation_id):
     assert JobInfo("1", "RUNNING", comment=comment).allocation_id == allocation_id
@@ -173,13 +195,13 @@ SERVER = dict(
     user="alice", job_name="gpuhub-server", output="/home/alice/.gpuhub-server-%j.log", homedir="/home/alice",
     export=script.export_list({"PATH": "/usr/bin", "JUPYTERHUB_API_TOKEN": "s3cret", "JUPYTERHUB_USER": "a"}),
     gres="gpu:a100:2", partition="gpu", cpus=4, memory="", runtime="8:00:00", account="",
-    directives=["--qos=interactive"], prologue="module load cuda", comment="gpuhub:7",
+    directives=["--qos=interactive"], prologue="module load cuda",
     command=["/opt/venv/bin/batchspawner-singleuser", "/opt/venv/bin/jupyterhub-singleuser", "--debug"],
 )
 ENGINES = dict(
     user="alice", job_name="gpuhub-engines", output="/home/alice/.gpuhub-engines-%j.log",
     workdir="/home/alice", nodes=2, per_node=4, gres="gpu:a100:4", partition="gpu", cpus=8, memory="16G",
-    account="research", comment="gpuhub:8",
+    account="research",
     directives=["--qos=interactive", "--exclusive"],
     command=["/opt/venv/bin/python", "-m", "ipyparallel.engine", "--profile-dir=/home/alice/my dir", "$HOME"],
 )
@@ -195,8 +217,6 @@ def test_rendered_scripts_match_golden_files(name, template, values):
     check_golden(name, text)
     lines = text.splitlines()
     assert "s3cret" not in text and lines[-1].startswith("exec ")
-    # never requeued (a requeued job would come back on other GPUs under the old record)
-    assert "#SBATCH --no-requeue" in lines and f"#SBATCH --comment={values['comment']}" in lines
     if name == "server-0gpus.sbatch":
         assert "export CUDA_VISIBLE_DEVICES=  # no GPUs asked for: hide any the node has" in lines
         assert not any(line.startswith("#SBATCH --gres") for line in lines)
@@ -393,7 +413,7 @@ def labels(info):
 async def test_watcher_records_the_gpus_of_a_started_job(fake):
     d, led, watcher = fake
     a = queued(led, "7")
-    (d / "squeue.txt").write_text("7|RUNNING|None|gpu-node1|alice|gpuhub-server||N/A\n")
+    (d / "squeue.txt").write_text("7|RUNNING|None|gpu-node1|alice|gpuhub-server|N/A|\n")
     assert await watcher.cycle() is True
     got = led.get(a.id)
     assert (got.state, labels(got), got.backend_job_id) == ("running", ["gpu-node1:1", "gpu-node1:2"], "7")
@@ -404,7 +424,7 @@ async def test_watcher_keeps_its_state_through_an_outage_then_releases_what_is_g
     d, led, watcher = fake
     a = queued(led, "7")
     watcher.track("7")
-    (d / "squeue.txt").write_text("7|PENDING|Resources||alice|gpuhub-server||N/A\n")
+    (d / "squeue.txt").write_text("7|PENDING|Resources||alice|gpuhub-server|N/A|\n")
     assert await watcher.cycle() is True
     before = dict(watcher.jobs)
     assert watcher.job("7") == ("known", before["7"]) and before["7"].pending
@@ -431,9 +451,9 @@ async def test_watcher_cancels_a_job_whose_allocation_was_released(fake):
         led.release(queued(led, job_id, 1).id, "lease expired")
     live = queued(led, "12", 1)
     (d / "squeue.txt").write_text(
-        "9|RUNNING|None|gpu-node1|alice|gpuhub-engines||N/A\n"
-        "10|COMPLETED|None|gpu-node1|alice|gpuhub-engines||N/A\n"
-        "12|PENDING|Priority||alice|gpuhub-server||N/A\n"
+        "9|RUNNING|None|gpu-node1|alice|gpuhub-engines|N/A|\n"
+        "10|COMPLETED|None|gpu-node1|alice|gpuhub-engines|N/A|\n"
+        "12|PENDING|Priority||alice|gpuhub-server|N/A|\n"
     )
     assert await watcher.cycle() is True
     assert (d / "scancel.log").read_text() == "9\n"
@@ -445,8 +465,8 @@ async def test_watcher_attaches_a_job_found_by_its_tag_and_cancels_one_over_its_
     lost = led.allocate("alice", [], 2, deferred=True, backend="slurm")  # sbatch's answer was lost
     small = queued(led, "21", count=1)
     (d / "squeue.txt").write_text(
-        f"20|PENDING|Resources||alice|gpuhub-server|gpuhub:{lost.id}|N/A\n"
-        "21|RUNNING|None|gpu-node1|alice|gpuhub-engines||N/A\n"  # scontrol shows 2 GPUs: 1 admitted
+        f"20|PENDING|Resources||alice|gpuhub-server|N/A|gpuhub:{lost.id}\n"
+        "21|RUNNING|None|gpu-node1|alice|gpuhub-engines|N/A|\n"  # scontrol shows 2 GPUs: 1 admitted
     )
     assert await watcher.cycle() is True
     assert led.get(lost.id).backend_job_id == "20" and led.get(lost.id).state == "starting"

@@ -4,9 +4,9 @@ Formats relied on (Slurm 22.05 and later):
 
 - ``sinfo -h -N -o '%N|%G|%P|%T'``: one line per node and partition, e.g.
   ``gpu-node1|gpu:a100:4(S:0)|gpu*|idle`` (``*`` marks the default partition).
-- ``squeue -h -a -t all -o '%i|%T|%r|%N|%u|%j|%k|%S'``: one line per job, e.g.
-  ``12|PENDING|Resources||alice|gpuhub-server|gpuhub:7|N/A`` (``%k``: the comment, where
-  gpuhub tags each job with its allocation).
+- ``squeue -h -a -t all -o '%i|%T|%r|%N|%u|%j|%S|%k'``: one line per job, e.g.
+  ``12|PENDING|Resources||alice|gpuhub-server|N/A|gpuhub:7`` (``%k``: the comment, where
+  gpuhub tags each job with its allocation; last, since it is the user's own text).
 - ``scontrol -d show job ID``: per-node lines ``Nodes=gpu-node1 CPU_IDs=0-1 Mem=2000
   GRES=gpu:a100:2(IDX:2-3)``. ``IDX`` holds the node's own GPU indices, whatever
   ``CUDA_VISIBLE_DEVICES`` says inside the job (it is renumbered under device cgroups).
@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 
 from ..policy import Gpu
 
-SQUEUE_FORMAT = "%i|%T|%r|%N|%u|%j|%k|%S"
+SQUEUE_FORMAT = "%i|%T|%r|%N|%u|%j|%S|%k"  # the comment (user text) last
 SINFO_FORMAT = "%N|%G|%P|%T"
 # waiting for resources (or held): no GPUs yet
+TAG = re.compile(r"gpuhub:([1-9][0-9]{0,17})", re.ASCII)
+JOB_LINE = re.compile(r"[0-9]{1,18}\|[A-Z_]+(?: by [0-9]+)?\|", re.ASCII)
+
 PENDING_STATES = frozenset(
     {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD",
      "POWER_UP_NODE"}
@@ -166,10 +169,8 @@ class JobInfo:
     @property
     def allocation_id(self) -> int | None:
         """The ledger allocation gpuhub tagged the job with (``--comment=gpuhub:ID``)."""
-        tag = self.comment.strip()
-        if tag.startswith("gpuhub:") and tag[7:].isdigit() and int(tag[7:]) > 0:
-            return int(tag[7:])
-        return None
+        m = TAG.fullmatch(self.comment.strip())
+        return int(m.group(1)) if m else None
 
     @property
     def pending(self) -> bool:
@@ -236,16 +237,20 @@ def queue_positions(text: str, wanted) -> dict[str, tuple[int, int, str]]:
 
 
 def parse_squeue(text: str) -> dict[str, JobInfo]:
-    jobs = {}
+    """Jobs by id. A comment is the user's own text: lines that are not job lines (a comment
+    with a newline) are skipped, and an answer naming a job twice (a forged line) is refused
+    with :class:`SlurmError` rather than trusted."""
+    jobs: dict[str, JobInfo] = {}
     for line in text.splitlines():
-        if not line.strip():
+        if not JOB_LINE.match(line):
             continue
-        fields = line.split("|")
+        fields = line.split("|", 7)
         if len(fields) < 8:
-            raise SlurmError(f"unexpected squeue line: {line!r}")
-        job_id, state, reason, nodes, user, name = (f.strip() for f in fields[:6])
-        comment = "|".join(fields[6:-1]).strip()  # a user's comment may hold "|"
-        start = fields[-1].strip()
+            continue
+        job_id, state, reason, nodes, user, name, start = (f.strip() for f in fields[:7])
+        if job_id in jobs:
+            raise SlurmError(f"squeue named job {job_id} twice (a job comment imitating a job line?)")
+        comment = fields[7].strip()
         jobs[job_id] = JobInfo(
             job_id=job_id,
             state=state.split()[0] if state else "UNKNOWN",
@@ -262,7 +267,8 @@ def parse_squeue(text: str) -> dict[str, JobInfo]:
 def parse_job_gpus(text: str) -> list[tuple[str, int]]:
     """``scontrol -d show job`` to the job's GPUs as (node, node-local index)."""
     out: list[tuple[str, int]] = []
-    for m in re.finditer(r"\bNodes=(\S+)[^\n]*?\bGRES=(\S+)", text):
+    # only Slurm's own per-node lines (indented, starting with Nodes=): never a user's comment
+    for m in re.finditer(r"(?m)^[ \t]+Nodes=(\S+)[^\n]*?\bGRES=(\S+)", text):
         nodes, gres = m.groups()
         indices: list[int] = []
         for idx in re.findall(r"gpu(?::[^:(,\s]+)*:\d+\(IDX:([0-9,\-]+)\)", gres):
@@ -291,6 +297,13 @@ def squeue_argv(names: Iterable[str]) -> list[str]:
 
 def sinfo_argv() -> list[str]:
     return ["sinfo", "-h", "-a", "-N", "-o", SINFO_FORMAT]
+
+
+def sbatch_argv(allocation_id: int) -> list[str]:
+    """sbatch for gpuhub's jobs: never requeued (a requeued job would come back on other
+    GPUs), and tagged with the ledger allocation, on the command line so that an admin's own
+    template cannot drop them."""
+    return ["sbatch", "--parsable", "--no-requeue", f"--comment=gpuhub:{int(allocation_id)}"]
 
 
 def job_detail_argv(job_id: str) -> list[str]:

@@ -26,8 +26,6 @@ SERVER_TEMPLATE = """\
 #SBATCH --export={{ export }}
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
-#SBATCH --no-requeue
-#SBATCH --comment={{ comment }}
 {% if gres %}#SBATCH --gres={{ gres }}
 {% endif %}{% if partition %}#SBATCH --partition={{ partition }}
 {% endif %}{% if cpus %}#SBATCH --cpus-per-task={{ cpus }}
@@ -52,8 +50,6 @@ ENGINES_TEMPLATE = """\
 #SBATCH --nodes={{ nodes }}
 #SBATCH --ntasks-per-node={{ per_node }}
 #SBATCH --gres={{ gres }}
-#SBATCH --no-requeue
-#SBATCH --comment={{ comment }}
 {% if partition %}#SBATCH --partition={{ partition }}
 {% endif %}{% if cpus %}#SBATCH --cpus-per-task={{ cpus }}
 {% endif %}{% if memory %}#SBATCH --mem={{ memory }}

@@ -37,6 +37,7 @@ from .watcher import get_watcher, run_command
 callback.install()
 
 
+_BACKGROUND: set[asyncio.Task] = set()  # cleanups that outlive their spawn
 UNTYPED = "GPU"  # the ledger's model for GPUs Slurm gives no type (gres "gpu:4")
 
 
@@ -113,6 +114,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         return found if os.path.exists(found) else "batchspawner-singleuser"
 
     _last_status = Unicode("")
+    _seen_job = Unicode("")
 
     # cluster, form, admission --------------------------------------------------------
 
@@ -129,11 +131,21 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         return form.parse_gpu_options(
             self.user_options,
             default_gpus=self.default_gpus,
-            partitions=self.allowed_partitions(self.cluster()),
+            partitions=self.allowed_partitions(self.cluster_or_503()),
         )
 
+    def cluster_or_503(self) -> jobs.Cluster:
+        try:
+            return self.cluster()
+        except jobs.SlurmError as e:
+            raise SpawnException(
+                f"Slurm is not answering ({e}); try again in a minute, or tell an admin.",
+                reason="gpuhub_slurm_unavailable",
+                status_code=503,
+            ) from None
+
     def admission(self, opts: form.GpuOptions) -> dict:
-        cluster = self.cluster()
+        cluster = self.cluster_or_503()
         return {
             "on_nodes": cluster.partition_nodes(self.chosen_partition(cluster, opts.partition)),
             "deferred": True,
@@ -208,7 +220,6 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             gres=jobs.gres_request(opts.count, None if opts.model == UNTYPED else opts.model)
             if opts.count
             else "",
-            comment=f"gpuhub:{self.allocation_id}",
             partition=partition,
             cpus=max(1, opts.count * self.cpus_per_gpu),
             memory=self.req_memory,
@@ -220,12 +231,15 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
     async def start(self):
         """batchspawner's start, watched: a job that ends before the server answers is a clear
         error at once (batchspawner alone would wait for the port until start_timeout)."""
+        self.job_id = ""  # a job of an earlier start is not this one's
+        self._seen_job = ""
         task = asyncio.ensure_future(super().start())
         try:
             while True:
                 done, _ = await asyncio.wait([task], timeout=1)
                 if done:
                     return task.result()
+                self._seen_job = self.job_id or self._seen_job
                 if self.job_id and self._job_ended():
                     task.cancel()
                     with contextlib.suppress(BaseException):
@@ -245,10 +259,11 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
 
     def _ended_error(self) -> SpawnException:
         log = self.output_template.format(homedir=self.req_homedir, username=self.user.name)
-        _, info = self.watcher.job(self.job_id) if self.job_id else ("", None)
+        job = self.job_id or self._seen_job  # batchspawner may have cleared the state already
+        _, info = self.watcher.job(job) if job else ("", None)
         state = info.state.lower() if info else "gone"
         return SpawnException(
-            f"Your server's Slurm job {self.job_id} ended before the server started ({state}). "
+            f"Your server's Slurm job {job} ended before the server started ({state}). "
             f"Its output is in {log} (%j is the job id); tell an admin if it does not say why.",
             reason="gpuhub_slurm_job_ended",
             status_code=500,
@@ -274,7 +289,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             self.log.warning("gpuhub: Slurm accounting not updated for %s: %s", self.user.name, e)
         text = await asyncio.to_thread(self.render_script, opts)
         self.log.debug("gpuhub: batch script of %s:\n%s", self.user.name, text)
-        argv = [*self._prefix(), "sbatch", "--parsable"]
+        argv = [*self._prefix(), *jobs.sbatch_argv(self.allocation_id)]
         self.log.info("gpuhub: submitting %s's server to Slurm: %s", self.user.name, " ".join(argv))
         env = self.get_env()
         if "SLURM_CONF" in os.environ:  # a cluster whose config is not in /etc/slurm
@@ -285,8 +300,10 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         try:
             out = await asyncio.shield(submitted)
         except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                self.job_id = jobs.parse_sbatch(await submitted)
+            # this spawn is over (its state may be cleared already): end the job it submitted
+            task = asyncio.ensure_future(self._cancel_when_submitted(submitted))
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
             raise
         except jobs.SlurmError as e:
             raise SpawnException(
@@ -296,9 +313,18 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         self.watcher.track(self.job_id)
         self._save_state()  # a hub restarted while this job queues must know it
         if self.allocation_id:
-            await self._in_ledger("attach_job", self.allocation_id, self.job_id)
+            try:
+                await self._in_ledger("attach_job", self.allocation_id, self.job_id)
+            except (LookupError, ValueError) as e:  # released meanwhile: the watcher cancels the job
+                self.log.warning("gpuhub: job %s of %s not attached: %s", self.job_id, self.user.name, e)
         self._progress(30, f"Submitted to Slurm as job {self.job_id}")
         return self.job_id
+
+    async def _cancel_when_submitted(self, submitted) -> None:
+        with contextlib.suppress(Exception):
+            job_id = jobs.parse_sbatch(await submitted)
+            self.log.info("gpuhub: cancelling job %s of %s: its spawn was cancelled", job_id, self.user.name)
+            await run_command([*self._prefix(), "scancel", job_id], 30)
 
     def _save_state(self) -> None:
         """JupyterHub stores a spawner's state only once start() returns; a queued job can
@@ -347,7 +373,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         try:
             await run_command(argv, 30)
         finally:
-            self.watcher.track(self.job_id)  # look again now
+            self.watcher.nudge()  # look again now
 
     async def mark_started(self, allocation: AllocationInfo) -> AllocationInfo:
         """Write the GPUs Slurm gave the job. If Slurm cannot say right now, the server still
@@ -359,10 +385,15 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             self.log.warning("gpuhub: GPUs of job %s not read yet (%s); the watcher will", self.job_id, e)
             return await super().mark_started(allocation)
         try:
-            info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
-        except LookupError:
-            await asyncio.to_thread(self.gpuhub.sync_inventory)
-            info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
+            try:
+                info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
+            except LookupError:
+                await asyncio.to_thread(self.gpuhub.sync_inventory)
+                info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
+        except (LookupError, ValueError, jobs.SlurmError) as e:
+            # the watcher records (or, over the admission, cancels) it at its next cycle
+            self.log.warning("gpuhub: GPUs of job %s not recorded now: %s", self.job_id, e)
+            return await super().mark_started(allocation)
         self._progress(55, f"Slurm job {self.job_id} holds {', '.join(g.label for g in info.gpus)}")
         return info
 

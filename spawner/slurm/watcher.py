@@ -95,8 +95,8 @@ def orphans(
     by_id = {a.id: a for a in others}
     out = []
     for job in listed.values():
-        if job.ended:
-            continue
+        if job.ended or job.state == "COMPLETING":
+            continue  # ending already: cancelling again changes nothing
         a = by_job.get(job.job_id)
         if a is not None and a.user == job.user and a.ended and now - a.ended < recent:
             out.append(Action("cancel", a, job.job_id, f"its allocation was released ({a.end_reason})"))
@@ -190,6 +190,7 @@ class SlurmWatcher(LoggingConfigurable):
         self._resync = resync  # re-reads the inventory when Slurm names a GPU the ledger lacks
         self.jobs: dict[str, jobs.JobInfo] = {}
         self.positions: dict[str, tuple[int, int, str]] = {}  # pending gpuhub jobs in their queues
+        self._positions_at = 0.0
         self.last_ok = 0.0  # monotonic start of the last successful query
         self.failures = 0
         self._tracked: dict[str, float] = {}
@@ -205,8 +206,15 @@ class SlurmWatcher(LoggingConfigurable):
             self._task = asyncio.ensure_future(self._loop())
 
     def track(self, job_id: str) -> None:
-        """A job a spawner cares about (just submitted, or loaded after a restart)."""
-        self._tracked.setdefault(str(job_id), time.monotonic())
+        """A job a spawner cares about (just submitted, or loaded after a restart): a new one
+        wakes the loop at once; one already tracked waits for the next cycle."""
+        self.start()
+        if str(job_id) not in self._tracked:
+            self._tracked[str(job_id)] = time.monotonic()
+            self._wake.set()
+
+    def nudge(self) -> None:
+        """Look again now (after a cancel)."""
         self.start()
         self._wake.set()
 
@@ -276,7 +284,7 @@ class SlurmWatcher(LoggingConfigurable):
         actions = reconcile(live, listed, now)
         live_ids, live_jobs = {a.id for a in live}, {a.backend_job_id for a in live}
         others = await asyncio.to_thread(
-            self._others, ledger, [j for j in listed if j not in live_jobs],
+            self._others, ledger, [j for j, info in listed.items() if j not in live_jobs and not info.ended],
             {j.allocation_id for j in listed.values() if j.allocation_id} - live_ids,
         )  # fmt: skip
         actions += orphans(live, others, listed, now)
@@ -299,12 +307,15 @@ class SlurmWatcher(LoggingConfigurable):
         if not waiting:
             self.positions = {}
             return
+        if waiting <= set(self.positions) and time.monotonic() - self._positions_at < 10:
+            return  # positions change slowly: at most one cluster-wide query per 10 s
         try:
             out = await run_command(jobs.pending_argv(), self.command_timeout)
         except jobs.SlurmError as e:
             self.log.debug("gpuhub Slurm watcher: no queue positions (%s)", e)
             return
         self.positions = jobs.queue_positions(out, waiting)
+        self._positions_at = time.monotonic()
 
     @staticmethod
     def _others(ledger, job_ids, allocation_ids) -> list[AllocationInfo]:
