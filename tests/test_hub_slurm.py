@@ -303,3 +303,43 @@ def test_a_spawn_still_queued_when_the_hub_restarts_leaves_nothing_behind(hub, l
     wait_for(lambda: hub.server("carol") is None, 90, "the hub to drop carol's server")
     assert {a.user for a in ledger.active()} == {"alice", "bob"}  # the running servers are kept
     assert hub.server("alice")["ready"] and hub.server("bob")["ready"]
+
+
+def test_a_burst_takes_only_its_own_users_tagged_engines_job(hub, ledger, clean):
+    hub.wait_for_broker()
+    # bursts come from a server's kernel: alice has a server (without GPUs of its own)
+    assert hub.spawn("alice", {"gpus": 0}).status_code in (201, 202)
+    hub.wait_ready("alice")
+    alice = hub.user_token("alice")
+    r = hub.broker("POST", "allocations", alice, json={"gpus": 1})
+    assert r.status_code == 201, r.text
+    burst = r.json()
+    assert burst["gpus"] == [] and burst["gpu_count"] == 1 and burst["state"] == "starting"  # Slurm places it
+
+    def submit(user, name, tag):
+        script = "#!/bin/bash\nsleep 300\n"
+        argv = ["sbatch", "--parsable", f"--job-name={name}", f"--comment={tag}", "--gres=gpu:1"]
+        argv += ["-o", "/dev/null", "--chdir=/tmp"]
+        return slurm(*argv, user=user, input=script).stdout.strip()
+
+    tag = f"gpuhub:{burst['id']}"
+    for job, why in [
+        (submit("bob", "gpuhub-engines", tag), "another user's job"),
+        (submit("alice", "something-else", tag), "not an engines job"),
+        (submit("alice", "gpuhub-engines", "gpuhub:999999"), "tagged for another allocation"),
+    ]:
+        r = hub.broker("POST", f"allocations/{burst['id']}/job", alice, json={"job_id": job})
+        assert r.status_code == 400 and r.json()["reason"] == "bad_job", why
+    assert ledger.get(burst["id"]).backend_job_id is None
+    mine = submit("alice", "gpuhub-engines", tag)
+    r = hub.broker("POST", f"allocations/{burst['id']}/job", alice, json={"job_id": mine})
+    assert r.status_code == 200 and r.json()["backend_job_id"] == mine
+    other = submit("alice", "gpuhub-engines", tag)  # a second job for the same burst: refused...
+    r = hub.broker("POST", f"allocations/{burst['id']}/job", alice, json={"job_id": other})
+    assert r.status_code == 409 and r.json()["reason"] == "has_job"
+    # ...and, tagged with a burst that runs another job, cancelled by the watcher
+    wait_for(lambda: job_state(other) in ("CANCELLED", "GONE"), 30, "the stray job to be cancelled")
+    assert job_state(mine) == "RUNNING"
+    wait_for(lambda: len(ledger.get(burst["id"]).gpus) == 1, 30, "the burst's GPU to be recorded")
+    assert hub.broker("DELETE", f"allocations/{burst['id']}", alice).status_code == 200
+    wait_for(lambda: job_state(mine) in ("CANCELLED", "GONE"), 30, "the released burst's job to be cancelled")

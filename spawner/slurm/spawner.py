@@ -113,6 +113,14 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         found = os.path.join(os.path.dirname(sys.executable), "batchspawner-singleuser")
         return found if os.path.exists(found) else "batchspawner-singleuser"
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no hub loop (the CLI's preview): nothing to watch
+        _ = self.watcher  # the hub's first Slurm spawner starts the hub's one watcher
+
     _last_status = Unicode("")
     _seen_job = Unicode("")
 
