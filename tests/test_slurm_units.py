@@ -324,6 +324,7 @@ def listing(job_id="7", state="RUNNING", comment="", user="alice"):
     # its job id never reached the ledger, but the job carries the allocation's tag
     (alloc(None, minutes=9), listing("8", comment="gpuhub:1"), ("attach", "8", "found by its gpuhub tag")),
     (alloc(None), listing("8", "PENDING", comment="gpuhub:1"), ("attach", "8", "found by its gpuhub tag")),
+    (alloc(None), {**listing("8", comment="gpuhub:1"), **listing("9", comment="gpuhub:1")}, None),
     (alloc(None, minutes=9), listing("8", comment="gpuhub:1", user="bob"),
      ("release", None, "never reached Slurm (hub stopped while submitting)")),
     (alloc(None, minutes=9), listing("8", "COMPLETED", comment="gpuhub:1"),

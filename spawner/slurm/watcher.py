@@ -52,7 +52,10 @@ def reconcile(
 ) -> list[Action]:
     """What the ledger must do given Slurm's answer. ``allocations``: live Slurm ones, read
     before the query; ``listed``: the query's jobs; ``now``: the ledger's clock (naive UTC)."""
-    tagged = {j.allocation_id: j for j in listed.values() if j.allocation_id and not j.ended}
+    tagged: dict[int, jobs.JobInfo | None] = {}
+    for j in listed.values():
+        if j.allocation_id and not j.ended:  # two live jobs with one tag: attach neither
+            tagged[j.allocation_id] = None if j.allocation_id in tagged else j
     actions = []
     for a in allocations:
         job = listed.get(a.backend_job_id) if a.backend_job_id else None
