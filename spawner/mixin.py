@@ -65,6 +65,7 @@ class GpuSpawnerMixin(Configurable):
 
     allocation_id = Int(0, help="The ledger allocation of the running server (0: none).")
     gpu_allocation = Any(None, allow_none=True, help="The running server's AllocationInfo.")
+    gpu_options = Any(None, allow_none=True, help="This start's checked user_options (form.GpuOptions).")
     _gpuhub_events = List()
     _gpuhub_changed = Instance(asyncio.Event, allow_none=True)
 
@@ -160,7 +161,7 @@ class GpuSpawnerMixin(Configurable):
 
     async def _admit(self) -> AllocationInfo | None:
         try:
-            opts = await asyncio.to_thread(self.parse_options)  # may ask the scheduler
+            opts = self.gpu_options = await asyncio.to_thread(self.parse_options)  # may ask the scheduler
             if opts.count == 0:
                 return None
             extra = await asyncio.to_thread(self.admission, opts)

@@ -36,8 +36,3 @@ def read_cluster(max_age: float = 30.0, timeout: float = 20.0) -> jobs.Cluster:
             raise jobs.SlurmError("sinfo lists no nodes")
         _cache["sinfo"] = (time.monotonic(), cluster)
         return cluster
-
-
-def forget() -> None:
-    with _lock:
-        _cache.clear()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..policy import Gpu
 
@@ -308,15 +308,6 @@ def sbatch_argv(allocation_id: int) -> list[str]:
 
 def job_detail_argv(job_id: str) -> list[str]:
     return ["scontrol", "-d", "show", "job", str(job_id)]
-
-
-@dataclass(frozen=True)
-class Submission:
-    """What ``sbatch`` is run with: the argument list (script on stdin) and its environment."""
-
-    argv: list[str]
-    script: str
-    env: dict[str, str] = field(default_factory=dict)
 
 
 def parse_sbatch(output: str) -> str:

@@ -41,6 +41,15 @@ _BACKGROUND: set[asyncio.Task] = set()  # cleanups that outlive their spawn
 UNTYPED = "GPU"  # the ledger's model for GPUs Slurm gives no type (gres "gpu:4")
 
 
+def _in_hub_loop() -> bool:
+    """Whether an event loop runs here (the hub's; not the CLI's script preview)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def slurm_gpu_env(allocation: AllocationInfo | None) -> dict[str, str]:
     """The gpuhub variables of a Slurm server. Slurm itself sets ``CUDA_VISIBLE_DEVICES``
     and ``SLURM_JOB_GPUS`` inside the job (the GPUs are not known before it runs)."""
@@ -115,11 +124,8 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return  # no hub loop (the CLI's preview): nothing to watch
-        _ = self.watcher  # the hub's first Slurm spawner starts the hub's one watcher
+        if _in_hub_loop():
+            _ = self.watcher  # the hub's first Slurm spawner starts the hub's one watcher
 
     _last_status = Unicode("")
     _seen_job = Unicode("")
@@ -164,19 +170,17 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
 
         def facts():
             cluster = self.cluster()
-            free = {
-                (st.gpu.node, st.gpu.index) for st in self.ledger.gpu_table() if st.present and not st.holder
-            }
-            per_partition = {
-                p: sum(1 for node, _ in free if node in cluster.partition_nodes(p))
-                for p in self.allowed_partitions(cluster)
-            }
+            free_nodes = [st.gpu.node for st in self.ledger.gpu_table() if st.present and not st.holder]
+            per_partition = {}
+            for p in self.allowed_partitions(cluster):
+                nodes = cluster.partition_nodes(p)
+                per_partition[p] = sum(1 for node in free_nodes if node in nodes)
+            most = max((len(n.gpus()) for n in cluster.nodes), default=0)
             allowance = self.ledger.allowance(self.user.name, groups)
-            return allowance, self.ledger.models(), per_partition, self.chosen_partition(cluster, None)
+            return allowance, self.ledger.models(), per_partition, self.chosen_partition(cluster, None), most
 
-        allowance, models, per_partition, chosen = await asyncio.to_thread(facts)
+        allowance, models, per_partition, chosen, most = await asyncio.to_thread(facts)
         # a request may wait in the queue: what the user may take is bounded by the limit only
-        most = max((len(n.gpus()) for n in (await asyncio.to_thread(self.cluster)).nodes), default=0)
         room = allowance.may_take if allowance.may_take is not None else most
         allowance = dataclasses.replace(allowance, fits=min(room, most))
         return form.render_form(allowance, models, self.default_gpus, per_partition, chosen)
@@ -288,7 +292,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         self._accounting().sync(ledger, [self.user.name])
 
     async def submit_batch_script(self):
-        opts = await asyncio.to_thread(self.parse_options)
+        opts = self.gpu_options  # checked by the mixin's admission, before anything was taken
         try:
             await asyncio.to_thread(self._sync_account)
         except jobs.SlurmError as e:
@@ -407,11 +411,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
 
     def load_state(self, state):
         super().load_state(state)
-        if self.job_id:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                return
+        if self.job_id and _in_hub_loop():
             self.watcher.track(self.job_id)
 
 
