@@ -57,8 +57,18 @@ class BrokerClient:
         """Tell gpuhub which Slurm job runs a burst's engines."""
         return self._call("POST", f"allocations/{allocation_id}/job", {"job_id": str(job_id)})
 
-    def renew(self, allocation_id: int, lease_seconds: float) -> dict:
-        return self._call("POST", f"allocations/{allocation_id}/renew", {"lease_seconds": lease_seconds})
+    def renew(self, allocation_id: int, lease_seconds: float, idle_seconds: float | None = None) -> dict:
+        body = {"lease_seconds": lease_seconds}
+        if idle_seconds is not None:  # when the engines last ran a cell (idle reclaim)
+            body["idle_seconds"] = round(max(0.0, idle_seconds), 1)
+        return self._call("POST", f"allocations/{allocation_id}/renew", body)
+
+    def get(self, allocation_id: int) -> dict:
+        return self._call("GET", f"allocations/{allocation_id}")
+
+    def report(self, allocation_id: int, body: dict) -> dict:
+        """GPU samples (and activity) of an allocation; the answer holds its idle state."""
+        return self._call("POST", f"allocations/{allocation_id}/samples", body)
 
     def release(self, allocation_id: int) -> None:
         try:
@@ -75,10 +85,12 @@ class LeaseKeeper:
     admin released it): the pool must then stop using those GPUs.
     """
 
-    def __init__(self, client: BrokerClient, allocation: dict, lease_seconds: float, log=None):
+    def __init__(self, client: BrokerClient, allocation: dict, lease_seconds: float, log=None, activity=None):
         self.client, self.allocation, self.lease_seconds, self.log = client, allocation, lease_seconds, log
+        self.activity = activity  # () -> seconds since the engines last ran a cell (0: busy)
         self.expires = allocation.get("lease_expires")
         self.lost = False
+        self.reason = ""  # why the broker ended it, once lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="gpuhub-lease")
         self._thread.start()
@@ -86,14 +98,24 @@ class LeaseKeeper:
     def _run(self) -> None:
         while not self._stop.wait(self.lease_seconds / 3):
             try:
-                self.expires = self.client.renew(self.allocation["id"], self.lease_seconds)["lease_expires"]
+                idle = self.activity() if self.activity else None
+                self.expires = self.client.renew(self.allocation["id"], self.lease_seconds, idle)[
+                    "lease_expires"
+                ]
             except BrokerError as e:
                 if e.status in (404, 409):  # released: renewing again cannot bring it back
+                    self.reason = self._end_reason() or e.message
                     self.lost = True
                     return
                 self._say(f"could not renew the lease of allocation {self.allocation['id']}: {e}")
             except Exception as e:  # a renewal thread that dies silently would lose the GPUs
                 self._say(f"could not renew the lease of allocation {self.allocation['id']}: {e!r}")
+
+    def _end_reason(self) -> str:
+        try:
+            return self.client.get(self.allocation["id"]).get("end_reason") or ""
+        except BrokerError:
+            return ""
 
     def _say(self, text: str) -> None:
         if self.log:

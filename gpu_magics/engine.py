@@ -22,8 +22,38 @@ def _watch(kernel_pid: int, interval: float = 1.0) -> None:
     os._exit(0)
 
 
+def pin_to_gpu(label: str) -> bool:
+    """Run this process on the CPUs nearest its GPU (NVML's affinity, as dask-cuda does),
+    within the CPUs it may use. False where NVML cannot tell (no GPU, simulated GPUs)."""
+    if not label or os.environ.get("GPUHUB_GPU_SOURCE") == "simulated":
+        return False
+    from .gpustats import NvmlSource, NvmlUnavailable, parse_label
+
+    try:
+        source = NvmlSource()
+    except NvmlUnavailable:
+        return False
+    try:
+        near = set(source.cpu_affinity(parse_label(label)[1]))
+    except Exception:  # an NVML without affinity support: leave the scheduler alone
+        return False
+    finally:
+        source.close()
+    chosen = near & os.sched_getaffinity(0)
+    if not chosen:
+        return False
+    os.sched_setaffinity(0, chosen)
+    return True
+
+
 def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int) -> dict:
     os.environ.update(env)
+    pinned = pin_to_gpu(env.get("GPUHUB_RANK_GPU", ""))  # before torch starts its threads
+    burst = int(env.get("GPUHUB_REPORT_ALLOCATION") or 0)
+    if burst:
+        from .reporter import start_engine_reporter
+
+        start_engine_reporter(burst, env.get("GPUHUB_RANK_GPU", ""))
     if int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:
         # as torchrun does: one OpenMP thread per rank unless the user chose otherwise, or
         # several ranks on one machine fight over its cores (5x slower measured here)
@@ -60,4 +90,6 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
         "backend": backend,
         "device": str(device),
         "gpu": env.get("GPUHUB_RANK_GPU", ""),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "pinned": pinned,
     }

@@ -122,6 +122,11 @@ class DistributedMagics(Magics):
     def _touch(self) -> None:
         self.last_used = time.monotonic()
 
+    def _idle_seconds(self) -> float:
+        """Seconds since the engines last ran a cell (0 while one runs): the broker's idle
+        reclaim counts a burst busy while it is used."""
+        return 0.0 if self.busy else time.monotonic() - self.last_used
+
     # GPUs -----------------------------------------------------------------------------
 
     def _acquire(self, gpus: int) -> list[Slot]:
@@ -144,7 +149,7 @@ class DistributedMagics(Magics):
             extra = f" Own server GPUs: {len(own.gpus)}." if own.gpus else ""
             raise UsageError(f"gpuhub refused {gpus} GPUs for %%distributed: {e.message}{extra}") from None
         self.burst = alloc
-        self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print)
+        self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print, activity=self._idle_seconds)
         return [Slot(g["node"], g["index"]) for g in alloc["gpus"]]
 
     def _release_burst(self) -> None:
@@ -194,7 +199,9 @@ class DistributedMagics(Magics):
                     f"gpuhub refused {args.gpus} GPUs for %%distributed: {e.message} Own server GPUs: {own}."
                 ) from None
             self.burst = alloc
-            self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print)
+            self.lease = LeaseKeeper(
+                client, alloc, self.lease_seconds, log=print, activity=self._idle_seconds
+            )
             launcher.allocation_id = alloc["id"]
             launcher.on_submitted = lambda job_id: alloc.update(client.attach_job(alloc["id"], job_id))
         return EnginePool([], args.backend, timeout, launcher=launcher, n=args.gpus)
@@ -231,6 +238,7 @@ class DistributedMagics(Magics):
                         pool = EnginePool(
                             make_rank_specs(slots, "127.0.0.1", free_port()), args.backend, timeout
                         )
+                    pool.report_allocation = self.burst["id"] if self.burst else 0
                     handle = display(f"Starting engines: 0 of {pool.size} up", display_id=True)
 
                     def progress(up, n):
@@ -281,7 +289,8 @@ class DistributedMagics(Magics):
             if self.pool is None:
                 return
             if self._lease_lost() and not self.busy:
-                print("gpuhub: the burst allocation was released by the hub; stopping the engines.")
+                why = self.lease.reason or "released by the hub"
+                print(f"gpuhub: the burst allocation was ended ({why}); stopping the engines.")
                 self._stop_pool()
                 return
             if not self.busy and time.monotonic() - self.last_used >= self.idle_seconds:

@@ -79,6 +79,7 @@ class EnginePool:
         self.broken = False
         self.controller_pid = 0
         self.reaper: subprocess.Popen | None = None
+        self.report_allocation = 0  # the burst whose GPUs the engines hold (0: the server's own)
 
     @property
     def size(self) -> int:
@@ -129,6 +130,8 @@ class EnginePool:
         kernel_pid = os.getpid()
         if self.launcher is not None:
             envs, kernel_pid = self._slurm_ranks(timeout)
+        if self.report_allocation:  # a burst's engines report their GPUs' use themselves
+            envs = [dict(env, GPUHUB_REPORT_ALLOCATION=str(self.report_allocation)) for env in envs]
         setups = [
             self.client[eid].apply_async(setup_rank, env, self.backend, self.timeout_s, kernel_pid)
             for eid, env in zip(self.engine_ids, envs, strict=True)

@@ -36,6 +36,7 @@ from .models import (
     LimitRow,
     Node,
 )
+from .reclaims import ReclaimRecords
 
 
 def utcnow() -> datetime:
@@ -137,7 +138,7 @@ def _row_limit(row: LimitRow) -> policy.Limit:
     )
 
 
-class Ledger:
+class Ledger(ReclaimRecords):
     """One ledger database. Safe to use from several processes at once."""
 
     def __init__(

@@ -27,6 +27,7 @@ from .ledger import AllocationInfo, Ledger
 from .settings import GpuHub
 
 STATE_KEY = "gpuhub_allocation_id"
+REPORTER = "gpu_magics.reporter"
 
 
 def make_gpu_env(allocation: AllocationInfo | None) -> dict[str, str]:
@@ -135,7 +136,11 @@ class GpuSpawnerMixin(Configurable):
         return {"on_nodes": self.placement_nodes()}
 
     def gpu_env(self, allocation: AllocationInfo | None) -> dict[str, str]:
-        return make_gpu_env(allocation)
+        return {**make_gpu_env(allocation), **self.gpuhub.report_env()}
+
+    def get_args(self):
+        # the server reports its GPUs' use and its kernels' activity (gpu_magics.reporter)
+        return [*super().get_args(), f"--ServerApp.jpserver_extensions={REPORTER}=True"]
 
     async def mark_started(self, allocation: AllocationInfo) -> AllocationInfo:
         """Record in the ledger that the backend started the server."""

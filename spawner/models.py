@@ -147,6 +147,24 @@ class KnownUser(Base):
     updated: Mapped[datetime] = mapped_column(DateTime)
 
 
+class Reclaim(Base):
+    """An allocation taken back because its GPUs sat idle: what, whose, why, and the idle
+    GPU-hours it had run up (GPUs x idle time when reclaimed)."""
+
+    __tablename__ = "reclaims"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id"), unique=True)
+    user: Mapped[str] = mapped_column(String(255), index=True)
+    purpose: Mapped[str] = mapped_column(String(16))
+    server_name: Mapped[str] = mapped_column(String(255), default="")
+    gpus: Mapped[int] = mapped_column(Integer)
+    idle_seconds: Mapped[float] = mapped_column(Float)
+    gpu_hours: Mapped[float] = mapped_column(Float)
+    reason: Mapped[str] = mapped_column(String(500))
+    created: Mapped[datetime] = mapped_column(DateTime)
+
+
 class LedgerLock(Base):
     """One row that every writing transaction locks first (``SELECT ... FOR UPDATE``).
 

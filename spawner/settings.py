@@ -7,11 +7,12 @@ same file.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 from typing import Any
 
-from traitlets import CaselessStrEnum, Dict, Int, List, Unicode, Union
+from traitlets import CaselessStrEnum, Dict, Float, Int, List, Unicode, Union
 from traitlets.config import Configurable
 
 from . import inventory
@@ -123,6 +124,44 @@ class GpuHub(Configurable):
         ``c.GpuHub.user_limits = {"alice": 4}``
         """,
     ).tag(config=True)
+
+    report_seconds = Float(
+        30.0,
+        help="""How often each GPU server (and each burst's engines) reports its GPUs'
+        utilization and memory, and its kernels' activity, to the broker, in seconds. The
+        idle reclaim (``c.GpuReclaim``) and the admin page's live grid are built from these
+        reports. ``c.GpuHub.report_seconds = 15``
+        """,
+    ).tag(config=True)
+
+    utilization_source = CaselessStrEnum(
+        ["auto", "nvml", "simulated"],
+        "auto",
+        help="""Where servers and engines read their GPUs' use: ``nvml`` (nvidia-ml-py, on
+        the machine that holds the GPU), or ``simulated`` (the file
+        ``simulated_utilization_file``, for machines without GPUs). ``auto``: simulated when
+        the inventory is simulated, else NVML. ``c.GpuHub.utilization_source = "nvml"``
+        """,
+    ).tag(config=True)
+
+    simulated_utilization_file = Unicode(
+        "gpuhub-simulated-utilization.json",
+        help="""With simulated utilization: a JSON file, relative to the hub's directory,
+        that maps ``"node:index"`` to ``{"utilization": 80, "memory_used_mib": 1024}``; a GPU
+        not in it reads as idle. Write it to play with the idle reclaim on the demo.
+        ``c.GpuHub.simulated_utilization_file = "/srv/gpuhub/sim-util.json"``
+        """,
+    ).tag(config=True)
+
+    def report_env(self) -> dict[str, str]:
+        """What a server needs to report its GPUs' use (``gpu_magics.gpustats``)."""
+        source = self.utilization_source.lower()
+        if source == "auto":
+            source = "simulated" if self.inventory == "simulated" else "nvml"
+        env = {"GPUHUB_GPU_SOURCE": source, "GPUHUB_REPORT_SECONDS": f"{self.report_seconds:g}"}
+        if source == "simulated":
+            env["GPUHUB_SIMULATED_GPU_STATS"] = os.path.abspath(self.simulated_utilization_file)
+        return env
 
     def limit_rules(self) -> LimitRules:
         return LimitRules(

@@ -1,6 +1,6 @@
 """The gpuhub broker: a JupyterHub-managed service with a REST API, pages and metrics.
 
-In ``jupyterhub_config.py``, after the ``c.GpuHub`` / ``c.GpuBroker`` settings and
+In ``jupyterhub_config.py``, after the ``c.GpuHub`` / ``c.GpuBroker`` / ``c.GpuReclaim`` settings and
 ``admin_users``::
 
     from spawner.broker import enable_broker
@@ -16,14 +16,18 @@ import json
 import os
 import sys
 
+from ..notices import ReclaimNotice
 from .access import ADMIN_SCOPE, OWN_SCOPE
 
 SERVICE = "gpuhub"
 
 
+SECTIONS = ("GpuHub", "GpuBroker", "GpuReclaim", "SlurmAccounting")
+
+
 def _settings_json(c) -> str:
-    sections = {name: dict(c[name]) for name in ("GpuHub", "GpuBroker", "SlurmAccounting") if name in c}
-    return json.dumps(sections)
+    sections = {name: dict(c[name]) for name in SECTIONS if name in c}
+    return json.dumps(sections, default=lambda v: sorted(v) if isinstance(v, set | frozenset) else repr(v))
 
 
 def _replace(items: list, new: dict) -> list:
@@ -66,7 +70,8 @@ def enable_broker(c, *, url: str = "http://127.0.0.1:10101", admin_users=None) -
         {
             "name": "gpuhub-service",
             "description": "What the gpuhub broker needs from the hub",
-            "scopes": ["read:users:groups", "read:users:name"],
+            # servers: to stop a server whose GPUs sat idle (c.GpuReclaim)
+            "scopes": ["read:users:groups", "read:users:name", "servers"],
             "services": [SERVICE],
         },
     ):
@@ -77,6 +82,12 @@ def enable_broker(c, *, url: str = "http://127.0.0.1:10101", admin_users=None) -
         **c.Spawner.get("environment", {}),
         "GPUHUB_BROKER_URL": f"{url.rstrip('/')}/services/{SERVICE}/api/v1/",
     }
+    # the home page tells a user why their server was reclaimed
+    template_vars = dict(c.JupyterHub.get("template_vars", {}))
+    previous = template_vars.get("announcement_home")
+    if not isinstance(previous, ReclaimNotice):
+        template_vars["announcement_home"] = ReclaimNotice(c, previous)
+    c.JupyterHub.template_vars = template_vars
     c.Spawner.server_token_scopes = [
         "users:activity!user",
         "access:servers!server",

@@ -28,7 +28,10 @@ class MeHandler(APIHandler):
         ledger = self.broker.ledger
         allowance = await self.broker.run(ledger.allowance, caller.name, groups)
         allocations = await self.broker.run(ledger.active, user=caller.name)
-        self.finish(views.me_json(caller.name, groups, allowance, allocations))
+        notices = await self.broker.run(ledger.reclaim_notices, caller.name)
+        util = self.broker.utilization
+        idle = {a.id: views.idle_json(util.verdicts.get(a.id), util.clock()) for a in allocations}
+        self.finish(views.me_json(caller.name, groups, allowance, allocations, idle, notices))
 
 
 class AllocationsHandler(APIHandler):
@@ -110,6 +113,7 @@ class RenewHandler(APIHandler):
         try:
             body = schemas.parse_json_object(self.request.body, cfg.max_body_bytes)
             seconds = schemas.parse_renew(body, max_lease_seconds=cfg.max_lease_seconds)
+            idle_seconds = schemas.parse_activity(body)
         except schemas.BadRequest as e:
             return self.fail(400, str(e), "bad_request")
         try:
@@ -118,6 +122,8 @@ class RenewHandler(APIHandler):
             return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
         except ValueError:
             return self.fail(409, f"Allocation {a.id} is a server's; it has no lease to renew.", "no_lease")
+        if idle_seconds is not None:  # the kernel's word on when its engines last ran a cell
+            self.broker.utilization.add_activity(renewed, idle_seconds)
         self.finish(views.allocation_json(renewed))
 
 

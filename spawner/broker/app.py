@@ -24,9 +24,12 @@ from traitlets.config import Config
 from ..settings import GpuHub
 from .api import api_handlers
 from .handlers import Broker
-from .metrics import Metrics
+from .metrics import Metrics, UtilizationCollector
 from .pages import AdminPage, MetricsHandler, UserPage
-from .settings import GpuBroker
+from .reclaimer import Reclaimer
+from .settings import GpuBroker, GpuReclaim
+from .usage_api import usage_api_handlers
+from .utilization import Utilization
 
 log = logging.getLogger("gpuhub.broker")
 STATIC = Path(__file__).with_name("static")
@@ -43,7 +46,7 @@ def make_app(broker: Broker) -> web.Application:
         (f"{prefix}oauth_callback", HubOAuthCallbackHandler),
         (rf"{prefix}static/(.*)", web.StaticFileHandler, {"path": str(STATIC)}),
         (rf"{prefix}api/v1/(openapi\.yaml)", web.StaticFileHandler, {"path": str(SPEC_DIR)}),
-        *[(route, handler, ctx) for route, handler in api_handlers(prefix)],
+        *[(route, handler, ctx) for route, handler in api_handlers(prefix) + usage_api_handlers(prefix)],
     ]
     # XSRF: JupyterHub's HubOAuth checks it on every cookie-authenticated write (a write
     # without the token is not authenticated at all); token requests need none. Tornado's
@@ -51,14 +54,15 @@ def make_app(broker: Broker) -> web.Application:
     return web.Application(handlers, cookie_secret=secrets.token_bytes(32))
 
 
-def load_settings(environ=os.environ) -> tuple[GpuHub, GpuBroker]:
+def load_settings(environ=os.environ) -> tuple[GpuHub, GpuBroker, GpuReclaim]:
     config = Config(json.loads(environ.get("GPUHUB_SETTINGS", "{}")))
-    return GpuHub(config=config), GpuBroker(config=config)
+    return GpuHub(config=config), GpuBroker(config=config), GpuReclaim(config=config)
 
 
 async def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)1.1s %(asctime)s gpuhub-broker] %(message)s")
-    hub_settings, settings = load_settings()
+    hub_settings, settings, reclaim = load_settings()
+    rules = reclaim.rules()  # a bad policy stops the service with the reason in its log
     ledger = hub_settings.open_ledger()  # syncs the inventory too, like the hub
     broker = Broker(
         ledger,
@@ -69,6 +73,10 @@ async def main() -> None:
         prefix=os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpuhub/"),
     )
     broker.backend = "slurm" if hub_settings.inventory == "slurm" else "local"
+    broker.utilization = Utilization(reclaim.history_seconds)
+    broker.reclaim_rules = rules
+    broker.metrics.registry.register(UtilizationCollector(broker))
+    reclaimer = Reclaimer(broker, rules)
     from ..slurm.accounting import SlurmAccounting
 
     broker.accounting = SlurmAccounting(config=hub_settings.config)
@@ -81,6 +89,14 @@ async def main() -> None:
             log.info("released expired leases: %s", ", ".join(map(str, expired)))
 
     PeriodicCallback(sweep, settings.sweep_seconds * 1000).start()
+
+    async def check_idle():
+        try:
+            await reclaimer.check()
+        except Exception:  # one bad pass must not end the checks
+            log.exception("the idle check failed; it runs again in %s s", reclaim.check_seconds)
+
+    PeriodicCallback(check_idle, reclaim.check_seconds * 1000).start()
     log.info("gpuhub broker at %s%s, ledger %s", url.geturl().rstrip("/"), broker.prefix, ledger.url)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -17,8 +17,10 @@ from tornado import web
 from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
+from ..idle import IdleRules
 from . import access
 from .access import Caller
+from .utilization import Utilization
 
 
 class Broker:
@@ -33,6 +35,8 @@ class Broker:
         self.prefix = prefix
         self.backend = "local"  # "slurm": bursts are Slurm jobs the user submits (deferred GPUs)
         self.accounting = None  # a SlurmAccounting: limits written to Slurm associations too
+        self.utilization = Utilization()  # what servers and engines report of their GPUs
+        self.reclaim_rules = IdleRules()  # c.GpuReclaim
         self._groups: dict[str, tuple[float, list[str]]] = {}
 
     async def run(self, fn, *args, **kw):

@@ -11,7 +11,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from ..idle import STATES
 from ..ledger import Ledger
+from ..reclaims import totals
 
 
 class LedgerCollector:
@@ -47,6 +49,51 @@ class LedgerCollector:
         yield allocations
         yield held
 
+        reclaimed = GaugeMetricFamily(
+            "gpuhub_reclaimed_gpu_hours",
+            "Idle GPU-hours ended by reclaims, per user, since the ledger began",
+            labels=["user"],
+        )
+        for user, t in totals(self.ledger.reclaims()).items():
+            reclaimed.add_metric([user], t["gpu_hours"])
+        yield reclaimed
+
+
+class UtilizationCollector:
+    """Per-GPU gauges from what servers and engines last reported (fresh readings only)."""
+
+    def __init__(self, broker):
+        self.broker = broker
+
+    def collect(self):
+        b = self.broker
+        util = GaugeMetricFamily(
+            "gpuhub_gpu_utilization_percent",
+            "Latest reported utilization of each allocated GPU",
+            labels=["node", "index", "model", "user"],
+        )
+        mem = GaugeMetricFamily(
+            "gpuhub_gpu_memory_used_mib",
+            "Latest reported memory in use on each allocated GPU, MiB",
+            labels=["node", "index", "model", "user"],
+        )
+        for st in b.ledger.gpu_table():
+            r = b.utilization.latest(st.gpu.node, st.gpu.index, b.reclaim_rules.stale_after)
+            if r is None or st.holder is None:
+                continue
+            labels = [st.gpu.node, str(st.gpu.index), st.gpu.model, st.holder.user]
+            util.add_metric(labels, r.utilization)
+            mem.add_metric(labels, r.memory_used_mib)
+        yield util
+        yield mem
+        idle = GaugeMetricFamily(
+            "gpuhub_idle_allocations", "Live GPU allocations by idle state", labels=["state"]
+        )
+        states = [v.state for v in b.utilization.verdicts.values()]
+        for state in STATES:
+            idle.add_metric([state], states.count(state))
+        yield idle
+
 
 class Metrics:
     def __init__(self, ledger: Ledger):
@@ -54,6 +101,12 @@ class Metrics:
         self.registry.register(LedgerCollector(ledger))
         self.refusals = Counter(
             "gpuhub_refusals", "Burst requests refused, by reason", ["reason"], registry=self.registry
+        )
+        self.reclaims = Counter(
+            "gpuhub_reclaims",
+            "Allocations reclaimed for idleness by this service",
+            ["purpose"],
+            registry=self.registry,
         )
         self.allocation_seconds = Histogram(
             "gpuhub_allocation_seconds",

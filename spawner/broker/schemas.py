@@ -91,8 +91,57 @@ def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest
 
 
 def parse_renew(body: dict, *, max_lease_seconds: float) -> float | None:
-    _only(body, ("lease_seconds",))
+    """The lease asked for; the body may also carry ``idle_seconds`` (``parse_activity``)."""
+    _only(body, ("lease_seconds", "idle_seconds"))
     return _number(body, "lease_seconds", lo=10, hi=max_lease_seconds)
+
+
+MAX_IDLE_SECONDS = 10 * 365 * 86400.0
+
+
+def parse_activity(body: dict) -> float | None:
+    """``idle_seconds``: how long ago the owner's code was last active (0: busy now)."""
+    return _number(body, "idle_seconds", lo=0, hi=MAX_IDLE_SECONDS)
+
+
+@dataclass(frozen=True)
+class SamplesReport:
+    samples: tuple  # of broker.utilization.Sample
+    idle_seconds: float | None
+    source: str
+
+
+def parse_samples(body: dict) -> SamplesReport:
+    """``{"gpus": [{"node", "index", "utilization", "memory_used_mib", "memory_total_mib"}],
+    "idle_seconds": 12.5, "source": "nvml"}``: what a server or engine measured."""
+    from .utilization import Sample
+
+    _only(body, ("gpus", "idle_seconds", "source"))
+    gpus = body.get("gpus")
+    if not isinstance(gpus, list) or len(gpus) > MAX_COUNT:
+        raise BadRequest(
+            "'gpus' must be a list of samples, e.g. "
+            '[{"node": "gpu1", "index": 0, "utilization": 87, "memory_used_mib": 1024}].'
+        )
+    samples = []
+    for i, g in enumerate(gpus):
+        if not isinstance(g, dict):
+            raise BadRequest(f"'gpus'[{i}] must be an object.")
+        _only(g, ("node", "index", "utilization", "memory_used_mib", "memory_total_mib"))
+        node = g.get("node")
+        if not isinstance(node, str) or not node or len(node) > 255:
+            raise BadRequest(f"'gpus'[{i}]['node'] must be the GPU's node name.")
+        index = _int(g, "index", lo=0, hi=MAX_COUNT, required=True)
+        util = _number(g, "utilization", lo=0, hi=100)
+        if util is None:
+            raise BadRequest(f"'gpus'[{i}]['utilization'] is required: a percentage from 0 to 100.")
+        used = _int(g, "memory_used_mib", lo=0, hi=2**31) or 0
+        total = _int(g, "memory_total_mib", lo=0, hi=2**31)
+        samples.append(Sample(node, index, util, used, total))
+    source = body.get("source", "")
+    if not isinstance(source, str) or len(source) > 32:
+        raise BadRequest("'source' must be a short name, e.g. \"nvml\".")
+    return SamplesReport(tuple(samples), parse_activity(body), source)
 
 
 @dataclass(frozen=True)

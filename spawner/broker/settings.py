@@ -1,6 +1,6 @@
 """The broker service's own settings: ``c.GpuBroker.*`` (it also reads ``c.GpuHub.*``)."""
 
-from traitlets import Float, Int
+from traitlets import Bool, CaselessStrEnum, Float, Int, Set, Unicode
 from traitlets.config import Configurable
 
 
@@ -48,3 +48,94 @@ class GpuBroker(Configurable):
         ``c.GpuBroker.usage_days = 30``
         """,
     ).tag(config=True)
+
+
+class GpuReclaim(Configurable):
+    """Idle GPU reclaim: the broker warns the owner of an allocation whose GPUs sit idle,
+    then takes it back (``spawner/idle.py`` states the rule exactly)."""
+
+    enabled = Bool(
+        True,
+        help="""Warn about and reclaim idle GPU allocations. ``c.GpuReclaim.enabled = False``""",
+    ).tag(config=True)
+
+    utilization_threshold = Float(
+        5.0,
+        help="""A GPU below this utilization (percent of time a kernel ran, as NVML and
+        nvidia-smi report it) counts as idle. ``c.GpuReclaim.utilization_threshold = 10``
+        """,
+    ).tag(config=True)
+
+    warn_after_seconds = Float(
+        900.0,
+        help="""Idle seconds after which the owner is warned (their page, ``%gpus``, the
+        server's log). ``c.GpuReclaim.warn_after_seconds = 15 * 60``
+        """,
+    ).tag(config=True)
+
+    reclaim_after_seconds = Float(
+        3600.0,
+        help="""Idle seconds after which the allocation is reclaimed: a burst's engines are
+        stopped and its GPUs released; a server is stopped (see ``servers``). The owner always
+        gets at least ``reclaim_after_seconds - warn_after_seconds`` of notice.
+        ``c.GpuReclaim.reclaim_after_seconds = 60 * 60``
+        """,
+    ).tag(config=True)
+
+    servers = CaselessStrEnum(
+        ["stop", "warn"],
+        "stop",
+        help="""What happens to a notebook server whose GPUs stay idle: ``stop`` it (its
+        notebooks stay on disk; the hub's home page tells the user why), or only ``warn``.
+        ``c.GpuReclaim.servers = "warn"``
+        """,
+    ).tag(config=True)
+
+    exempt_users = Set(
+        Unicode(),
+        help="""Users whose allocations are never reclaimed. ``c.GpuReclaim.exempt_users = {"alice"}``""",
+    ).tag(config=True)
+
+    exempt_groups = Set(
+        Unicode(),
+        help="""JupyterHub groups whose members' allocations are never reclaimed.
+        ``c.GpuReclaim.exempt_groups = {"benchmarks"}``
+        """,
+    ).tag(config=True)
+
+    stale_seconds = Float(
+        180.0,
+        help="""An allocation whose GPUs have not reported for this long has unknown use
+        and is never reclaimed; its idle time starts again when reports come back. Keep it a
+        few times ``c.GpuHub.report_seconds``. ``c.GpuReclaim.stale_seconds = 300``
+        """,
+    ).tag(config=True)
+
+    check_seconds = Float(
+        30.0,
+        help="""How often the broker judges every allocation. ``c.GpuReclaim.check_seconds = 60``""",
+    ).tag(config=True)
+
+    history_seconds = Float(
+        3600.0,
+        help="""How much per-GPU utilization history the broker keeps in memory for its
+        pages, in seconds. ``c.GpuReclaim.history_seconds = 7200``
+        """,
+    ).tag(config=True)
+
+    def rules(self):
+        from ..idle import IdleRules
+
+        try:
+            return IdleRules(
+                enabled=self.enabled,
+                threshold=self.utilization_threshold,
+                warn_after=self.warn_after_seconds,
+                reclaim_after=self.reclaim_after_seconds,
+                stale_after=self.stale_seconds,
+                servers=self.servers.lower(),
+                exempt_users=frozenset(self.exempt_users),
+                exempt_groups=frozenset(self.exempt_groups),
+            )
+        except ValueError as e:
+            raise ValueError(f"c.GpuReclaim: {e}") from None

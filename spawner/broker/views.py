@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
+from ..idle import Verdict
 from ..ledger import AllocationInfo, Allowance, GpuStatus, LimitEntry
 from ..policy import Limit
+from ..reclaims import ReclaimInfo
+from .utilization import Reading, Utilization, epoch
 
 
 def iso(t: datetime | None) -> str | None:
@@ -37,7 +40,15 @@ def limit_json(limit: Limit) -> dict[str, Any]:
     return {"max_gpus": limit.max_gpus, "gpu_hours": limit.gpu_hours, "window_hours": limit.window_hours}
 
 
-def me_json(user: str, groups: list[str], allowance: Allowance, allocations: list[AllocationInfo]) -> dict:
+def me_json(
+    user: str,
+    groups: list[str],
+    allowance: Allowance,
+    allocations: list[AllocationInfo],
+    idle: dict[int, dict] | None = None,
+    notices: list[ReclaimInfo] = (),
+) -> dict:
+    idle = idle or {}
     return {
         "user": user,
         "groups": sorted(groups),
@@ -48,7 +59,8 @@ def me_json(user: str, groups: list[str], allowance: Allowance, allocations: lis
         "gpu_hours_used": round(allowance.gpu_hours, 4),
         "free": allowance.free,
         "total": allowance.total,
-        "allocations": [allocation_json(a) for a in allocations],
+        "allocations": [{**allocation_json(a), "idle": idle.get(a.id)} for a in allocations],
+        "reclaimed": [reclaim_json(r) for r in notices],
     }
 
 
@@ -95,4 +107,108 @@ def usage_json(
         "total": {u: round(h, 4) for u, h in sorted(totals.items())},
         "buckets": [iso(t) for t in starts],
         "series": {u: [round(h, 4) for h in hs] for u, hs in sorted(series.items())},
+    }
+
+
+def idle_json(verdict: Verdict | None, now: float) -> dict[str, Any]:
+    """An allocation's idle state: ``unknown`` until the broker has judged it."""
+    if verdict is None:
+        return {"state": "unknown", "idle_seconds": 0, "reclaim_in_seconds": None, "reason": ""}
+    return {
+        "state": verdict.state,
+        "idle_seconds": round(verdict.idle_seconds, 1),
+        "reclaim_in_seconds": None
+        if verdict.reclaim_at is None
+        else round(max(0.0, verdict.reclaim_at - now), 1),
+        "reason": verdict.reason,
+    }
+
+
+def reading_json(r: Reading | None) -> dict[str, Any]:
+    if r is None:
+        return {"utilization": None, "memory_used_mib": None, "memory_total_mib": None, "sampled": None}
+    return {
+        "utilization": round(r.utilization, 1),
+        "memory_used_mib": r.memory_used_mib,
+        "memory_total_mib": r.memory_total_mib,
+        "sampled": iso(datetime.fromtimestamp(r.t, UTC).replace(tzinfo=None)),
+    }
+
+
+def utilization_json(table: list[GpuStatus], util: Utilization, fresh_for: float) -> dict[str, Any]:
+    """The live grid: every GPU with its holder and latest reading; each live allocation
+    with its mean utilization and idle state; each user with theirs."""
+    now = util.clock()
+    gpus, allocations = [], {}
+    for st in table:
+        h = st.holder
+        latest = util.latest(st.gpu.node, st.gpu.index, fresh_for)
+        history = [
+            [round(r.t - now, 1), round(r.utilization, 1)]
+            for r in util.history(st.gpu.node, st.gpu.index)[-60:]
+        ]
+        gpus.append(
+            {
+                "node": st.gpu.node,
+                "index": st.gpu.index,
+                "model": st.gpu.model,
+                "memory_mib": st.gpu.memory_mib,
+                "present": st.present,
+                "holder": None
+                if h is None
+                else {"user": h.user, "allocation_id": h.id, "purpose": h.purpose},
+                **reading_json(latest),
+                "history": history,
+            }
+        )
+        if h is not None:
+            allocations.setdefault(h.id, h)
+    alloc_rows, users = [], {}
+    for a in allocations.values():
+        since = max(epoch(a.started or a.created), now - util.history_seconds)
+        mean = util.mean([(g.node, g.index) for g in a.gpus], since)
+        alloc_rows.append(
+            {
+                "id": a.id,
+                "user": a.user,
+                "purpose": a.purpose,
+                "server_name": a.server_name,
+                "gpus": [g.label for g in a.gpus],
+                "mean_utilization": None if mean is None else round(mean, 1),
+                "idle": idle_json(util.verdicts.get(a.id), now),
+            }
+        )
+        u = users.setdefault(a.user, {"user": a.user, "gpus": 0, "_sum": 0.0, "_n": 0})
+        u["gpus"] += len(a.gpus)
+        if mean is not None:
+            u["_sum"] += mean * len(a.gpus)
+            u["_n"] += len(a.gpus)
+    user_rows = [
+        {
+            "user": u["user"],
+            "gpus": u["gpus"],
+            "mean_utilization": round(u["_sum"] / u["_n"], 1) if u["_n"] else None,
+        }
+        for u in sorted(users.values(), key=lambda u: u["user"])
+    ]
+    return {
+        "gpus": gpus,
+        "allocations": sorted(alloc_rows, key=lambda r: r["id"]),
+        "users": user_rows,
+        "history_seconds": util.history_seconds,
+    }
+
+
+def reclaim_json(r: ReclaimInfo) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "allocation_id": r.allocation_id,
+        "user": r.user,
+        "purpose": r.purpose,
+        "server_name": r.server_name,
+        "gpus": r.gpus,
+        "idle_seconds": round(r.idle_seconds, 1),
+        "gpu_hours": round(r.gpu_hours, 4),
+        "reason": r.reason,
+        "created": iso(r.created),
     }

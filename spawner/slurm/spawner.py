@@ -188,7 +188,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
     # the job ------------------------------------------------------------------------
 
     def gpu_env(self, allocation):
-        env = slurm_gpu_env(allocation)
+        env = {**slurm_gpu_env(allocation), **self.gpuhub.report_env()}
         account = self.req_account or self._accounting().account_for_jobs
         if account:  # %%distributed submits its engines' jobs under the same account
             env["GPUHUB_SLURM_ACCOUNT"] = account

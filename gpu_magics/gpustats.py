@@ -1,0 +1,164 @@
+"""GPU utilization and memory, sampled where the GPU is.
+
+The processes gpuhub already runs next to each GPU (the single-user server, the
+``%%distributed`` engines) sample their own GPUs with one of two sources:
+
+- :class:`NvmlSource`: NVML through ``nvidia-ml-py`` (``pynvml``). A GPU is found by its
+  index on its machine, which is NVML's PCI bus order, the order the spawner gives CUDA.
+- :class:`SimulatedSource`: for machines without GPUs (the demo, the tests). It reads a JSON
+  file that whoever drives it writes, ``{"node:index": {"utilization": 80,
+  "memory_used_mib": 1024}}``; a GPU not in the file is idle. The samples then travel
+  exactly the way NVML's do.
+
+``make_source`` picks one from the variables the spawner sets: ``GPUHUB_GPU_SOURCE``
+(``nvml`` or ``simulated``) and ``GPUHUB_SIMULATED_GPU_STATS`` (the file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    node: str
+    index: int
+    utilization: float  # percent of the last sample period a kernel ran, 0-100
+    memory_used_mib: int
+    memory_total_mib: int | None
+
+    @property
+    def label(self) -> str:
+        return f"{self.node}:{self.index}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used here; the message says why."""
+
+
+def parse_label(label: str) -> tuple[str, int]:
+    """``"gpu1:3"`` to ``("gpu1", 3)``; a node name may itself hold colons."""
+    node, sep, index = label.rpartition(":")
+    if not sep or not node or not index.isdigit():
+        raise ValueError(f"a GPU is named node:index, e.g. gpu1:0; got {label!r}")
+    return node, int(index)
+
+
+def cpus_from_mask(words: Sequence[int], word_bits: int = 64) -> list[int]:
+    """NVML's CPU affinity bitmask (least significant word first) to CPU numbers."""
+    return [w * word_bits + b for w, word in enumerate(words) for b in range(word_bits) if word >> b & 1]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class NvmlSource:
+    """Samples this machine's GPUs through NVML. Raises :class:`NvmlUnavailable` when it
+    cannot start (no driver, no library)."""
+
+    name = "nvml"
+
+    def __init__(self, nvml: Any = None):
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError as e:
+                raise NvmlUnavailable("nvidia-ml-py is not installed: pip install nvidia-ml-py") from e
+        self.nvml = nvml
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as e:
+            raise NvmlUnavailable(
+                f"NVML could not start ({_text(e) or type(e).__name__}): no NVIDIA driver or GPU here"
+            ) from e
+
+    def sample(self, node: str, indices: Iterable[int]) -> list[GpuSample]:
+        out = []
+        for i in indices:
+            h = self.nvml.nvmlDeviceGetHandleByIndex(i)
+            util = self.nvml.nvmlDeviceGetUtilizationRates(h)
+            mem = self.nvml.nvmlDeviceGetMemoryInfo(h)
+            out.append(GpuSample(node, i, float(util.gpu), mem.used // 2**20, mem.total // 2**20))
+        return out
+
+    def cpu_affinity(self, index: int) -> list[int]:
+        """The CPUs nearest GPU ``index`` (NVML's ideal affinity, as dask-cuda uses)."""
+        words = ((os.cpu_count() or 64) + 63) // 64
+        h = self.nvml.nvmlDeviceGetHandleByIndex(index)
+        return cpus_from_mask(self.nvml.nvmlDeviceGetCpuAffinity(h, words))
+
+    def close(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except self.nvml.NVMLError:
+            pass
+
+
+class SimulatedSource:
+    """Samples from a JSON file the tests (or a demo) write; a missing file or GPU is idle."""
+
+    name = "simulated"
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path = Path(path) if path else None
+
+    def _table(self) -> Mapping[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # being rewritten, or not written yet: idle
+        return data if isinstance(data, dict) else {}
+
+    def sample(self, node: str, indices: Iterable[int]) -> list[GpuSample]:
+        table = self._table()
+        out = []
+        for i in indices:
+            row = table.get(f"{node}:{i}") or {}
+            util = float(row.get("utilization", 0))
+            out.append(
+                GpuSample(
+                    node,
+                    i,
+                    min(max(util, 0.0), 100.0),
+                    int(row.get("memory_used_mib", 0)),
+                    row.get("memory_total_mib"),
+                )
+            )
+        return out
+
+    def cpu_affinity(self, index: int) -> list[int]:
+        return []  # no topology to follow
+
+    def close(self) -> None:
+        pass
+
+
+def make_source(environ: Mapping[str, str] | None = None) -> NvmlSource | SimulatedSource:
+    """The source the spawner chose for this server (NVML unless told otherwise)."""
+    env = os.environ if environ is None else environ
+    kind = env.get("GPUHUB_GPU_SOURCE", "nvml")
+    if kind == "simulated":
+        return SimulatedSource(env.get("GPUHUB_SIMULATED_GPU_STATS"))
+    if kind != "nvml":
+        raise ValueError(f"GPUHUB_GPU_SOURCE is nvml or simulated; got {kind!r}")
+    return NvmlSource()
+
+
+def nvml_problem() -> str | None:
+    """None when NVML works here; otherwise why it does not."""
+    try:
+        NvmlSource().close()
+    except NvmlUnavailable as e:
+        return str(e)
+    return None

@@ -1,0 +1,107 @@
+"""The broker's idle check: every ``c.GpuReclaim.check_seconds`` it judges each live GPU
+allocation (``spawner.idle.judge``), warns owners, and reclaims.
+
+Reclaiming a burst releases it in the ledger (its kernel's lease renewal then learns it is
+gone and stops the engines; on Slurm the hub's watcher cancels the engines' job). Reclaiming
+a server records the reclaim and asks the hub to stop the server through its REST API; the
+spawner releases the GPUs as the server stops, so they are never free while it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from tornado.escape import url_escape
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.web import HTTPError
+
+from ..idle import IdleRules, Verdict, judge
+
+log = logging.getLogger("gpuhub.broker")
+
+
+def server_url(api_url: str, user: str, server_name: str) -> str:
+    base = f"{api_url.rstrip('/')}/users/{url_escape(user, plus=False)}"
+    return f"{base}/servers/{url_escape(server_name, plus=False)}" if server_name else f"{base}/server"
+
+
+class Reclaimer:
+    def __init__(self, broker, rules: IdleRules, clock: Callable[[], float] = time.monotonic):
+        self.broker = broker
+        self.rules = rules
+        self.clock = clock
+        self._stopping: dict[int, float] = {}  # allocation id -> when its stop was asked
+
+    async def check(self) -> list[int]:
+        """One pass; returns the ids reclaimed (or whose server was asked to stop)."""
+        broker, util = self.broker, self.broker.utilization
+        live = await broker.run(broker.ledger.active)
+        util.forget({a.id for a in live})
+        now = util.clock()
+        acted = []
+        for a in live:
+            if max(a.gpu_count, len(a.gpus)) == 0:
+                continue
+            groups: list[str] = []
+            if self.rules.exempt_groups:
+                try:
+                    groups = await broker.groups_of(a.user)
+                except HTTPError:
+                    continue  # never guess: the user may be exempt
+            verdict = judge(util.watch(a), self.rules, groups, now)
+            if verdict.state == "warned" and util.verdicts.get(a.id, Verdict("off")).state != "warned":
+                util.warn(a.id)
+                log.warning(
+                    "allocation %s of %s (%s): %s; it will be reclaimed in %.0f s unless used",
+                    a.id,
+                    a.user,
+                    a.purpose,
+                    verdict.reason,
+                    (verdict.reclaim_at or now) - now,
+                )
+                verdict = judge(util.watch(a), self.rules, groups, now)
+            util.verdicts[a.id] = verdict
+            if verdict.state == "reclaim" and await self.reclaim(a, verdict):
+                acted.append(a.id)
+        return acted
+
+    async def reclaim(self, a, verdict: Verdict) -> bool:
+        broker = self.broker
+        record = await broker.run(broker.ledger.record_reclaim, a.id, verdict.idle_seconds, verdict.reason)
+        if record is None:
+            return False  # ended meanwhile
+        if a.purpose != "server":
+            broker.metrics.reclaims.labels(purpose=a.purpose).inc()
+            log.warning("reclaimed burst allocation %s of %s: %s", a.id, a.user, verdict.reason)
+            return True
+        asked = self._stopping.get(a.id)
+        if asked is not None and self.clock() - asked < 60:
+            return False  # its stop is under way
+        if asked is None:
+            broker.metrics.reclaims.labels(purpose=a.purpose).inc()
+        self._stopping[a.id] = self.clock()
+        req = HTTPRequest(
+            server_url(broker.api_url, a.user, a.server_name),
+            method="DELETE",
+            headers={"Authorization": f"token {broker.api_token}"},
+        )
+        try:
+            resp = await AsyncHTTPClient().fetch(req, raise_error=False)
+        except OSError as e:
+            log.error("could not ask the hub to stop %s's server %r: %s", a.user, a.server_name, e)
+            return False
+        if resp.code not in (202, 204):
+            log.error(
+                "the hub refused to stop %s's server %r (%s %s); will retry",
+                a.user,
+                a.server_name,
+                resp.code,
+                resp.body[:200],
+            )
+            return False
+        log.warning(
+            "reclaimed %s's server %r (allocation %s): %s", a.user, a.server_name, a.id, verdict.reason
+        )
+        return True

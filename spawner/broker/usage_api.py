@@ -1,0 +1,105 @@
+"""The broker's GPU-use API (version 1, in ``openapi.yaml``).
+
+- ``POST allocations/{id}/samples``: a server or engine reports its GPUs' utilization and
+  memory (and, from a server, how long ago its kernels were last active). Only the owner's
+  token, only for the allocation's own GPUs. The answer is the allocation's idle verdict,
+  which the server writes to its log.
+- ``GET utilization``: the live grid. Admins see every GPU and every user; a user sees the
+  GPUs they hold.
+- ``GET reclaims``: reclaims with their reasons and the idle GPU-hours they ended, per user
+  and in total (a user sees their own).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from tornado import web
+
+from ..cli import UsageError, parse_when
+from ..ledger import utcnow
+from ..reclaims import totals
+from . import access, schemas, views
+from .handlers import APIHandler
+
+
+class SamplesHandler(APIHandler):
+    async def post(self, allocation_id: str):
+        caller, a = await self.find_allocation(allocation_id)
+        if caller.name != a.user and not access.is_admin(caller):
+            raise web.HTTPError(404, f"No allocation {allocation_id} of yours.")
+        try:
+            body = schemas.parse_json_object(self.request.body, self.broker.settings.max_body_bytes)
+            report = schemas.parse_samples(body)
+        except schemas.BadRequest as e:
+            return self.fail(400, str(e), "bad_request")
+        if not a.active:
+            return self.fail(409, f"Allocation {a.id} was already released ({a.end_reason}).", "released")
+        held = {(g.node, g.index) for g in a.gpus}
+        stray = [f"{s.node}:{s.index}" for s in report.samples if (s.node, s.index) not in held]
+        if stray:
+            return self.fail(
+                400, f"GPU {', '.join(stray)} is not one of allocation {a.id}'s GPUs.", "not_its_gpu"
+            )
+        broker = self.broker
+        rules = broker.reclaim_rules
+        if report.samples:
+            broker.utilization.add_samples(a, report.samples, rules.threshold, rules.stale_after)
+        if report.idle_seconds is not None:
+            broker.utilization.add_activity(a, report.idle_seconds)
+        verdict = broker.utilization.verdicts.get(a.id)
+        self.finish({"allocation_id": a.id, "idle": views.idle_json(verdict, broker.utilization.clock())})
+
+
+class UtilizationHandler(APIHandler):
+    async def get(self):
+        caller = self.require_caller()
+        everyone = access.is_admin(caller)
+        if not everyone and not access.may_manage_own(caller):
+            raise web.HTTPError(403, f"{caller.kind} {caller.name} has no gpuhub allocations scope.")
+        broker = self.broker
+        table = await broker.run(broker.ledger.gpu_table)
+        if not everyone:
+            table = [st for st in table if st.holder is not None and st.holder.user == caller.name]
+        self.finish(views.utilization_json(table, broker.utilization, broker.reclaim_rules.stale_after))
+
+
+class ReclaimsHandler(APIHandler):
+    async def get(self):
+        caller = self.require_caller()
+        who = self.get_argument("user", None)
+        if not access.is_admin(caller):
+            if who not in (None, caller.name):
+                raise web.HTTPError(403, "Only gpuhub admins may see other users' reclaims.")
+            if not access.may_manage_own(caller):
+                raise web.HTTPError(403, f"{caller.kind} {caller.name} has no gpuhub allocations scope.")
+            who = caller.name
+        now = utcnow()
+        try:
+            since = parse_when(self.get_argument("since", f"{self.broker.settings.usage_days}d"), now)
+        except (UsageError, ValueError) as e:
+            return self.fail(400, str(e), "bad_request")
+        if since > now + timedelta(seconds=1):
+            return self.fail(400, "'since' is in the future.", "bad_request")
+        found = await self.broker.run(self.broker.ledger.reclaims, who, since)
+        per_user = totals(found)
+        self.finish(
+            {
+                "since": views.iso(since),
+                "reclaims": [views.reclaim_json(r) for r in found],
+                "users": per_user,
+                "total": {
+                    "reclaims": len(found),
+                    "gpu_hours": round(sum(r.gpu_hours for r in found), 4),
+                },
+            }
+        )
+
+
+def usage_api_handlers(prefix: str) -> list[tuple]:
+    api = f"{prefix}api/v1"
+    return [
+        (rf"{api}/allocations/(\d{{1,18}})/samples", SamplesHandler),
+        (f"{api}/utilization", UtilizationHandler),
+        (f"{api}/reclaims", ReclaimsHandler),
+    ]

@@ -1,0 +1,99 @@
+"""What the broker has heard about GPU use: a short per-GPU history and one
+:class:`spawner.idle.Watch` per live allocation. In memory: a restarted broker starts every
+idle clock again, which can only delay a reclaim, never hasten one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+from ..idle import Verdict, Watch, after_activity, after_samples
+from ..ledger import AllocationInfo
+
+
+@dataclass(frozen=True)
+class Reading:
+    t: float
+    utilization: float
+    memory_used_mib: int
+    memory_total_mib: int | None
+
+
+@dataclass(frozen=True)
+class Sample:
+    node: str
+    index: int
+    utilization: float
+    memory_used_mib: int
+    memory_total_mib: int | None
+
+
+def epoch(t: datetime) -> float:
+    return t.replace(tzinfo=UTC).timestamp()
+
+
+class Utilization:
+    def __init__(self, history_seconds: float = 3600.0, clock: Callable[[], float] = time.time):
+        self.history_seconds = history_seconds
+        self.clock = clock
+        self.gpus: dict[tuple[str, int], deque[Reading]] = {}
+        self.watches: dict[int, Watch] = {}
+        self.verdicts: dict[int, Verdict] = {}
+
+    def watch(self, a: AllocationInfo) -> Watch:
+        w = self.watches.get(a.id)
+        gpus = max(a.gpu_count, len(a.gpus))
+        if w is None or w.gpus != gpus:  # a queued Slurm job's GPUs arrive later
+            started = epoch(a.started or a.created)
+            w = Watch(a.id, a.user, a.purpose, gpus, started) if w is None else replace(w, gpus=gpus)
+            self.watches[a.id] = w
+        return w
+
+    def add_samples(
+        self, a: AllocationInfo, samples: Iterable[Sample], threshold: float, stale_after: float
+    ) -> Watch:
+        now = self.clock()
+        busy = False
+        for s in samples:
+            history = self.gpus.setdefault((s.node, s.index), deque())
+            history.append(Reading(now, s.utilization, s.memory_used_mib, s.memory_total_mib))
+            while history and history[0].t < now - self.history_seconds:
+                history.popleft()
+            busy = busy or s.utilization >= threshold
+        w = after_samples(self.watch(a), busy, now, stale_after)
+        self.watches[a.id] = w
+        return w
+
+    def add_activity(self, a: AllocationInfo, idle_seconds: float) -> Watch:
+        w = after_activity(self.watch(a), idle_seconds, self.clock())
+        self.watches[a.id] = w
+        return w
+
+    def warn(self, allocation_id: int) -> None:
+        w = self.watches.get(allocation_id)
+        if w is not None:
+            self.watches[allocation_id] = replace(w, warned_at=self.clock())
+
+    def latest(self, node: str, index: int, fresh_for: float) -> Reading | None:
+        history = self.gpus.get((node, index))
+        if not history or self.clock() - history[-1].t > fresh_for:
+            return None
+        return history[-1]
+
+    def history(self, node: str, index: int) -> list[Reading]:
+        return list(self.gpus.get((node, index), ()))
+
+    def mean(self, gpus: Iterable[tuple[str, int]], since: float) -> float | None:
+        """Mean utilization of these GPUs' readings since ``since`` (None: no reading)."""
+        values = [r.utilization for key in gpus for r in self.gpus.get(key, ()) if r.t >= since]
+        return sum(values) / len(values) if values else None
+
+    def forget(self, live_ids: set[int]) -> None:
+        """Drop what is known about allocations that ended (their GPUs' history stays)."""
+        for ident in set(self.watches) - live_ids:
+            self.watches.pop(ident, None)
+            self.verdicts.pop(ident, None)

@@ -1,0 +1,131 @@
+"""The ledger's record of idle reclaims (a part of :class:`spawner.ledger.Ledger`).
+
+A reclaim is written once per allocation, in the same transaction that checks the
+allocation is still live. A burst's GPUs are released in that transaction too; a server's
+stay held until its spawner stops it (releasing them earlier would book them twice while
+the server still runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+
+from .idle import gpu_hours
+from .models import ACTIVE_STATES, Allocation, Reclaim
+
+
+@dataclass(frozen=True)
+class ReclaimInfo:
+    id: int
+    allocation_id: int
+    user: str
+    purpose: str
+    server_name: str
+    gpus: int
+    idle_seconds: float
+    gpu_hours: float
+    reason: str
+    created: datetime
+
+
+def _reclaim_info(r: Reclaim) -> ReclaimInfo:
+    return ReclaimInfo(
+        r.id,
+        r.allocation_id,
+        r.user,
+        r.purpose,
+        r.server_name,
+        r.gpus,
+        r.idle_seconds,
+        r.gpu_hours,
+        r.reason,
+        r.created,
+    )
+
+
+class ReclaimRecords:
+    """Methods of the Ledger (it provides ``_tx``, ``_read``, ``_end``, ``clock``)."""
+
+    def record_reclaim(self, allocation_id: int, idle_seconds: float, reason: str) -> ReclaimInfo | None:
+        """Record that a live allocation is reclaimed; release it when it is a burst.
+
+        None when it is no longer live; the existing record when it was recorded before
+        (a server whose stop is still under way)."""
+        with self._tx() as s:
+            old = s.scalar(select(Reclaim).where(Reclaim.allocation_id == allocation_id))
+            a = s.get(Allocation, allocation_id)
+            if old is not None:
+                return _reclaim_info(old)
+            if a is None or a.state not in ACTIVE_STATES:
+                return None
+            gpus = max(a.gpu_count or 0, len(a.gpus))
+            r = Reclaim(
+                allocation_id=a.id,
+                user=a.user,
+                purpose=a.purpose,
+                server_name=a.server_name,
+                gpus=gpus,
+                idle_seconds=float(idle_seconds),
+                gpu_hours=gpu_hours(gpus, idle_seconds),
+                reason=reason[:500],
+                created=self.clock(),
+            )
+            s.add(r)
+            if a.purpose != "server":
+                self._end(a, f"reclaimed: {reason}")
+            s.flush()
+            return _reclaim_info(r)
+
+    def reclaims(self, user: str | None = None, since: datetime | None = None) -> list[ReclaimInfo]:
+        """Reclaims, newest first."""
+        q = select(Reclaim).order_by(Reclaim.created.desc(), Reclaim.id.desc())
+        if user is not None:
+            q = q.where(Reclaim.user == user)
+        if since is not None:
+            q = q.where(Reclaim.created >= since)
+        with self._read() as s:
+            return [_reclaim_info(r) for r in s.scalars(q)]
+
+    def reclaim_notices(self, user: str, days: float = 7.0) -> list[ReclaimInfo]:
+        """The user's servers reclaimed in the last ``days`` and not started again since:
+        what the hub's home page tells them."""
+        since = self.clock() - timedelta(days=days)
+        with self._read() as s:
+            found = list(
+                s.scalars(
+                    select(Reclaim)
+                    .where(Reclaim.user == user, Reclaim.purpose == "server", Reclaim.created >= since)
+                    .order_by(Reclaim.created.desc())
+                )
+            )
+            out, seen = [], set()
+            for r in found:
+                if r.server_name in seen:
+                    continue  # one notice per server: the latest
+                seen.add(r.server_name)
+                newer = s.scalar(
+                    select(Allocation.id).where(
+                        Allocation.user == user,
+                        Allocation.purpose == "server",
+                        Allocation.server_name == r.server_name,
+                        Allocation.id > r.allocation_id,
+                    )
+                )
+                if newer is None:
+                    out.append(_reclaim_info(r))
+            return out
+
+
+def totals(records: list[ReclaimInfo]) -> dict[str, dict[str, float]]:
+    """Per user: how many reclaims and the idle GPU-hours they ended."""
+    out: dict[str, dict[str, float]] = {}
+    for r in records:
+        t = out.setdefault(r.user, {"reclaims": 0, "gpu_hours": 0.0})
+        t["reclaims"] += 1
+        t["gpu_hours"] += r.gpu_hours
+    return {
+        u: {"reclaims": t["reclaims"], "gpu_hours": round(t["gpu_hours"], 4)} for u, t in sorted(out.items())
+    }
