@@ -93,7 +93,7 @@ class Reporter:
         if idle.get("state") == "warned" and self.state != "warned":
             self.say(
                 f"gpuhub: allocation {self.allocation_id}: {idle.get('reason')}; it will be reclaimed in "
-                f"{(idle.get('reclaim_in_seconds') or 0) / 60:.0f} min unless its GPUs are used"
+                f"{idle.get('reclaim_in_seconds') or 0:.0f} s unless its GPUs are used"
             )
         self.state = idle.get("state", "")
         return answer

@@ -85,10 +85,19 @@ def idle_since(w: Watch) -> float:
     return max(t for t in (w.started, w.reporting_since, w.last_busy, w.last_active) if t is not None)
 
 
+def duration(seconds: float) -> str:
+    """``45 s``, ``12 min``, ``2.5 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def describe_idle(rules: IdleRules, gpus: int, seconds: float) -> str:
     return (
         f"its {gpus} GPU{'s' if gpus != 1 else ''} stayed below {rules.threshold:g}% utilization "
-        f"with no kernel activity for {seconds / 60:.0f} min"
+        f"with no kernel activity for {duration(seconds)}"
     )
 
 

@@ -51,7 +51,17 @@ def make_app(broker: Broker) -> web.Application:
     # XSRF: JupyterHub's HubOAuth checks it on every cookie-authenticated write (a write
     # without the token is not authenticated at all); token requests need none. Tornado's
     # own check would run before the token is known, so it stays off.
-    return web.Application(handlers, cookie_secret=secrets.token_bytes(32))
+    return web.Application(handlers, cookie_secret=secrets.token_bytes(32), log_function=log_request)
+
+
+def log_request(handler: web.RequestHandler) -> None:
+    """Tornado's access log, less the GPU reports that succeed (every server sends one each
+    ``c.GpuHub.report_seconds``): those go to the debug level."""
+    status = handler.get_status()
+    quiet = status < 400 and handler.request.path.endswith("/samples")
+    level = logging.DEBUG if quiet else logging.INFO if status < 400 else logging.WARNING
+    ms = 1000.0 * handler.request.request_time()
+    logging.getLogger("tornado.access").log(level, "%d %s %.2fms", status, handler._request_summary(), ms)
 
 
 def load_settings(environ=os.environ) -> tuple[GpuHub, GpuBroker, GpuReclaim]:

@@ -1,0 +1,153 @@
+"""Idle reclaim end to end: a real hub, proxy, broker and single-user servers on simulated
+GPUs. Each server's own reporter (the Jupyter server extension the spawner enables) reads
+the simulated NVML file the test writes and posts to the broker, exactly as it posts NVML
+readings on a GPU machine; the broker judges, warns and reclaims."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import pytest
+
+from spawner.ledger import Ledger
+
+from .hubtools import Hub, wait_for
+
+pytestmark = pytest.mark.hub
+
+POLICY = """
+c.GpuHub.report_seconds = 0.5
+c.GpuHub.simulated_utilization_file = {util_file!r}
+c.GpuReclaim.check_seconds = 0.5
+c.GpuReclaim.warn_after_seconds = 4
+c.GpuReclaim.reclaim_after_seconds = 9
+c.GpuReclaim.stale_seconds = 4
+c.GpuReclaim.exempt_groups = {{"students"}}
+c.GpuHub.user_limits = {{"alice": 2, "dave": 2}}
+"""
+
+
+# the demo's 4 simulated GPUs (on this machine's name)
+ALL_BUSY = {f"{socket.gethostname()}:{i}": 50.0 for i in range(4)}
+
+
+def set_utilization(path, table: dict[str, float]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        json.dumps({k: {"utilization": v, "memory_used_mib": int(v * 100)} for k, v in table.items()})
+    )
+    tmp.replace(path)  # atomic: a reporter never reads half a file
+
+
+def idle_state(hub: Hub, allocation_id: int) -> dict:
+    grid = hub.broker("GET", "utilization", hub.user_token("admin")).json()
+    [row] = [a for a in grid["allocations"] if a["id"] == allocation_id] or [{"idle": {"state": "gone"}}]
+    return row["idle"]
+
+
+@pytest.fixture
+def reclaim_hub(tmp_path):
+    util_file = tmp_path / "utilization.json"
+    set_utilization(util_file, ALL_BUSY)  # nothing idles while the servers start
+    hub = Hub(tmp_path, extra_config=POLICY.format(util_file=str(util_file))).start().wait_for_broker()
+    ledger = Ledger(hub.ledger_url)
+    try:
+        yield hub, ledger, util_file
+    finally:
+        hub.stop()
+        ledger.close()
+
+
+def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(reclaim_hub):
+    hub, ledger, util_file = reclaim_hub
+    for user in ("alice", "dave", "bob"):  # bob is in "students": exempt
+        assert hub.spawn(user, {"gpus": 1}).status_code in (201, 202)
+    for user in ("alice", "dave", "bob"):
+        hub.wait_ready(user)
+    alloc = {user: ledger.active(user=user)[0] for user in ("alice", "dave", "bob")}
+    busy_gpu = alloc["dave"].gpus[0].label
+    set_utilization(util_file, {busy_gpu: 85.0})
+
+    # the broker hears every server, from the server's own reports
+    def reported():
+        grid = hub.broker("GET", "utilization", hub.user_token("admin")).json()
+        by_label = {f"{g['node']}:{g['index']}": g for g in grid["gpus"]}
+        return by_label[busy_gpu]["utilization"] == 85.0 and all(
+            by_label[a.gpus[0].label]["utilization"] is not None for a in alloc.values()
+        )
+
+    wait_for(reported, 30, "the servers' first reports")
+
+    wait_for(lambda: idle_state(hub, alloc["alice"].id)["state"] == "warned", 30, "alice warned")
+    warned = idle_state(hub, alloc["alice"].id)
+    assert 0 < warned["reclaim_in_seconds"] <= 9 and "below 5% utilization" in warned["reason"]
+    # the owner sees the warning on /me (what %gpus and the user page show)
+    me = hub.broker("GET", "me", hub.user_token("alice")).json()
+    assert me["allocations"][0]["idle"]["state"] == "warned"
+    # ... and the server's log says it
+    wait_for(
+        lambda: re.search(
+            rf"allocation {alloc['alice'].id}: .* it will be reclaimed", hub.log_path.read_text()
+        ),
+        10,
+        "log",
+    )
+
+    wait_for(lambda: ledger.get(alloc["alice"].id).state == "released", 40, "alice's server reclaimed")
+    wait_for(lambda: hub.server("alice") is None, 30, "alice's server gone from the hub")
+    assert idle_state(hub, alloc["dave"].id)["state"] == "active"  # busy GPU
+    assert idle_state(hub, alloc["bob"].id)["state"] == "exempt"
+    assert ledger.get(alloc["dave"].id).state == "running" and ledger.get(alloc["bob"].id).state == "running"
+
+    # the reclaim is recorded with its reason and the idle GPU-hours it ended
+    recs = hub.broker("GET", "reclaims", hub.user_token("admin")).json()
+    [rec] = recs["reclaims"]
+    assert (rec["user"], rec["allocation_id"], rec["purpose"], rec["gpus"]) == (
+        "alice",
+        alloc["alice"].id,
+        "server",
+        1,
+    )
+    assert rec["idle_seconds"] >= 9 and rec["gpu_hours"] == pytest.approx(
+        rec["idle_seconds"] / 3600, abs=1e-4
+    )
+    assert recs["users"]["alice"]["reclaims"] == 1 and recs["total"]["reclaims"] == 1
+    # another user sees only their own
+    assert hub.broker("GET", "reclaims", hub.user_token("dave")).json()["reclaims"] == []
+
+    # the hub's home page tells alice why
+    session = hub.login("alice")
+    home = session.get(f"{hub.url}/hub/home").text
+    assert "was stopped by gpuhub" in home and "stayed below 5% utilization" in home
+    assert "was stopped by gpuhub" not in hub.login("dave").get(f"{hub.url}/hub/home").text
+    # Prometheus
+    metrics = hub.broker("GET", "../../metrics", hub.user_token("admin")).text
+    assert re.search(r'gpuhub_gpu_utilization_percent{[^}]*user="dave"[^}]*} 85\.0', metrics)
+    assert re.search(r'gpuhub_reclaimed_gpu_hours{user="alice"} [0-9.]+', metrics)
+    assert 'gpuhub_reclaims_total{purpose="server"} 1.0' in metrics
+
+    # starting again clears the notice
+    assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
+    hub.wait_ready("alice")
+    assert "was stopped by gpuhub" not in session.get(f"{hub.url}/hub/home").text
+    for user in ("alice", "dave", "bob"):
+        hub.stop_server(user)
+
+
+def test_use_resets_the_idle_clock_and_clears_the_warning(reclaim_hub):
+    hub, ledger, util_file = reclaim_hub
+    assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
+    hub.wait_ready("alice")
+    [a] = ledger.active(user="alice")
+    assert idle_state(hub, a.id)["state"] in ("unknown", "active")
+    set_utilization(util_file, {})
+    wait_for(lambda: idle_state(hub, a.id)["state"] == "warned", 30, "alice warned")
+    set_utilization(util_file, {a.gpus[0].label: 50.0})
+    wait_for(lambda: idle_state(hub, a.id)["state"] == "active", 10, "the warning cleared by use")
+    set_utilization(util_file, {})
+    # idle again: warned again from zero, not reclaimed on the old clock
+    wait_for(lambda: idle_state(hub, a.id)["state"] == "warned", 30, "alice warned again")
+    assert ledger.get(a.id).state == "running"
+    hub.stop_server("alice")
