@@ -280,7 +280,10 @@ class DistributedMagics(Magics):
     def _arm_idle_timer(self) -> None:
         if self._idle_timer:
             self._idle_timer.cancel()
-        self._idle_timer = threading.Timer(min(self.idle_seconds, 60), self._check_idle)
+        # as often as the lease is renewed: a burst the hub reclaimed stops soon after
+        self._idle_timer = threading.Timer(
+            min(self.idle_seconds, self.lease_seconds / 3, 60), self._check_idle
+        )
         self._idle_timer.daemon = True
         self._idle_timer.start()
 

@@ -151,3 +151,67 @@ def test_use_resets_the_idle_clock_and_clears_the_warning(reclaim_hub):
     wait_for(lambda: idle_state(hub, a.id)["state"] == "warned", 30, "alice warned again")
     assert ledger.get(a.id).state == "running"
     hub.stop_server("alice")
+
+
+def test_an_idle_burst_pool_is_reclaimed_and_its_engines_stopped(reclaim_hub):
+    """%%distributed on a 0-GPU server takes a burst; its engines report their own GPUs and
+    the kernel its cells' activity. Idle, it is warned, reclaimed, and the engines stop."""
+    import glob
+
+    import psutil
+    from jupyter_client import BlockingKernelClient
+
+    from .test_distributed_hub import run
+
+    hub, ledger, util_file = reclaim_hub
+    assert hub.spawn("alice", {"gpus": 0}).status_code in (201, 202)
+    hub.wait_ready("alice")
+    r = hub.api_url_request("POST", "/user/alice/api/kernels", json={"name": "python3-gpus"})
+    assert r.status_code == 201, r.text
+    [conn] = glob.glob(
+        f"{hub.dir}/home/alice/**/kernel-{r.json()['id']}.json", recursive=True, include_hidden=True
+    )
+    kc = BlockingKernelClient(connection_file=conn)
+    kc.load_connection_file()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        status, out = run(kc, "%config DistributedMagics.lease_seconds = 12")
+        assert status == "ok", out
+        status, out = run(kc, "%%distributed --gpus 2\nimport os\nos.getpid()")
+        assert status == "ok", out
+        [burst] = ledger.active(user="alice")
+        assert burst.purpose == "distributed" and len(burst.gpus) == 2
+        status, out = run(kc, "%distributed status")
+        pids = [int(p) for p in re.findall(r"pid (\d+), ", out)]
+        assert len(pids) == 2, out
+
+        # the engines' own reports reach the broker (busy while the file says so)
+        def engines_reported():
+            grid = hub.broker("GET", "utilization", hub.user_token("admin")).json()
+            mine = [g for g in grid["gpus"] if g["holder"] and g["holder"]["allocation_id"] == burst.id]
+            return len(mine) == 2 and all(g["utilization"] == 50.0 for g in mine)
+
+        wait_for(engines_reported, 30, "the engines' reports")
+        set_utilization(util_file, {})
+        wait_for(lambda: idle_state(hub, burst.id)["state"] == "warned", 30, "the burst warned")
+        me = hub.broker("GET", "me", hub.user_token("alice")).json()
+        assert [a["idle"]["state"] for a in me["allocations"] if a["id"] == burst.id] == ["warned"]
+
+        wait_for(lambda: ledger.get(burst.id).state == "released", 40, "the burst reclaimed")
+        assert ledger.get(burst.id).end_reason.startswith("reclaimed: its 2 GPUs stayed below 5%")
+        # the kernel learns it at its next renewal and stops the engines
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "the engines stopped")
+        [rec] = hub.broker("GET", "reclaims", hub.user_token("alice")).json()["reclaims"]
+        assert (rec["allocation_id"], rec["purpose"], rec["gpus"]) == (burst.id, "distributed", 2)
+
+        # the next cell works on a new burst
+        set_utilization(util_file, ALL_BUSY)
+        status, out = run(kc, "%%distributed --gpus 2\nrank")
+        assert status == "ok", out
+        [again] = ledger.active(user="alice")
+        assert again.id != burst.id and again.purpose == "distributed"
+        run(kc, "%distributed shutdown")
+    finally:
+        kc.stop_channels()
+        hub.stop_server("alice")
