@@ -66,6 +66,10 @@ class BrokerClient:
     def get(self, allocation_id: int) -> dict:
         return self._call("GET", f"allocations/{allocation_id}")
 
+    def utilization(self) -> dict:
+        """The latest readings of the caller's GPUs (every GPU for an admin)."""
+        return self._call("GET", "utilization")
+
     def report(self, allocation_id: int, body: dict) -> dict:
         """GPU samples (and activity) of an allocation; the answer holds its idle state."""
         return self._call("POST", f"allocations/{allocation_id}/samples", body)

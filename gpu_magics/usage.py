@@ -1,0 +1,37 @@
+"""What ``%gpus`` says about the use of the user's GPUs: the latest reading of each and
+any idle warning, from the broker's ``me`` and ``utilization`` answers (pure)."""
+
+from __future__ import annotations
+
+
+def _minutes(seconds: float | None) -> str:
+    s = seconds or 0
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min"
+
+
+def describe_use(me: dict, grid: dict) -> str:
+    lines = []
+    readings = {(g["node"], g["index"]): g for g in grid.get("gpus", [])}
+    for a in me.get("allocations", []):
+        what = "server" if a["purpose"] == "server" else "burst"
+        for g in a.get("gpus", []):
+            r = readings.get((g["node"], g["index"]), {})
+            if r.get("utilization") is None:
+                use = "no recent report"
+            else:
+                total = f"/{r['memory_total_mib']}" if r.get("memory_total_mib") else ""
+                use = f"{r['utilization']:.0f}% busy, {r['memory_used_mib']}{total} MiB"
+            lines.append(f"  {g['node']}:{g['index']:<4} {use:<34} allocation #{a['id']} ({what})")
+        idle = a.get("idle") or {}
+        if idle.get("state") == "warned":
+            when = idle.get("reclaim_in_seconds")
+            tail = (
+                f"it will be reclaimed in {_minutes(when)} unless its GPUs are used."
+                if when is not None
+                else "its owner is warned only (servers are not stopped here)."
+            )
+            lines.append(f"  WARNING: allocation #{a['id']}: {idle.get('reason')}; {tail}")
+    for r in me.get("reclaimed", []):
+        name = f" {r['server_name']!r}" if r.get("server_name") else ""
+        lines.append(f"  Your server{name} was reclaimed at {r['created']}: {r['reason']}.")
+    return "\n".join(["GPU use (latest reports):", *lines]) if lines else ""
