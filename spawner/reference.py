@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 
-from .broker.settings import GpuBroker
+from .broker.settings import GpuBroker, GpuReclaim
 from .mixin import GpuSpawnerMixin
 from .settings import GpuHub
 from .slurm.accounting import SlurmAccounting
@@ -23,6 +23,12 @@ SECTIONS = (
         GpuBroker,
         "GpuBroker",
         "The broker service (enabled by `enable_broker(c)`, which passes these to the service).",
+    ),
+    (
+        GpuReclaim,
+        "GpuReclaim",
+        "Idle GPU reclaim, judged by the broker from what servers and engines report "
+        "(see docs/reclaim.md; passed to the service by `enable_broker(c)`).",
     ),
     (
         GpuSlurmSpawner,
