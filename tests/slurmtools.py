@@ -74,6 +74,10 @@ def cancel_all_jobs() -> None:
     wait_for(none_left, 60, "every Slurm job to end", interval=0.5)
 
 
+# GPU use on the test cluster's fake GPUs: the servers on the Slurm nodes read this file
+# (world-readable: they run as the test users) and report it, as they would NVML
+UTIL_FILE = Path("/var/tmp/gpuhub-slurm-test-utilization.json")
+
 SLURM_HUB_CONFIG = f"""
 c.JupyterHub.spawner_class = "gpu-slurm"
 c.GpuHub.inventory = "slurm"
@@ -84,6 +88,9 @@ c.GpuSlurmSpawner.batchspawner_singleuser_cmd = "{VENV_BIN / "batchspawner-singl
 c.SlurmWatcher.min_interval = 0.5
 c.SlurmWatcher.max_interval = 2
 c.Spawner.start_timeout = 120
+c.GpuHub.utilization_source = "simulated"
+c.GpuHub.simulated_utilization_file = "{UTIL_FILE}"
+c.GpuHub.report_seconds = 1
 """
 
 

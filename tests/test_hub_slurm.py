@@ -22,7 +22,7 @@ from spawner.policy import Limit
 
 from . import slurmtools
 from .hubtools import wait_for, xsrf_from
-from .slurmtools import job_state, slurm
+from .slurmtools import UTIL_FILE, job_state, slurm
 
 pytestmark = pytest.mark.hub
 STATE = Path(os.environ.get("GPUHUB_SLURM_DIR", "/var/tmp/gpuhub-slurm"))
@@ -254,6 +254,22 @@ def test_the_form_offers_partitions_and_a_partition_is_honoured(hub, ledger, cle
     [alloc] = ledger.active(user="bob")
     assert {g.node for g in alloc.gpus} == {"gpu-node1"}
     assert slurm("squeue", "-h", "-j", alloc.backend_job_id, "-o", "%P").stdout.strip() == "interactive"
+
+    # the server reports its GPUs' use from its Slurm node, as the job's user
+    first, second = (g.label for g in alloc.gpus)
+    UTIL_FILE.write_text(json.dumps({first: {"utilization": 64, "memory_used_mib": 2048}}))
+    UTIL_FILE.chmod(0o644)
+
+    def reported():
+        grid = {
+            f"{g['node']}:{g['index']}": g
+            for g in hub.broker("GET", "utilization", hub.user_token("admin")).json()["gpus"]
+        }
+        return grid[first]["utilization"] == 64.0 and grid[second]["utilization"] == 0.0
+
+    wait_for(reported, 30, "bob's Slurm server to report its GPUs")
+    [row] = hub.broker("GET", "utilization", hub.user_token("admin")).json()["users"]
+    assert (row["user"], row["gpus"]) == ("bob", 2) and 0 < row["mean_utilization"] <= 32
 
 
 def test_the_port_callback_takes_only_a_port_from_the_servers_own_token(hub, ledger, clean):
