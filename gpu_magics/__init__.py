@@ -3,10 +3,12 @@
 - ``%%distributed --gpus N``: run the cell on one warm engine per GPU, torch.distributed ready.
 - ``%distributed shutdown`` / ``status``: stop the engines (releasing burst GPUs) / show them.
 - ``%gpus``: what this session holds: the server's GPUs, the engines and the burst lease.
+- ``%dask_cuda --gpus N`` / ``--cpu``: a Dask cluster, one worker per GPU (``daskmagic.py``).
 """
 
 from IPython.core.magic import Magics, line_magic, magics_class
 
+from .daskmagic import DaskMagics
 from .magics import DistributedMagics, register
 from .session import describe, server_gpus
 
@@ -32,3 +34,4 @@ class GpuMagics(Magics):
 def load_ipython_extension(ipython) -> None:
     distributed = register(ipython)
     ipython.register_magics(GpuMagics(ipython, distributed))
+    ipython.register_magics(DaskMagics(shell=ipython))

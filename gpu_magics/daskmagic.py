@@ -1,0 +1,283 @@
+"""``%dask_cuda``: a Dask cluster with one worker per GPU of this session, from one line.
+
+    %dask_cuda --gpus N [--name client]             # dask_cuda.LocalCUDACluster, one worker per GPU
+    %dask_cuda --cpu [--workers N] [--name client]  # distributed.LocalCluster, no GPUs (N default 2)
+    %dask_cuda status | shutdown
+
+GPUs: the server's own when it holds N (``--gpus`` defaults to all of them), else a burst of the
+gpuhub broker on one node, renewed while the cluster lives and released by ``shutdown``, at
+kernel exit, or (closing the cluster) when the hub reports it lost. dask-cuda pins each worker to
+the CPUs nearest its GPU (NVML's affinity) by default, and that stays on. Checked before any GPU
+is taken: NVML works, dask-cuda imports, and no burst on Slurm (it would be another node). One
+cluster at a time; ``--cpu`` with ``--gpus`` is refused. The Client goes in the user namespace
+under ``--name`` and leaves it at shutdown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import keyword
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from traitlets import Float
+
+from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
+from .gpustats import nvml_problem
+from .ranks import Slot, choose_slots
+from .session import server_gpus
+
+USAGE = (
+    "usage: %dask_cuda --gpus N [--name client] | %dask_cuda --cpu [--workers N] [--name client] "
+    "| %dask_cuda status | %dask_cuda shutdown"
+)
+CPU_HINT = "To try Dask without GPUs: %dask_cuda --cpu --workers N."
+INSTALL = "pip install 'jupyterhub-gpuhub[dask-cuda]'"
+
+
+@dataclass(frozen=True)
+class DaskRequest:
+    kind: str  # "gpu" (LocalCUDACluster) or "cpu" (LocalCluster)
+    workers: int
+    name: str
+
+
+@dataclass(frozen=True)
+class DaskPlan:
+    slots: tuple[Slot, ...]  # the server's own GPUs to use; empty: a burst is needed
+    devices: str  # CUDA_VISIBLE_DEVICES for LocalCUDACluster ("" until a burst is granted)
+
+
+def parse_request(gpus: int | None, cpu: bool, workers: int | None, name: str, own_gpus: int) -> DaskRequest:
+    """The start form's options checked; ``own_gpus`` is what ``--gpus`` defaults to."""
+    if cpu and gpus is not None:
+        raise UsageError(f"--cpu starts workers without GPUs: size it with --workers N, not --gpus\n{USAGE}")
+    if not cpu and workers is not None:
+        raise UsageError(
+            f"--workers goes with --cpu; with GPUs there is one worker per GPU: --gpus N\n{USAGE}"
+        )
+    if cpu:
+        n, option = (2 if workers is None else workers), "--workers"
+    elif gpus is None and not own_gpus:
+        raise UsageError(
+            f"this server holds no GPUs: say how many, %dask_cuda --gpus N (or --cpu: no GPUs)\n{USAGE}"
+        )
+    else:
+        n, option = (own_gpus if gpus is None else gpus), "--gpus"
+    if n < 1:
+        raise UsageError(f"{option} must be 1 or more; got {n}\n{USAGE}")
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise UsageError(f"--name must be a Python variable name, e.g. client; got {name!r}\n{USAGE}")
+    return DaskRequest("cpu" if cpu else "gpu", n, name)
+
+
+def make_devices(slots: Sequence[Slot], own: Sequence[Slot], cuda_visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for ``slots``: the server's own entries at those GPUs' positions when
+    it has one per GPU (Slurm may renumber them), else the node's indices (PCI bus order)."""
+    entries = [e.strip() for e in (cuda_visible or "").split(",") if e.strip()]
+    if own and len(entries) == len(own):
+        return ",".join(entries[list(own).index(s)] for s in slots)
+    return ",".join(str(s.index) for s in slots)
+
+
+def plan_dask(own_gpus: Sequence[str], n: int, on_slurm: bool, cuda_visible: str | None = None) -> DaskPlan:
+    """The server's own GPUs when it holds ``n`` on one node; else a burst (refused on Slurm)."""
+    mine = choose_slots(own_gpus, n)
+    if mine and len({s.node for s in mine}) == 1:
+        own = [Slot.parse(g) for g in own_gpus if g]
+        return DaskPlan(tuple(mine), make_devices(mine, own, cuda_visible))
+    if on_slurm:
+        held = len([g for g in own_gpus if g])
+        raise UsageError(
+            f"%dask_cuda --gpus {n}: this server holds {held} GPUs, and on Slurm more would come as a "
+            "job on another node, which a Dask cluster started here cannot reach. Start the server "
+            f"with {n} GPUs, or use %%distributed --gpus {n} (it runs engines on other nodes)."
+        )
+    return DaskPlan((), "")
+
+
+def load_local_cuda_cluster():
+    """``dask_cuda.LocalCUDACluster``, or a UsageError saying what to do; takes no GPU."""
+    reason = nvml_problem()
+    if reason:
+        raise UsageError(
+            f"%dask_cuda needs an NVIDIA GPU: no NVIDIA GPU or driver can be used here ({reason}). {CPU_HINT}"
+        )
+    try:
+        from dask_cuda import LocalCUDACluster
+    except Exception as e:  # without CUDA's libraries the import fails in odd ways, not only ImportError
+        raise UsageError(
+            f"%dask_cuda needs dask-cuda, which cannot be imported here ({type(e).__name__}: {e}). "
+            f"Install it into this kernel's environment: {INSTALL} (dask-cuda with its CUDA "
+            f"extra, dask-cuda[cu12]). {CPU_HINT}"
+        ) from None
+    return LocalCUDACluster
+
+
+@magics_class
+class DaskMagics(Magics):
+    lease_seconds = Float(
+        300.0,
+        help="Lease asked for burst GPUs, renewed every third of it. %config DaskMagics.lease_seconds = 120",
+    ).tag(config=True)
+
+    def __init__(self, shell=None, **kw):
+        super().__init__(shell=shell, **kw)
+        self.cluster = self.client = None
+        self.kind, self.name, self.labels = "", "", ()
+        self.burst: dict | None = None
+        self.lease: LeaseKeeper | None = None
+        self.broker: BrokerClient | None = None
+        self.lock = threading.RLock()
+        self._unwatch = threading.Event()
+        atexit.register(self.shutdown)  # kernel exit: no orphaned workers, burst GPUs back
+
+    def _acquire_burst(self, n: int, held: int) -> list[Slot]:
+        client = BrokerClient.from_env()
+        if client is None:
+            raise UsageError(
+                f"%dask_cuda --gpus {n} needs {n} GPUs; this server holds {held} and no gpuhub broker is "
+                f"configured (GPUHUB_BROKER_URL). Ask for at most {held}, or start the server with more."
+            )
+        try:
+            alloc = client.request(n, 1, None, self.lease_seconds)  # the workers run here: one node
+        except BrokerError as e:
+            raise UsageError(f"gpuhub refused {n} GPUs for %dask_cuda: {e.message}") from None
+        self.broker, self.burst = client, alloc
+        self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print)
+        self._unwatch = threading.Event()
+        threading.Thread(target=self._watch_lease, args=(self.lease, self._unwatch), daemon=True).start()
+        return [Slot(g["node"], g["index"]) for g in alloc["gpus"]]
+
+    def _watch_lease(self, lease: LeaseKeeper, stop: threading.Event) -> None:
+        while not stop.wait(min(5.0, self.lease_seconds / 3)):
+            if lease.lost and self.lease is lease:
+                why = getattr(lease, "reason", "")  # the broker's end reason, where it says one
+                print(
+                    f"gpuhub: the hub released the burst GPUs of %dask_cuda{f' ({why})' if why else ''}; "
+                    "closing the Dask cluster."
+                )
+                self.shutdown()
+                return
+
+    def _release_burst(self) -> None:
+        self._unwatch.set()
+        if self.lease:
+            self.lease.stop()
+        if self.burst and self.broker:
+            try:
+                self.broker.release(self.burst["id"])
+            except BrokerError as e:
+                print(f"gpuhub: could not release allocation {self.burst['id']}: {e}")
+        self.burst = self.lease = self.broker = None
+
+    def start(self, req: DaskRequest) -> None:
+        with self.lock:
+            if self.cluster is not None:
+                raise UsageError(
+                    f"a Dask cluster is already running ({self.kind}, {len(self.labels) or 'no'} GPUs); "
+                    "run %dask_cuda shutdown first"
+                )
+            from distributed import Client, LocalCluster
+
+            if req.kind == "cpu":
+                make, labels = LocalCluster, ()
+                options = {"threads_per_worker": 1, "processes": True}
+            else:
+                own = server_gpus()
+                on_slurm = os.environ.get("GPUHUB_BACKEND") == "slurm"
+                plan = plan_dask(own.gpus, req.workers, on_slurm, own.cuda_visible_devices)
+                make = load_local_cuda_cluster()  # checked before any GPU is taken
+                slots = plan.slots or tuple(self._acquire_burst(req.workers, len(own.gpus)))
+                labels = tuple(s.label for s in slots)
+                options = {"CUDA_VISIBLE_DEVICES": plan.devices or make_devices(slots, (), None)}
+            cluster = None
+            try:
+                cluster = make(n_workers=req.workers, dashboard_address=":0", **options)
+                client = Client(cluster)
+            except BaseException:
+                if cluster is not None:
+                    cluster.close()
+                self._release_burst()  # nothing may keep GPUs that no worker uses
+                raise
+            self.cluster, self.client = cluster, client
+            self.kind = "LocalCluster (CPU only)" if req.kind == "cpu" else "dask-cuda LocalCUDACluster"
+            self.name, self.labels = req.name, labels
+            self.shell.user_ns[req.name] = client
+        where = "worker" + "s" * (req.workers > 1)
+        where = f"{where} on GPUs {', '.join(labels)}" if labels else f"CPU {where} (no GPUs)"
+        if self.burst:
+            where += f" (burst allocation #{self.burst['id']})"
+        print(
+            f"Dask cluster up: {req.workers} {where}; dashboard {client.dashboard_link or 'none'}; "
+            f"the Client is `{req.name}`."
+        )
+
+    def shutdown(self) -> bool:
+        """Close the client and the cluster, release a burst; True if anything was running."""
+        with self.lock:
+            had = self.cluster is not None or self.burst is not None
+            client, cluster, self.client, self.cluster = self.client, self.cluster, None, None
+            for part in (client, cluster):
+                try:
+                    if part is not None:
+                        part.close()
+                except Exception as e:  # at kernel exit distributed may have closed them first
+                    print(f"gpuhub: closing the Dask {type(part).__name__}: {e!r}")
+            if client is not None and self.shell is not None and self.shell.user_ns.get(self.name) is client:
+                del self.shell.user_ns[self.name]
+            self._release_burst()
+            self.kind, self.labels = "", ()
+            return had
+
+    def describe(self) -> str:
+        with self.lock:
+            if self.cluster is None:
+                return "%dask_cuda: no cluster (start one: %dask_cuda --gpus N, or --cpu --workers N)"
+            pids = self.client.run(os.getpid)
+            lines = [
+                f"{self.kind}: {len(pids)} workers (pids {', '.join(str(p) for p in pids.values())})",
+                f"GPUs: {', '.join(self.labels) or 'none'}",
+                f"dashboard: {self.client.dashboard_link or 'none'}",
+                f"client: {self.name}",
+            ]
+            if self.burst:
+                lost = " (lost: the hub released it)" if self.lease and self.lease.lost else ""
+                expires = self.lease.expires if self.lease else self.burst.get("lease_expires")
+                lines.append(f"burst allocation #{self.burst['id']}: lease until {expires}{lost}")
+            return "\n".join(lines)
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("command", nargs="?", choices=["shutdown", "status"])
+    @magic_arguments.argument("--gpus", type=int, help="workers, one per GPU (default: the server's GPUs)")
+    @magic_arguments.argument("--cpu", action="store_true", help="a cluster without GPUs")
+    @magic_arguments.argument("--workers", type=int, help="with --cpu: how many workers (default 2)")
+    @magic_arguments.argument("--name", default="client", help="the Client's variable (default: client)")
+    @line_magic
+    def dask_cuda(self, line: str = ""):
+        """Start a Dask cluster with one worker per GPU (CPU affinity set by dask-cuda), or --cpu."""
+        try:
+            args = magic_arguments.parse_argstring(self.dask_cuda, line)
+        except UsageError as e:
+            raise UsageError(f"{e}\n{USAGE}") from None
+        if args.command:
+            if args.gpus is not None or args.cpu or args.workers is not None or args.name != "client":
+                raise UsageError(f"%dask_cuda {args.command} takes no options\n{USAGE}")
+            if args.command == "status":
+                print(self.describe())
+            else:
+                burst = self.burst is not None
+                stopped = self.shutdown()
+                print(
+                    ("gpuhub: Dask cluster closed" + (" and burst GPUs released." if burst else "."))
+                    if stopped
+                    else "gpuhub: no Dask cluster to close."
+                )
+            return
+        own = len(server_gpus().gpus)
+        self.start(parse_request(args.gpus, args.cpu, args.workers, args.name, own))
