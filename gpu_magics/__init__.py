@@ -2,15 +2,18 @@
 
 - ``%%distributed --gpus N``: run the cell on one warm engine per GPU, torch.distributed ready.
 - ``%distributed shutdown`` / ``status``: stop the engines (releasing burst GPUs) / show them.
-- ``%gpus``: what this session holds: the server's GPUs, the engines and the burst lease.
+- ``%gpus``: what this session holds: the server's GPUs, the engines and the burst lease, how
+  busy each of the user's GPUs is, and any idle warning (``docs/reclaim.md``).
 - ``%dask_cuda --gpus N`` / ``--cpu``: a Dask cluster, one worker per GPU (``daskmagic.py``).
 """
 
 from IPython.core.magic import Magics, line_magic, magics_class
 
+from .brokerclient import BrokerClient, BrokerError
 from .daskmagic import DaskMagics
 from .magics import DistributedMagics, register
 from .session import describe, server_gpus
+from .usage import describe_use
 
 __all__ = ["load_ipython_extension", "server_gpus"]
 
@@ -29,6 +32,15 @@ class GpuMagics(Magics):
         if d.pool is not None or d.burst is not None:
             print()
             print(d.describe().split("\n", 1)[1])
+        client = BrokerClient.from_env()
+        if client is not None:  # how busy the user's GPUs are, and any idle warning
+            try:
+                use = describe_use(client.me(), client.utilization())
+            except BrokerError as e:
+                use = f"(GPU use unknown: {e.message})"
+            if use:
+                print()
+                print(use)
 
 
 def load_ipython_extension(ipython) -> None:

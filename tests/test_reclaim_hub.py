@@ -22,7 +22,7 @@ c.GpuHub.report_seconds = 0.5
 c.GpuHub.simulated_utilization_file = {util_file!r}
 c.GpuReclaim.check_seconds = 0.5
 c.GpuReclaim.warn_after_seconds = 4
-c.GpuReclaim.reclaim_after_seconds = 9
+c.GpuReclaim.reclaim_after_seconds = 12
 c.GpuReclaim.stale_seconds = 4
 c.GpuReclaim.exempt_groups = {{"students"}}
 c.GpuHub.user_limits = {{"alice": 2, "dave": 2}}
@@ -82,7 +82,7 @@ def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(rec
 
     wait_for(lambda: idle_state(hub, alloc["alice"].id)["state"] == "warned", 30, "alice warned")
     warned = idle_state(hub, alloc["alice"].id)
-    assert 0 < warned["reclaim_in_seconds"] <= 9 and "below 5% utilization" in warned["reason"]
+    assert 0 < warned["reclaim_in_seconds"] <= 12 and "below 5% utilization" in warned["reason"]
     # the owner sees the warning on /me (what %gpus and the user page show)
     me = hub.broker("GET", "me", hub.user_token("alice")).json()
     assert me["allocations"][0]["idle"]["state"] == "warned"
@@ -110,7 +110,7 @@ def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(rec
         "server",
         1,
     )
-    assert rec["idle_seconds"] >= 9 and rec["gpu_hours"] == pytest.approx(
+    assert rec["idle_seconds"] >= 12 and rec["gpu_hours"] == pytest.approx(
         rec["idle_seconds"] / 3600, abs=1e-4
     )
     assert recs["users"]["alice"]["reclaims"] == 1 and recs["total"]["reclaims"] == 1
@@ -197,6 +197,11 @@ def test_an_idle_burst_pool_is_reclaimed_and_its_engines_stopped(reclaim_hub):
         wait_for(lambda: idle_state(hub, burst.id)["state"] == "warned", 30, "the burst warned")
         me = hub.broker("GET", "me", hub.user_token("alice")).json()
         assert [a["idle"]["state"] for a in me["allocations"] if a["id"] == burst.id] == ["warned"]
+        status, out = run(kc, "%gpus")  # the notebook shows the warning too
+        assert f"WARNING: allocation #{burst.id}: its 2 GPUs stayed below 5%" in out, out
+        assert re.search(
+            rf"{re.escape(burst.gpus[0].label)} +0% busy, 0 MiB +allocation #{burst.id} \(burst\)", out
+        ), out
 
         wait_for(lambda: ledger.get(burst.id).state == "released", 40, "the burst reclaimed")
         assert ledger.get(burst.id).end_reason.startswith("reclaimed: its 2 GPUs stayed below 5%")
