@@ -1,6 +1,7 @@
-// gpuhub pages: release buttons, the in-place limit editor, and the usage plot.
+// gpuhub pages: release buttons, the in-place limit editor, the usage plot, the admin's
+// live GPU grid and reclaims, and a user's own GPU use and idle warnings.
 // Everything goes through the broker's REST API with JupyterHub's XSRF token.
-// The plot is a small SVG line chart drawn here: no chart library from a CDN.
+// The plot and the sparklines are small SVG drawn here: no chart library from a CDN.
 "use strict";
 
 const API = document.querySelector('meta[name="gpuhub-api"]').content;
@@ -140,3 +141,275 @@ async function loadUsage() {
 }
 
 loadUsage();
+
+// ---- live GPU use: the admin's grid and a user's own GPUs, polled from the API ----
+// Every value from the API goes in with textContent (or as an SVG attribute number):
+// user names, purposes and reasons are never parsed as HTML.
+
+function el(tag, attrs = {}, text) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== undefined && text !== null) e.textContent = String(text);
+  return e;
+}
+
+function duration(seconds) {
+  // as the broker's own messages (spawner.idle.duration): "45 s", "12 min", "2.5 h"
+  if (seconds < 120) return `${Math.round(seconds)} s`;
+  if (seconds < 7200) return `${Math.round(seconds / 60)} min`;
+  return `${(seconds / 3600).toFixed(1)} h`;
+}
+
+function pct(v) {
+  return v === null || v === undefined ? "–" : String(Math.round(v));
+}
+
+function utcTime(iso) {
+  return iso ? `${iso.replace("T", " ").replace("Z", "")} UTC` : "";
+}
+
+function allocationWhat(a) {
+  return `${a.purpose}${a.server_name ? " " + a.server_name : ""} #${a.allocation_id ?? a.id}`;
+}
+
+function idleBadge(idle) {
+  // [bootstrap class, text, title] for an allocation's idle state; null when nothing to say
+  if (!idle) return null;
+  switch (idle.state) {
+    case "warned":
+      return idle.reclaim_in_seconds === null
+        ? ["text-bg-warning", `idle ${duration(idle.idle_seconds)}`, idle.reason]
+        : ["text-bg-warning", `reclaim in ${duration(idle.reclaim_in_seconds)}`, idle.reason];
+    case "reclaim":
+      return ["text-bg-danger", "reclaiming", idle.reason];
+    case "exempt":
+      return ["text-bg-info", "exempt", "never reclaimed: an exempt user or group"];
+    case "unknown":
+      return ["text-bg-secondary", "unknown", "no fresh utilization reports: not judged idle"];
+    default:
+      return null;
+  }
+}
+
+function badgeEl(idle) {
+  const b = idleBadge(idle);
+  if (!b) return null;
+  const span = el("span", { class: `badge gpu-idle ${b[0]}`, "data-idle-state": idle.state }, b[1]);
+  if (b[2]) span.title = b[2];
+  return span;
+}
+
+function sparkline(history) {
+  // utilization (0-100 %) over the readings the broker keeps, newest at the right
+  const W = 120, H = 24;
+  const root = svg("svg", { class: "gpu-spark", viewBox: `0 0 ${W} ${H}`, width: W, height: H,
+    role: "img", "aria-label": "utilization history" });
+  svg("line", { x1: 0, y1: H - 0.5, x2: W, y2: H - 0.5, stroke: "#ccc", "stroke-width": 1 }, root);
+  if (history.length) {
+    const span = Math.max(1, -Math.min(...history.map((p) => p[0])));
+    const x = (t) => W * (1 + t / span);
+    const y = (v) => H - 1 - (Math.min(100, Math.max(0, v)) / 100) * (H - 2);
+    const d = history.map(([t, v], i) => `${i ? "L" : "M"}${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
+    svg("path", { class: "spark-line", d, fill: "none", stroke: "#0d6efd", "stroke-width": 1.5 }, root);
+  }
+  return root;
+}
+
+function utilBar(value, warn) {
+  const bar = el("div", { class: "progress gpu-bar", role: "progressbar", "aria-valuemin": 0,
+    "aria-valuemax": 100, "aria-valuenow": value ?? 0 });
+  bar.style.height = "6px";
+  const fill = el("div", { class: `progress-bar ${warn ? "bg-warning" : ""}` });
+  fill.style.width = `${Math.min(100, Math.max(0, value ?? 0))}%`;
+  bar.append(fill);
+  return bar;
+}
+
+function memoryText(g) {
+  if (g.memory_used_mib === null) return "no reading";
+  const total = g.memory_total_mib ?? g.memory_mib;
+  return `${g.memory_used_mib} / ${total ?? "?"} MiB`;
+}
+
+function gpuCell(g, idle) {
+  const label = `${g.node}:${g.index}`;
+  const state = !g.present ? "absent" : g.holder ? "held" : "free";
+  const cell = el("div", { class: "card gpu-cell", "data-gpu": label, "data-state": state });
+  const body = el("div", { class: "card-body p-2" });
+  const head = el("div", { class: "d-flex justify-content-between align-items-start gap-1" });
+  head.append(el("strong", { class: "gpu-label" }, label));
+  const badge = badgeEl(idle);
+  if (badge) head.append(badge);
+  body.append(head, el("div", { class: "gpu-model small text-muted" }, g.present ? g.model : `${g.model} (gone)`));
+  const holder = el("div", { class: "gpu-holder small" });
+  if (g.holder) {
+    holder.append(
+      el("span", { class: "gpu-holder-user fw-semibold" }, g.holder.user), " ",
+      el("span", { class: "gpu-holder-allocation" }, `#${g.holder.allocation_id}`), " ",
+      el("span", { class: "gpu-holder-purpose text-muted" }, g.holder.purpose),
+    );
+  } else {
+    holder.append(el("span", { class: "gpu-holder-free text-success" }, "free"));
+  }
+  const util = el("div", { class: "gpu-util" });
+  util.append(el("span", { class: "gpu-util-value fs-5" }, pct(g.utilization)), "%");
+  body.append(holder, util, utilBar(g.utilization, idle && idle.state === "warned"),
+    el("div", { class: "gpu-mem small" }, memoryText(g)), sparkline(g.history));
+  cell.append(body);
+  return cell;
+}
+
+function drawGrid(container, util) {
+  const idle = new Map(util.allocations.map((a) => [a.id, a.idle]));
+  const nodes = new Map();
+  for (const g of util.gpus) {
+    if (!nodes.has(g.node)) nodes.set(g.node, []);
+    nodes.get(g.node).push(g);
+  }
+  const sections = [...nodes.entries()].map(([node, gpus]) => {
+    const section = el("section", { class: "gpu-node mb-3", "data-node": node });
+    const free = gpus.filter((g) => g.present && !g.holder).length;
+    const title = el("h3", { class: "h6" }, node);
+    title.append(" ", el("small", { class: "text-muted" }, `${free} of ${gpus.length} free`));
+    const cells = el("div", { class: "d-flex flex-wrap gap-2" });
+    cells.append(...gpus.map((g) => gpuCell(g, g.holder ? idle.get(g.holder.allocation_id) : null)));
+    section.append(title, cells);
+    return section;
+  });
+  if (!sections.length) sections.push(el("p", { class: "text-muted" }, "No GPUs."));
+  container.replaceChildren(...sections);
+  const free = document.querySelector('[data-gpuhub="free"]');
+  if (free) free.textContent = String(util.gpus.filter((g) => g.present && !g.holder).length);
+}
+
+function row(cells, attrs = {}) {
+  const tr = el("tr", attrs);
+  for (const c of cells) {
+    const td = el("td");
+    td.append(c instanceof Node ? c : String(c)); // a string is appended as text
+    tr.append(td);
+  }
+  return tr;
+}
+
+function emptyRow(columns, text) {
+  const tr = el("tr");
+  tr.append(el("td", { colspan: columns, class: "text-muted" }, text));
+  return tr;
+}
+
+function fillUserUtilization(util) {
+  const body = document.querySelector("#user-utilization tbody");
+  if (!body) return;
+  const rows = util.users.map((u) => row(
+    [u.user, u.gpus, u.mean_utilization === null ? "–" : `${pct(u.mean_utilization)} %`],
+    { "data-user": u.user }));
+  body.replaceChildren(...(rows.length ? rows : [emptyRow(3, "Nobody holds a GPU.")]));
+}
+
+function fillReclaims(rec) {
+  const body = document.querySelector("#reclaims tbody");
+  if (!body) return;
+  const rows = rec.reclaims.map((r) => row(
+    [utcTime(r.created), r.user, allocationWhat(r), r.gpus, duration(r.idle_seconds), fmt(r.gpu_hours), r.reason],
+    { "data-reclaim": r.id, "data-user": r.user }));
+  body.replaceChildren(...(rows.length ? rows : [emptyRow(7, "No reclaims in this period.")]));
+  const users = document.querySelector("#reclaim-users tbody");
+  const userRows = Object.entries(rec.users).map(([u, t]) => row([u, t.reclaims, fmt(t.gpu_hours)], { "data-user": u }));
+  users.replaceChildren(...(userRows.length ? userRows : [emptyRow(3, "None.")]));
+  const total = document.getElementById("reclaim-total");
+  total.replaceChildren(el("th", {}, "Total"), el("th", {}, rec.total.reclaims), el("th", {}, fmt(rec.total.gpu_hours)));
+}
+
+function livePoll(container, update) {
+  // update() now and then every data-poll-seconds (default 3); the status line says when
+  const ms = 1000 * Number(container.dataset.pollSeconds || 3);
+  const status = document.querySelector("[data-live-status]");
+  const tick = async () => {
+    try {
+      await update();
+      if (status) {
+        status.textContent = `updated ${new Date().toLocaleTimeString()}`;
+        status.classList.remove("text-danger");
+      }
+    } catch (err) {
+      if (status) {
+        status.textContent = `update failed: ${err.message}`;
+        status.classList.add("text-danger");
+      }
+    }
+    setTimeout(tick, ms);
+  };
+  tick();
+}
+
+function startAdminGrid(grid) {
+  livePoll(grid, async () => {
+    const [util, rec] = await Promise.all([
+      api("GET", "utilization"),
+      api("GET", `reclaims?since=${grid.dataset.reclaimDays || 7}d`),
+    ]);
+    drawGrid(grid, util);
+    fillUserUtilization(util);
+    fillReclaims(rec);
+  });
+}
+
+function idleWarning(a) {
+  const idle = a.idle;
+  if (!idle || (idle.state !== "warned" && idle.state !== "reclaim")) return null;
+  const box = el("div", { class: "alert alert-warning", role: "alert", "data-idle-warning": a.id });
+  let text = `Your GPUs have been idle for ${duration(idle.idle_seconds)}; allocation ${a.id} `;
+  if (idle.state === "reclaim") text += "is being reclaimed now.";
+  else if (idle.reclaim_in_seconds === null) text += "is not reclaimed automatically, but please stop it if you no longer need its GPUs.";
+  else text += `will be reclaimed in ${duration(idle.reclaim_in_seconds)} unless used.`;
+  box.append(el("strong", {}, text));
+  if (idle.reason) box.append(el("div", { class: "small" }, `${allocationWhat(a)}: ${idle.reason}.`));
+  return box;
+}
+
+function reclaimNotice(r) {
+  const which = r.server_name ? `Your server ${r.server_name}` : "Your server";
+  return el("div", { class: "alert alert-info", role: "status", "data-reclaim": r.id },
+    `${which} was stopped by gpuhub at ${utcTime(r.created)} because ${r.reason}. ` +
+    "Your notebooks and files are saved; start the server again when you need GPUs.");
+}
+
+function fillMyUse(me, util) {
+  const live = new Map(me.allocations.map((a) => [a.id, a]));
+  for (const td of document.querySelectorAll("[data-allocation-use]")) {
+    const id = Number(td.dataset.allocationUse);
+    const a = live.get(id);
+    if (!a) {
+      td.replaceChildren(el("span", { class: "text-muted" }, "ended (reload the page)"));
+      continue;
+    }
+    const gpus = util.gpus.filter((g) => g.holder && g.holder.allocation_id === id);
+    const parts = gpus.map((g) => {
+      const line = el("div", { class: "gpu-use", "data-gpu": `${g.node}:${g.index}` });
+      line.append(el("span", { class: "gpu-label" }, `${g.node}:${g.index}`), " ",
+        el("span", { class: "gpu-util-value fw-semibold" }, pct(g.utilization)), "% · ",
+        el("span", { class: "gpu-mem" }, memoryText(g)));
+      line.append(utilBar(g.utilization, a.idle && a.idle.state === "warned"));
+      return line;
+    });
+    const badge = badgeEl(a.idle);
+    if (badge) parts.push(badge);
+    td.replaceChildren(...(parts.length ? parts : [el("span", { class: "text-muted" }, "–")]));
+  }
+  const warnings = document.getElementById("idle-warnings");
+  warnings.replaceChildren(...me.allocations.map(idleWarning).filter(Boolean));
+  document.getElementById("reclaim-notices").replaceChildren(...me.reclaimed.map(reclaimNotice));
+}
+
+function startUserLive(container) {
+  livePoll(container, async () => {
+    const [me, util] = await Promise.all([api("GET", "me"), api("GET", "utilization")]);
+    fillMyUse(me, util);
+  });
+}
+
+const liveGrid = document.getElementById("gpu-grid");
+if (liveGrid) startAdminGrid(liveGrid);
+const myUse = document.getElementById("my-gpu-live");
+if (myUse) startUserLive(myUse);
