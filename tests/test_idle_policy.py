@@ -207,7 +207,11 @@ def test_a_sample_report():
 @pytest.fixture
 def ledger(tmp_path):
     clock = [datetime(2026, 11, 29, 12, 0)]
-    led = Ledger(f"sqlite:///{tmp_path}/ledger.sqlite", config_rules=LimitRules(default=Limit(None)), clock=lambda: clock[0])
+    led = Ledger(
+        f"sqlite:///{tmp_path}/ledger.sqlite",
+        config_rules=LimitRules(default=Limit(None)),
+        clock=lambda: clock[0],
+    )
     led.sync_inventory([Gpu("n1", i, "A100") for i in range(4)])
     led.tick = lambda minutes: clock.__setitem__(0, clock[0] + timedelta(minutes=minutes))
     yield led
