@@ -80,10 +80,15 @@ class Reporter:
         try:
             answer = self.client.report(self.allocation_id, body)
         except BrokerError as e:
-            if e.status in (404, 409):  # released (or reclaimed): nothing to report on any more
+            if e.status == 409:  # released: nothing to report on any more
                 self.stopped = True
                 self.say(
                     f"gpuhub: allocation {self.allocation_id} is released; GPU reports stop: {e.message}"
+                )
+            elif e.status == 404:
+                self._once(
+                    "gpuhub: the broker does not let this server's token see allocation "
+                    f"{self.allocation_id} (check c.Spawner.server_token_scopes); GPU use is not reported"
                 )
             else:
                 self._once(f"gpuhub: could not report GPU use to the broker: {e.message}")
@@ -91,9 +96,14 @@ class Reporter:
         self._failing = False
         idle = answer.get("idle") or {}
         if idle.get("state") == "warned" and self.state != "warned":
+            when = idle.get("reclaim_in_seconds")
             self.say(
-                f"gpuhub: allocation {self.allocation_id}: {idle.get('reason')}; it will be reclaimed in "
-                f"{idle.get('reclaim_in_seconds') or 0:.0f} s unless its GPUs are used"
+                f"gpuhub: allocation {self.allocation_id}: {idle.get('reason')}; "
+                + (
+                    "stop the server to give its GPUs back"
+                    if when is None
+                    else f"it will be reclaimed in {when:.0f} s unless its GPUs are used"
+                )
             )
         self.state = idle.get("state", "")
         return answer

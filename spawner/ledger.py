@@ -548,7 +548,7 @@ class Ledger(ReclaimRecords):
             a = s.get(Allocation, allocation_id)
             if a is None or a.state not in ACTIVE_STATES:
                 return False
-            self._end(a, reason)
+            self._end(a, self._reclaim_reason(s, a.id) or reason)
             return True
 
     def _end(self, a: Allocation, reason: str, when: datetime | None = None) -> None:
@@ -567,6 +567,8 @@ class Ledger(ReclaimRecords):
                 raise LookupError(f"allocation {allocation_id} is not active")
             if a.lease_expires is None:
                 raise ValueError(f"allocation {allocation_id} has no lease to renew")
+            if self._reclaim_reason(s, a.id):  # reclaimed: its kernel must stop the engines
+                raise LookupError(f"allocation {allocation_id} was reclaimed")
             a.lease_expires = self.clock() + timedelta(seconds=lease_seconds)
             return _info(a)
 
@@ -579,7 +581,7 @@ class Ledger(ReclaimRecords):
         )
         for a in expired:
             # usage counts up to the end of the lease, not up to when someone noticed
-            self._end(a, "lease expired", when=a.lease_expires)
+            self._end(a, self._reclaim_reason(s, a.id) or "lease expired", when=a.lease_expires)
         return [a.id for a in expired]
 
     def expire_leases(self) -> list[int]:

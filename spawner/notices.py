@@ -7,6 +7,7 @@ home page shows what it returns above the server buttons.
 
 from __future__ import annotations
 
+import time
 from html import escape
 
 from .reclaims import ReclaimInfo
@@ -28,9 +29,11 @@ def render_notices(notices: list[ReclaimInfo]) -> str:
 class ReclaimNotice:
     """A template variable: the user's reclaim notices, then any announcement the admin set."""
 
-    def __init__(self, config, fallback=None):
+    def __init__(self, config, fallback=None, cache_seconds: float = 10.0):
         self.config = config
         self.fallback = fallback
+        self.cache_seconds = cache_seconds
+        self._cache: dict[str, tuple[float, str]] = {}  # JupyterHub calls this for every page
 
     def __call__(self, user) -> str | None:
         base = self.fallback(user) if callable(self.fallback) else self.fallback
@@ -38,11 +41,16 @@ class ReclaimNotice:
             return base
         from .settings import GpuHub
 
-        try:
-            notices = GpuHub(config=self.config).open_ledger(sync=False).reclaim_notices(user.name)
-        except Exception:  # the home page must render even when the ledger cannot be read
-            return base
-        text = render_notices(notices)
+        cached = self._cache.get(user.name)
+        if cached and time.monotonic() - cached[0] < self.cache_seconds:
+            text = cached[1]
+        else:
+            try:
+                notices = GpuHub(config=self.config).open_ledger(sync=False).reclaim_notices(user.name)
+            except Exception:  # the home page must render even when the ledger cannot be read
+                return base
+            text = render_notices(notices)
+            self._cache[user.name] = (time.monotonic(), text)
         if not text:
             return base
         return text + (base if isinstance(base, str) else "")

@@ -1,9 +1,10 @@
 """The ledger's record of idle reclaims (a part of :class:`spawner.ledger.Ledger`).
 
 A reclaim is written once per allocation, in the same transaction that checks the
-allocation is still live. A burst's GPUs are released in that transaction too; a server's
-stay held until its spawner stops it (releasing them earlier would book them twice while
-the server still runs).
+allocation is still live. Its GPUs stay held until whatever uses them has stopped
+(releasing them earlier would book them twice): a server's until its spawner stops it; a
+burst's until its kernel, refused its next lease renewal, stops the engines and releases
+it, or until its lease runs out. Either way the allocation ends with the reclaim's reason.
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ class ReclaimRecords:
                 created=self.clock(),
             )
             s.add(r)
-            if a.purpose != "server":
-                self._end(a, f"reclaimed: {reason}")
             s.flush()
             return _reclaim_info(r)
+
+    def _reclaim_reason(self, s, allocation_id: int) -> str | None:
+        reason = s.scalar(select(Reclaim.reason).where(Reclaim.allocation_id == allocation_id))
+        return None if reason is None else f"reclaimed: {reason}"
 
     def reclaims(self, user: str | None = None, since: datetime | None = None) -> list[ReclaimInfo]:
         """Reclaims, newest first."""
@@ -97,7 +100,10 @@ class ReclaimRecords:
             found = list(
                 s.scalars(
                     select(Reclaim)
+                    .join(Allocation, Allocation.id == Reclaim.allocation_id)
+                    # only servers really stopped: a stop the hub refused is no news
                     .where(Reclaim.user == user, Reclaim.purpose == "server", Reclaim.created >= since)
+                    .where(Allocation.state == "released")
                     .order_by(Reclaim.created.desc())
                 )
             )

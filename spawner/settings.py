@@ -56,6 +56,7 @@ def parse_limit(value: Any, where: str) -> Limit:
 
 
 _LEDGERS: dict[str, Ledger] = {}
+_SYNCED: set[str] = set()
 
 
 class GpuHub(Configurable):
@@ -205,7 +206,8 @@ class GpuHub(Configurable):
         ledger = _LEDGERS.get(self.db_url)
         if ledger is None:
             ledger = Ledger(self.db_url, config_rules=self.limit_rules())
-            if sync:
-                ledger.sync_inventory(self.read_inventory(), nodes=self.local_nodes())
             _LEDGERS[self.db_url] = ledger
+        if sync and self.db_url not in _SYNCED:  # opened unsynced first (a page): sync now
+            ledger.sync_inventory(self.read_inventory(), nodes=self.local_nodes())
+            _SYNCED.add(self.db_url)
         return ledger

@@ -226,15 +226,24 @@ def test_a_reclaim_is_recorded_once_and_releases_a_burst_not_a_server(ledger):
     assert ledger.get(server.id).state != "released"  # its spawner releases it as it stops
     assert ledger.record_reclaim(server.id, 7200, "again") == r  # once
     b = ledger.record_reclaim(burst.id, 1800, "idle burst")
-    assert ledger.get(burst.id).state == "released"
-    assert ledger.get(burst.id).end_reason == "reclaimed: idle burst"
     assert b.gpu_hours == 0.5
+    # the burst keeps its GPUs until its kernel stops the engines: its renewal is refused
+    assert ledger.get(burst.id).state == "running"
+    with pytest.raises(LookupError, match="reclaimed"):
+        ledger.renew(burst.id, 300)
+    assert ledger.release(burst.id, "released through the API by owner")
+    assert ledger.get(burst.id).end_reason == "reclaimed: idle burst"
+    unrenewed = ledger.allocate("alice", [], 1, purpose="distributed", lease_seconds=60)
+    ledger.record_reclaim(unrenewed.id, 60, "idle, kernel gone")
+    ledger.tick(2)
+    ledger.expire_leases()  # or its lease runs out
+    assert ledger.get(unrenewed.id).end_reason == "reclaimed: idle, kernel gone"
     assert ledger.record_reclaim(burst.id + 100, 1, "x") is None
     ledger.release(server.id, "server stopped")
     late = ledger.allocate("bob", [], 1, purpose="distributed", lease_seconds=300)
     ledger.release(late.id)
     assert ledger.record_reclaim(late.id, 10, "too late") is None  # released meanwhile: nothing
-    assert [x.allocation_id for x in ledger.reclaims()] == [burst.id, server.id]
+    assert [x.allocation_id for x in ledger.reclaims()] == [unrenewed.id, burst.id, server.id]
     assert [x.allocation_id for x in ledger.reclaims(user="bob")] == []
 
 

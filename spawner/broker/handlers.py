@@ -15,7 +15,7 @@ from typing import Any
 from jupyterhub.services.auth import HubOAuthenticated, UserNotAllowed
 from tornado import web
 from tornado.escape import url_escape
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from ..idle import IdleRules
 from . import access
@@ -54,7 +54,7 @@ class Broker:
         try:
             resp = await AsyncHTTPClient().fetch(req, raise_error=False)
             groups = json.loads(resp.body)["groups"] if resp.code == 200 else None
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, HTTPClientError):
             groups = None
         if groups is None:
             # never guess: a missing group could hide a stricter limit; nothing is cached

@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ..idle import STATES
 from ..ledger import Ledger
 from ..reclaims import totals
+from .utilization import epoch
 
 
 class LedgerCollector:
@@ -78,8 +79,11 @@ class UtilizationCollector:
             labels=["node", "index", "model", "user"],
         )
         for st in b.ledger.gpu_table():
-            r = b.utilization.latest(st.gpu.node, st.gpu.index, b.reclaim_rules.stale_after)
-            if r is None or st.holder is None:
+            if st.holder is None:
+                continue
+            since = epoch(st.holder.started or st.holder.created)
+            r = b.utilization.latest(st.gpu.node, st.gpu.index, b.reclaim_rules.stale_after, since)
+            if r is None:
                 continue
             labels = [st.gpu.node, str(st.gpu.index), st.gpu.model, st.holder.user]
             util.add_metric(labels, r.utilization)
@@ -89,7 +93,7 @@ class UtilizationCollector:
         idle = GaugeMetricFamily(
             "gpuhub_idle_allocations", "Live GPU allocations by idle state", labels=["state"]
         )
-        states = [v.state for v in b.utilization.verdicts.values()]
+        states = [v.state for v in list(b.utilization.verdicts.values())]
         for state in STATES:
             idle.add_metric([state], states.count(state))
         yield idle

@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable
 
 from tornado.escape import url_escape
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.web import HTTPError
 
 from ..idle import IdleRules, Verdict, judge
+from .utilization import epoch
 
 log = logging.getLogger("gpuhub.broker")
 
@@ -42,30 +43,46 @@ class Reclaimer:
         now = util.clock()
         acted = []
         for a in live:
-            if max(a.gpu_count, len(a.gpus)) == 0:
-                continue
-            groups: list[str] = []
-            if self.rules.exempt_groups:
-                try:
-                    groups = await broker.groups_of(a.user)
-                except HTTPError:
-                    continue  # never guess: the user may be exempt
-            verdict = judge(util.watch(a), self.rules, groups, now)
-            if verdict.state == "warned" and util.verdicts.get(a.id, Verdict("off")).state != "warned":
-                util.warn(a.id)
-                log.warning(
-                    "allocation %s of %s (%s): %s; it will be reclaimed in %.0f s unless used",
-                    a.id,
-                    a.user,
-                    a.purpose,
-                    verdict.reason,
-                    (verdict.reclaim_at or now) - now,
-                )
-                verdict = judge(util.watch(a), self.rules, groups, now)
-            util.verdicts[a.id] = verdict
-            if verdict.state == "reclaim" and await self.reclaim(a, verdict):
-                acted.append(a.id)
+            try:
+                if await self._judge(a, now):
+                    acted.append(a.id)
+            except Exception:  # one allocation's trouble must not skip the others
+                log.exception("the idle check of allocation %s failed", a.id)
         return acted
+
+    async def _judge(self, a, now: float) -> bool:
+        broker, util = self.broker, self.broker.utilization
+        if max(a.gpu_count, len(a.gpus)) == 0:
+            return False
+        groups: list[str] = []
+        if self.rules.exempt_groups:
+            try:
+                groups = await broker.groups_of(a.user)
+            except HTTPError:
+                return False  # never guess: the user may be exempt
+        started = epoch(a.started or a.created)
+        unseen = [
+            g for g in a.gpus if util.latest(g.node, g.index, self.rules.stale_after, since=started) is None
+        ]
+        if unseen or not a.gpus:  # a GPU whose use cannot be seen is not taken
+            util.verdicts[a.id] = Verdict("unknown")
+            return False
+        verdict = judge(util.watch(a), self.rules, groups, now)
+        if verdict.state == "warned" and util.verdicts.get(a.id, Verdict("off")).state != "warned":
+            util.warn(a.id)
+            verdict = judge(util.watch(a), self.rules, groups, now)
+            log.warning(
+                "allocation %s of %s (%s): %s; %s",
+                a.id,
+                a.user,
+                a.purpose,
+                verdict.reason,
+                "only warned (c.GpuReclaim.servers = 'warn')"
+                if verdict.reclaim_at is None
+                else f"it will be reclaimed in {verdict.reclaim_at - now:.0f} s unless used",
+            )
+        util.verdicts[a.id] = verdict
+        return verdict.state == "reclaim" and await self.reclaim(a, verdict)
 
     async def reclaim(self, a, verdict: Verdict) -> bool:
         broker = self.broker
@@ -73,8 +90,11 @@ class Reclaimer:
         if record is None:
             return False  # ended meanwhile
         if a.purpose != "server":
-            broker.metrics.reclaims.labels(purpose=a.purpose).inc()
-            log.warning("reclaimed burst allocation %s of %s: %s", a.id, a.user, verdict.reason)
+            # its renewals are refused from now on: the kernel stops the engines and releases it
+            if a.id not in self._stopping:
+                self._stopping[a.id] = self.clock()
+                broker.metrics.reclaims.labels(purpose=a.purpose).inc()
+                log.warning("reclaimed burst allocation %s of %s: %s", a.id, a.user, verdict.reason)
             return True
         asked = self._stopping.get(a.id)
         if asked is not None and self.clock() - asked < 60:
@@ -86,10 +106,11 @@ class Reclaimer:
             server_url(broker.api_url, a.user, a.server_name),
             method="DELETE",
             headers={"Authorization": f"token {broker.api_token}"},
+            request_timeout=60,
         )
         try:
             resp = await AsyncHTTPClient().fetch(req, raise_error=False)
-        except OSError as e:
+        except (OSError, HTTPClientError) as e:
             log.error("could not ask the hub to stop %s's server %r: %s", a.user, a.server_name, e)
             return False
         if resp.code not in (202, 204):

@@ -78,14 +78,15 @@ class Utilization:
         if w is not None:
             self.watches[allocation_id] = replace(w, warned_at=self.clock())
 
-    def latest(self, node: str, index: int, fresh_for: float) -> Reading | None:
+    def latest(self, node: str, index: int, fresh_for: float, since: float = 0.0) -> Reading | None:
+        """The last reading if fresh, and taken ``since`` (a holder's start: never the last holder's)."""
         history = self.gpus.get((node, index))
-        if not history or self.clock() - history[-1].t > fresh_for:
+        if not history or self.clock() - history[-1].t > fresh_for or history[-1].t < since:
             return None
         return history[-1]
 
-    def history(self, node: str, index: int) -> list[Reading]:
-        return list(self.gpus.get((node, index), ()))
+    def history(self, node: str, index: int, since: float = 0.0) -> list[Reading]:
+        return [r for r in self.gpus.get((node, index), ()) if r.t >= since]
 
     def mean(self, gpus: Iterable[tuple[str, int]], since: float) -> float | None:
         """Mean utilization of these GPUs' readings since ``since`` (None: no reading)."""

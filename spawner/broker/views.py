@@ -142,10 +142,11 @@ def utilization_json(table: list[GpuStatus], util: Utilization, fresh_for: float
     gpus, allocations = [], {}
     for st in table:
         h = st.holder
-        latest = util.latest(st.gpu.node, st.gpu.index, fresh_for)
+        since = epoch(h.started or h.created) if h else 0.0  # a holder sees only their own time
+        latest = util.latest(st.gpu.node, st.gpu.index, fresh_for, since)
         history = [
             [round(r.t - now, 1), round(r.utilization, 1)]
-            for r in util.history(st.gpu.node, st.gpu.index)[-60:]
+            for r in util.history(st.gpu.node, st.gpu.index, since)[-60:]
         ]
         gpus.append(
             {
