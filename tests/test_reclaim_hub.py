@@ -131,7 +131,9 @@ def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(rec
     # starting again clears the notice
     assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
     hub.wait_ready("alice")
-    assert "was stopped by gpuhub" not in session.get(f"{hub.url}/hub/home").text
+    wait_for(  # the notice is cached for 10 s per user
+        lambda: "was stopped by gpuhub" not in session.get(f"{hub.url}/hub/home").text, 20, "the notice gone"
+    )
     for user in ("alice", "dave", "bob"):
         hub.stop_server(user)
 
