@@ -81,10 +81,31 @@ class NvmlSource:
                 f"NVML could not start ({_text(e) or type(e).__name__}): no NVIDIA driver or GPU here"
             ) from e
 
+    def handle(self, index: int):
+        """The device gpuhub calls ``index`` on this machine: the one whose minor number
+        (``/dev/nvidiaN``, what Slurm's gres.conf lists) is ``index``, else NVML's own index
+        ``index``. Inside a Slurm job or a container NVML may number only the visible GPUs
+        from 0; the minor number stays the machine's."""
+        nvml = self.nvml
+        for i in range(nvml.nvmlDeviceGetCount()):
+            try:
+                h = nvml.nvmlDeviceGetHandleByIndex(i)
+                if nvml.nvmlDeviceGetMinorNumber(h) == index:
+                    return h
+            except nvml.NVMLError:
+                continue  # a device this process may not open
+        try:
+            return nvml.nvmlDeviceGetHandleByIndex(index)
+        except nvml.NVMLError as e:
+            raise NvmlUnavailable(
+                f"GPU {index} is not visible to NVML here ({_text(e)}); NVML sees "
+                f"{nvml.nvmlDeviceGetCount()} GPU(s)"
+            ) from e
+
     def sample(self, node: str, indices: Iterable[int]) -> list[GpuSample]:
         out = []
         for i in indices:
-            h = self.nvml.nvmlDeviceGetHandleByIndex(i)
+            h = self.handle(i)
             util = self.nvml.nvmlDeviceGetUtilizationRates(h)
             mem = self.nvml.nvmlDeviceGetMemoryInfo(h)
             out.append(GpuSample(node, i, float(util.gpu), mem.used // 2**20, mem.total // 2**20))
@@ -93,7 +114,7 @@ class NvmlSource:
     def cpu_affinity(self, index: int) -> list[int]:
         """The CPUs nearest GPU ``index`` (NVML's ideal affinity, as dask-cuda uses)."""
         words = ((os.cpu_count() or 64) + 63) // 64
-        h = self.nvml.nvmlDeviceGetHandleByIndex(index)
+        h = self.handle(index)
         return cpus_from_mask(self.nvml.nvmlDeviceGetCpuAffinity(h, words))
 
     def close(self) -> None:

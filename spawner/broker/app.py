@@ -73,6 +73,12 @@ async def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)1.1s %(asctime)s gpuhub-broker] %(message)s")
     hub_settings, settings, reclaim = load_settings()
     rules = reclaim.rules()  # a bad policy stops the service with the reason in its log
+    if rules.enabled and hub_settings.report_seconds * 2 > rules.stale_after:
+        raise ValueError(
+            f"c.GpuReclaim.stale_seconds ({rules.stale_after:g}) must be at least twice "
+            f"c.GpuHub.report_seconds ({hub_settings.report_seconds:g}), or every report would "
+            "look like the first after a gap and nothing would ever count as idle"
+        )
     ledger = hub_settings.open_ledger()  # syncs the inventory too, like the hub
     broker = Broker(
         ledger,

@@ -1,0 +1,171 @@
+"""The broker's idle pass (spawner/broker/reclaimer.py) against a real ledger, with the
+hub's REST API and the clock replaced: which allocations it warns, reclaims, or leaves
+alone, and that one allocation's trouble does not stop the pass. And NVML device lookup by
+minor number, with a fake NVML (the real one is checked by benchmarks/gpu_check.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from gpu_magics.gpustats import NvmlSource
+from spawner.broker.metrics import Metrics
+from spawner.broker.reclaimer import Reclaimer, server_url
+from spawner.broker.utilization import Sample, Utilization, epoch
+from spawner.idle import IdleRules
+from spawner.ledger import Ledger
+from spawner.policy import Gpu, Limit, LimitRules
+
+RULES = IdleRules(threshold=5, warn_after=60, reclaim_after=120, stale_after=30)
+
+
+class FakeBroker:
+    def __init__(self, ledger, clock):
+        self.ledger = ledger
+        self.utilization = Utilization(clock=clock)
+        self.metrics = Metrics(ledger)
+        self.api_url = "http://hub.invalid/hub/api"
+        self.api_token = "t"
+        self.groups = {}
+
+    async def run(self, fn, *args, **kw):
+        return fn(*args, **kw)
+
+    async def groups_of(self, user):
+        return self.groups.get(user, [])
+
+
+@pytest.fixture
+def setup(tmp_path):
+    ledger = Ledger(f"sqlite:///{tmp_path}/l.sqlite", config_rules=LimitRules(default=Limit(None)))
+    ledger.sync_inventory([Gpu("n1", i, "A100") for i in range(4)])
+    now = [0.0]
+    broker = FakeBroker(ledger, lambda: now[0])
+    yield ledger, broker, now
+    ledger.close()
+
+
+def report(broker, a, util, now, t):
+    now[0] = t
+    samples = [Sample(g.node, g.index, util, 0, None) for g in a.gpus]
+    broker.utilization.add_samples(a, samples, RULES.threshold, RULES.stale_after)
+
+
+def test_a_burst_is_warned_then_reclaimed_and_keeps_its_gpus_until_released(setup):
+    ledger, broker, now = setup
+    a = ledger.allocate("alice", [], 2, purpose="distributed", lease_seconds=600)
+    t0 = epoch(a.started or a.created)
+    r = Reclaimer(broker, RULES)
+    for dt in range(0, 200, 10):
+        report(broker, a, 0.0, now, t0 + dt)
+        acted = asyncio.run(r.check())
+        state = broker.utilization.verdicts[a.id].state
+        if dt < 60:
+            assert state == "active" and acted == []
+        elif dt < 120:
+            assert state == "warned" and acted == []
+        else:
+            assert state == "reclaim" and acted == [a.id]
+            break
+    [rec] = ledger.reclaims()
+    assert rec.allocation_id == a.id and rec.idle_seconds == 120
+    assert ledger.get(a.id).state == "running"  # held until the kernel stops the engines
+    asyncio.run(r.check())  # a second pass: recorded once, counted once
+    assert len(ledger.reclaims()) == 1
+    assert broker.metrics.reclaims.labels(purpose="distributed")._value.get() == 1
+
+
+def test_a_gpu_that_never_reported_makes_the_allocation_unknown(setup):
+    ledger, broker, now = setup
+    a = ledger.allocate("alice", [], 2, purpose="distributed", lease_seconds=600)
+    t0 = epoch(a.started or a.created)
+    only_one = types.SimpleNamespace(**{**a.__dict__, "gpus": a.gpus[:1]})
+    r = Reclaimer(broker, RULES)
+    for dt in range(0, 400, 10):  # one engine reports, the other never does
+        report(broker, only_one, 0.0, now, t0 + dt)
+        assert asyncio.run(r.check()) == []
+    assert broker.utilization.verdicts[a.id].state == "unknown"
+    assert ledger.reclaims() == []
+
+
+def test_the_last_holders_readings_do_not_count_for_the_next(setup):
+    ledger, broker, now = setup
+    old = ledger.allocate("bob", [], 1, purpose="distributed", lease_seconds=600)
+    report(broker, old, 90.0, now, epoch(old.created) - 1)
+    ledger.release(old.id)
+    new = ledger.allocate("alice", [], 1, purpose="distributed", lease_seconds=600)
+    assert new.gpus == old.gpus
+    now[0] = epoch(new.created) + 1
+    assert broker.utilization.latest("n1", new.gpus[0].index, 30, since=epoch(new.created)) is None
+    asyncio.run(Reclaimer(broker, RULES).check())
+    assert broker.utilization.verdicts[new.id].state == "unknown"
+
+
+def test_one_allocations_failure_does_not_end_the_pass(setup, monkeypatch):
+    ledger, broker, now = setup
+    bad = ledger.allocate("alice", [], 1, purpose="distributed", lease_seconds=600)
+    good = ledger.allocate("dave", [], 1, purpose="distributed", lease_seconds=600)
+    t0 = epoch(good.created)
+    r = Reclaimer(broker, IdleRules(**{**RULES.__dict__, "exempt_groups": frozenset({"x"})}))
+
+    async def groups_of(user):
+        if user == "alice":
+            raise RuntimeError("the hub answered nonsense")
+        return []
+
+    monkeypatch.setattr(broker, "groups_of", groups_of)
+    for dt in range(0, 80, 10):
+        report(broker, bad, 0.0, now, t0 + dt)
+        report(broker, good, 0.0, now, t0 + dt)
+        asyncio.run(r.check())
+    assert bad.id not in broker.utilization.verdicts
+    assert broker.utilization.verdicts[good.id].state == "warned"
+
+
+def test_server_urls():
+    assert server_url("http://h/hub/api/", "al ice", "") == "http://h/hub/api/users/al%20ice/server"
+    assert server_url("http://h/hub/api", "bob", "big one") == "http://h/hub/api/users/bob/servers/big%20one"
+
+
+class FakeNvml:
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, minors):
+        self.minors = minors  # what NVML sees, in its own order: their minor numbers
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.minors)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if i >= len(self.minors):
+            raise self.NVMLError("Invalid Argument")
+        return ("handle", i)
+
+    def nvmlDeviceGetMinorNumber(self, h):
+        return self.minors[h[1]]
+
+
+@pytest.mark.parametrize(
+    "minors, index, handle",
+    [
+        ([0, 1, 2, 3], 2, ("handle", 2)),  # the whole machine
+        ([2, 3], 2, ("handle", 0)),  # a Slurm job with GPUs 2 and 3, numbered from 0 by NVML
+        ([3], 3, ("handle", 0)),
+        ([5, 6], 1, ("handle", 1)),  # no minor matches: NVML's own index
+    ],
+)
+def test_nvml_finds_a_gpu_by_its_machine_number(minors, index, handle):
+    assert NvmlSource(FakeNvml(minors)).handle(index) == handle
+
+
+def test_a_gpu_nvml_cannot_see_is_a_clear_error():
+    from gpu_magics.gpustats import NvmlUnavailable
+
+    with pytest.raises(NvmlUnavailable, match=r"GPU 3 is not visible to NVML here .*NVML sees 1 GPU"):
+        NvmlSource(FakeNvml([0])).handle(3)
