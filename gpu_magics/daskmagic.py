@@ -30,6 +30,7 @@ from traitlets import Float
 from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
 from .gpustats import nvml_problem
 from .ranks import Slot, choose_slots
+from .reporter import start_engine_reporter
 from .session import server_gpus
 
 USAGE = (
@@ -152,7 +153,10 @@ class DaskMagics(Magics):
         self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print)
         self._unwatch = threading.Event()
         threading.Thread(target=self._watch_lease, args=(self.lease, self._unwatch), daemon=True).start()
-        return [Slot(g["node"], g["index"]) for g in alloc["gpus"]]
+        slots = [Slot(g["node"], g["index"]) for g in alloc["gpus"]]
+        # the workers' GPUs are on this machine: this kernel reports their use (idle reclaim)
+        start_engine_reporter(alloc["id"], [s.label for s in slots])
+        return slots
 
     def _watch_lease(self, lease: LeaseKeeper, stop: threading.Event) -> None:
         while not stop.wait(min(5.0, self.lease_seconds / 3)):

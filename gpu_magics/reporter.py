@@ -121,8 +121,11 @@ def _interval(env: Mapping[str, str]) -> float:
         return 30.0
 
 
-def start_engine_reporter(allocation_id: int, label: str, environ: Mapping[str, str] | None = None):
-    """From an engine of a burst: report its own GPU every interval (a daemon thread)."""
+def start_engine_reporter(
+    allocation_id: int, labels: str | Iterable[str], environ: Mapping[str, str] | None = None
+):
+    """From an engine of a burst (its own GPU), or a kernel whose Dask workers hold a burst
+    here (their GPUs): report every interval from a daemon thread, until it is released."""
     env = os.environ if environ is None else environ
     client = BrokerClient.from_env(env)
     if client is None or not allocation_id:
@@ -131,7 +134,8 @@ def start_engine_reporter(allocation_id: int, label: str, environ: Mapping[str, 
         source = make_source(env)
     except (NvmlUnavailable, ValueError):
         return None
-    reporter = Reporter(client, allocation_id, [label], source, say=lambda text: None)
+    labels = [labels] if isinstance(labels, str) else list(labels)
+    reporter = Reporter(client, allocation_id, labels, source, say=lambda text: None)
     interval = _interval(env)
 
     def loop():
