@@ -169,3 +169,39 @@ def test_a_gpu_nvml_cannot_see_is_a_clear_error():
 
     with pytest.raises(NvmlUnavailable, match=r"GPU 3 is not visible to NVML here .*NVML sees 1 GPU"):
         NvmlSource(FakeNvml([0])).handle(3)
+
+
+def test_an_engine_is_pinned_to_its_gpus_cpus_within_what_it_may_use(monkeypatch):
+    """gpu_magics.engine.pin_to_gpu with NVML's affinity faked (the real one is in gpu_check)."""
+    import os
+
+    from gpu_magics import engine, gpustats
+
+    allowed = sorted(os.sched_getaffinity(0))
+    calls = []
+
+    class Source:
+        def __init__(self):
+            pass
+
+        def cpu_affinity(self, index):
+            calls.append(index)
+            return [allowed[-1], 10_000]  # one CPU we may use, one we may not
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(gpustats, "NvmlSource", Source)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: calls.append(set(cpus)))
+    monkeypatch.delenv("GPUHUB_GPU_SOURCE", raising=False)
+    assert engine.pin_to_gpu("n1:3") is True
+    assert calls == [3, {allowed[-1]}]
+    monkeypatch.setenv("GPUHUB_GPU_SOURCE", "simulated")  # no topology: left alone
+    assert engine.pin_to_gpu("n1:3") is False and len(calls) == 2
+
+    def no_nvml():
+        raise gpustats.NvmlUnavailable("no driver")
+
+    monkeypatch.setenv("GPUHUB_GPU_SOURCE", "nvml")
+    monkeypatch.setattr(gpustats, "NvmlSource", no_nvml)
+    assert engine.pin_to_gpu("n1:3") is False and len(calls) == 2
