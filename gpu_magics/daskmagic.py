@@ -19,6 +19,7 @@ import atexit
 import keyword
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -150,13 +151,29 @@ class DaskMagics(Magics):
         except BrokerError as e:
             raise UsageError(f"gpuhub refused {n} GPUs for %dask_cuda: {e.message}") from None
         self.broker, self.burst = client, alloc
-        self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print)
+        self._last_busy = time.monotonic()
+        self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print, activity=self._idle_seconds)
         self._unwatch = threading.Event()
         threading.Thread(target=self._watch_lease, args=(self.lease, self._unwatch), daemon=True).start()
         slots = [Slot(g["node"], g["index"]) for g in alloc["gpus"]]
         # the workers' GPUs are on this machine: this kernel reports their use (idle reclaim)
         start_engine_reporter(alloc["id"], [s.label for s in slots])
         return slots
+
+    def _idle_seconds(self) -> float | None:
+        """Seconds since the cluster last had tasks (0 while it has some): the broker's idle
+        reclaim counts a busy Dask cluster busy even when its GPUs are not."""
+        client = self.client
+        if client is None:
+            return None
+        try:
+            busy = any(client.processing().values())
+        except Exception:  # the scheduler is going away: say nothing rather than guess
+            return None
+        if busy:
+            self._last_busy = time.monotonic()
+            return 0.0
+        return time.monotonic() - self._last_busy
 
     def _watch_lease(self, lease: LeaseKeeper, stop: threading.Event) -> None:
         while not stop.wait(min(5.0, self.lease_seconds / 3)):

@@ -4,7 +4,8 @@ The processes gpuhub already runs next to each GPU (the single-user server, the
 ``%%distributed`` engines) sample their own GPUs with one of two sources:
 
 - :class:`NvmlSource`: NVML through ``nvidia-ml-py`` (``pynvml``). A GPU is found by its
-  index on its machine, which is NVML's PCI bus order, the order the spawner gives CUDA.
+  index on its machine: NVML's PCI bus order (the order the spawner gives CUDA), or on Slurm
+  its minor number (``NvmlSource.handle``).
 - :class:`SimulatedSource`: for machines without GPUs (the demo, the tests). It reads a JSON
   file that whoever drives it writes, ``{"node:index": {"utilization": 80,
   "memory_used_mib": 1024}}``; a GPU not in the file is idle. The samples then travel
@@ -67,7 +68,10 @@ class NvmlSource:
 
     name = "nvml"
 
-    def __init__(self, nvml: Any = None):
+    def __init__(self, nvml: Any = None, by_minor: bool | None = None):
+        # Slurm numbers GPUs as gres.conf lists /dev/nvidiaN (minor numbers), and NVML may
+        # number only the job's GPUs; elsewhere gpuhub uses NVML's own (PCI bus) index
+        self.by_minor = os.environ.get("GPUHUB_BACKEND") == "slurm" if by_minor is None else by_minor
         if nvml is None:
             try:
                 import pynvml as nvml
@@ -82,12 +86,12 @@ class NvmlSource:
             ) from e
 
     def handle(self, index: int):
-        """The device gpuhub calls ``index`` on this machine: the one whose minor number
-        (``/dev/nvidiaN``, what Slurm's gres.conf lists) is ``index``, else NVML's own index
-        ``index``. Inside a Slurm job or a container NVML may number only the visible GPUs
-        from 0; the minor number stays the machine's."""
+        """The device gpuhub calls ``index`` on this machine. On Slurm, the one whose minor
+        number (``/dev/nvidiaN``, what gres.conf lists) is ``index``: inside a job NVML may
+        number only the job's GPUs from 0. Elsewhere, and when no minor number matches,
+        NVML's own index (PCI bus order, as the local inventory and CUDA use)."""
         nvml = self.nvml
-        for i in range(nvml.nvmlDeviceGetCount()):
+        for i in range(nvml.nvmlDeviceGetCount() if self.by_minor else 0):
             try:
                 h = nvml.nvmlDeviceGetHandleByIndex(i)
                 if nvml.nvmlDeviceGetMinorNumber(h) == index:

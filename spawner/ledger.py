@@ -558,8 +558,14 @@ class Ledger(ReclaimRecords):
         for ag in a.gpus:
             ag.held = False
 
-    def renew(self, allocation_id: int, lease_seconds: float) -> AllocationInfo:
-        """Push a leased allocation's expiry to now + ``lease_seconds``."""
+    def renew(
+        self, allocation_id: int, lease_seconds: float, active_at: datetime | None = None
+    ) -> AllocationInfo:
+        """Push a leased allocation's expiry to now + ``lease_seconds``.
+
+        A reclaimed allocation is not renewed (its kernel must stop the engines and release
+        it), unless ``active_at``, when its owner's code was last active, falls in the time
+        the reclaim counted as idle: the reclaim was then decided on old news and is undone."""
         with self._tx() as s:
             self._expire(s)
             a = s.get(Allocation, allocation_id)
@@ -567,8 +573,9 @@ class Ledger(ReclaimRecords):
                 raise LookupError(f"allocation {allocation_id} is not active")
             if a.lease_expires is None:
                 raise ValueError(f"allocation {allocation_id} has no lease to renew")
-            if self._reclaim_reason(s, a.id):  # reclaimed: its kernel must stop the engines
-                raise LookupError(f"allocation {allocation_id} was reclaimed")
+            reclaimed = self._reclaim_reason(s, a.id)
+            if reclaimed and not self._undo_if_used(s, a.id, active_at):
+                raise LookupError(f"allocation {allocation_id} was {reclaimed}")
             a.lease_expires = self.clock() + timedelta(seconds=lease_seconds)
             return _info(a)
 

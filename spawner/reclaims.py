@@ -51,10 +51,10 @@ class ReclaimRecords:
     """Methods of the Ledger (it provides ``_tx``, ``_read``, ``_end``, ``clock``)."""
 
     def record_reclaim(self, allocation_id: int, idle_seconds: float, reason: str) -> ReclaimInfo | None:
-        """Record that a live allocation is reclaimed; release it when it is a burst.
+        """Record that a live allocation is reclaimed (its GPUs stay held: see above).
 
         None when it is no longer live; the existing record when it was recorded before
-        (a server whose stop is still under way)."""
+        (a stop still under way)."""
         with self._tx() as s:
             old = s.scalar(select(Reclaim).where(Reclaim.allocation_id == allocation_id))
             a = s.get(Allocation, allocation_id)
@@ -77,6 +77,24 @@ class ReclaimRecords:
             s.add(r)
             s.flush()
             return _reclaim_info(r)
+
+    def _undo_if_used(self, s, allocation_id: int, active_at: datetime | None) -> bool:
+        r = s.scalar(select(Reclaim).where(Reclaim.allocation_id == allocation_id))
+        if r is None or active_at is None or active_at <= r.created - timedelta(seconds=r.idle_seconds):
+            return False
+        s.delete(r)
+        return True
+
+    def undo_reclaim(self, allocation_id: int) -> bool:
+        """Forget the reclaim of an allocation still live (it was used again before whatever
+        held its GPUs stopped). False when there is none or the allocation has ended."""
+        with self._tx() as s:
+            r = s.scalar(select(Reclaim).where(Reclaim.allocation_id == allocation_id))
+            a = s.get(Allocation, allocation_id)
+            if r is None or a is None or a.state not in ACTIVE_STATES:
+                return False
+            s.delete(r)
+            return True
 
     def _reclaim_reason(self, s, allocation_id: int) -> str | None:
         reason = s.scalar(select(Reclaim.reason).where(Reclaim.allocation_id == allocation_id))

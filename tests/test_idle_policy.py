@@ -218,7 +218,7 @@ def ledger(tmp_path):
     led.close()
 
 
-def test_a_reclaim_is_recorded_once_and_releases_a_burst_not_a_server(ledger):
+def test_a_reclaim_is_recorded_once_and_ends_each_allocation_with_its_reason(ledger):
     server = ledger.allocate("alice", [], 2, purpose="server")
     burst = ledger.allocate("alice", [], 1, purpose="distributed", lease_seconds=300)
     r = ledger.record_reclaim(server.id, 3600, "idle")

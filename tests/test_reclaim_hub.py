@@ -149,8 +149,10 @@ def test_use_resets_the_idle_clock_and_clears_the_warning(reclaim_hub):
     set_utilization(util_file, {a.gpus[0].label: 50.0})
     wait_for(lambda: idle_state(hub, a.id)["state"] == "active", 10, "the warning cleared by use")
     set_utilization(util_file, {})
-    # idle again: warned again from zero, not reclaimed on the old clock
+    # idle again: warned again from zero, with the full notice, not on the old clock
     wait_for(lambda: idle_state(hub, a.id)["state"] == "warned", 30, "alice warned again")
+    again = idle_state(hub, a.id)
+    assert again["idle_seconds"] < 8 and again["reclaim_in_seconds"] >= 5, again
     assert ledger.get(a.id).state == "running"
     hub.stop_server("alice")
 

@@ -152,23 +152,31 @@ class FakeNvml:
 
 
 @pytest.mark.parametrize(
-    "minors, index, handle",
+    "by_minor, minors, index, handle",
     [
-        ([0, 1, 2, 3], 2, ("handle", 2)),  # the whole machine
-        ([2, 3], 2, ("handle", 0)),  # a Slurm job with GPUs 2 and 3, numbered from 0 by NVML
-        ([3], 3, ("handle", 0)),
-        ([5, 6], 1, ("handle", 1)),  # no minor matches: NVML's own index
+        (True, [0, 1, 2, 3], 2, ("handle", 2)),  # a whole Slurm node
+        (True, [2, 3], 2, ("handle", 0)),  # a Slurm job with GPUs 2 and 3, numbered from 0 by NVML
+        (True, [3], 3, ("handle", 0)),
+        (True, [5, 6], 1, ("handle", 1)),  # no minor matches: NVML's own index
+        (False, [1, 0, 3, 2], 2, ("handle", 2)),  # local: NVML's (PCI) index, whatever the minors
     ],
 )
-def test_nvml_finds_a_gpu_by_its_machine_number(minors, index, handle):
-    assert NvmlSource(FakeNvml(minors)).handle(index) == handle
+def test_nvml_finds_a_gpu_by_its_machine_number(by_minor, minors, index, handle):
+    assert NvmlSource(FakeNvml(minors), by_minor=by_minor).handle(index) == handle
+
+
+def test_the_numbering_follows_the_backend(monkeypatch):
+    monkeypatch.setenv("GPUHUB_BACKEND", "slurm")
+    assert NvmlSource(FakeNvml([2, 3])).handle(3) == ("handle", 1)
+    monkeypatch.delenv("GPUHUB_BACKEND")
+    assert NvmlSource(FakeNvml([0, 1, 3, 2])).handle(3) == ("handle", 3)
 
 
 def test_a_gpu_nvml_cannot_see_is_a_clear_error():
     from gpu_magics.gpustats import NvmlUnavailable
 
     with pytest.raises(NvmlUnavailable, match=r"GPU 3 is not visible to NVML here .*NVML sees 1 GPU"):
-        NvmlSource(FakeNvml([0])).handle(3)
+        NvmlSource(FakeNvml([0]), by_minor=True).handle(3)
 
 
 def test_an_engine_is_pinned_to_its_gpus_cpus_within_what_it_may_use(monkeypatch):
@@ -205,3 +213,35 @@ def test_an_engine_is_pinned_to_its_gpus_cpus_within_what_it_may_use(monkeypatch
     monkeypatch.setenv("GPUHUB_GPU_SOURCE", "nvml")
     monkeypatch.setattr(gpustats, "NvmlSource", no_nvml)
     assert engine.pin_to_gpu("n1:3") is False and len(calls) == 2
+
+
+def test_a_reclaim_decided_on_old_news_is_undone_by_use(setup):
+    """The kernel's activity reaches the broker only with its renewals: a burst reclaimed
+    while a cell had just started is renewed again, and the reclaim forgotten."""
+    from datetime import timedelta
+
+    ledger, _broker, _now = setup
+    a = ledger.allocate("alice", [], 1, purpose="distributed", lease_seconds=600)
+    rec = ledger.record_reclaim(a.id, 120, "idle")
+    with pytest.raises(LookupError, match="was reclaimed: idle"):
+        ledger.renew(a.id, 600)  # no news of use
+    with pytest.raises(LookupError, match="was reclaimed"):  # used before the idle time began
+        ledger.renew(a.id, 600, active_at=rec.created - timedelta(seconds=121))
+    ledger.renew(a.id, 600, active_at=rec.created - timedelta(seconds=30))  # used during it
+    assert ledger.reclaims() == [] and ledger.get(a.id).state == "running"
+
+
+def test_the_idle_pass_undoes_a_reclaim_when_the_gpus_turn_busy(setup):
+    ledger, broker, now = setup
+    a = ledger.allocate("alice", [], 1, purpose="distributed", lease_seconds=600)
+    t0 = epoch(a.started or a.created)
+    r = Reclaimer(broker, RULES)
+    for dt in range(0, 130, 10):
+        report(broker, a, 0.0, now, t0 + dt)
+        asyncio.run(r.check())
+    assert len(ledger.reclaims()) == 1
+    report(broker, a, 80.0, now, t0 + 130)  # its engines are busy again before it ended
+    asyncio.run(r.check())
+    assert broker.utilization.verdicts[a.id].state == "active"
+    assert ledger.reclaims() == []
+    ledger.renew(a.id, 600)  # renewed again

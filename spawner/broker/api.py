@@ -116,9 +116,17 @@ class RenewHandler(APIHandler):
             idle_seconds = schemas.parse_activity(body)
         except schemas.BadRequest as e:
             return self.fail(400, str(e), "bad_request")
+        active_at = None if idle_seconds is None else utcnow() - timedelta(seconds=idle_seconds)
         try:
-            renewed = await self.broker.run(self.broker.ledger.renew, a.id, seconds or cfg.lease_seconds)
-        except LookupError:
+            renewed = await self.broker.run(
+                self.broker.ledger.renew, a.id, seconds or cfg.lease_seconds, active_at
+            )
+        except LookupError as e:
+            if "was reclaimed" in str(e):
+                why = str(e).split(" was ", 1)[1]
+                return self.fail(
+                    409, f"Allocation {a.id} was {why}. Stop its engines and release it.", "reclaimed"
+                )
             return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
         except ValueError:
             return self.fail(409, f"Allocation {a.id} is a server's; it has no lease to renew.", "no_lease")

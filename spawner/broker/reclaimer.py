@@ -1,10 +1,12 @@
 """The broker's idle check: every ``c.GpuReclaim.check_seconds`` it judges each live GPU
 allocation (``spawner.idle.judge``), warns owners, and reclaims.
 
-Reclaiming a burst releases it in the ledger (its kernel's lease renewal then learns it is
-gone and stops the engines; on Slurm the hub's watcher cancels the engines' job). Reclaiming
-a server records the reclaim and asks the hub to stop the server through its REST API; the
-spawner releases the GPUs as the server stops, so they are never free while it runs.
+Reclaiming records the reclaim in the ledger; the GPUs stay held until what uses them has
+stopped. A burst's lease renewals are refused from then on, so its kernel stops the engines
+and releases it (or, gone, lets the lease run out; on Slurm the hub's watcher then cancels
+the engines' job). A server is stopped through the hub's REST API, and its spawner releases
+the GPUs as it stops. A reclaim whose allocation turns out to be in use before it ends (the
+news of its use came late) is undone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.web import HTTPError
 
-from ..idle import IdleRules, Verdict, judge
+from ..idle import IdleRules, Verdict, is_exempt, judge
 from .utilization import epoch
 
 log = logging.getLogger("gpuhub.broker")
@@ -60,6 +62,9 @@ class Reclaimer:
                 groups = await broker.groups_of(a.user)
             except HTTPError:
                 return False  # never guess: the user may be exempt
+        if is_exempt(self.rules, a.user, groups):
+            util.verdicts[a.id] = Verdict("exempt")
+            return False
         started = epoch(a.started or a.created)
         unseen = [
             g for g in a.gpus if util.latest(g.node, g.index, self.rules.stale_after, since=started) is None
@@ -82,6 +87,11 @@ class Reclaimer:
                 else f"it will be reclaimed in {verdict.reclaim_at - now:.0f} s unless used",
             )
         util.verdicts[a.id] = verdict
+        if verdict.state != "reclaim" and a.id in self._stopping:
+            # used again before it ended (a stop the hub refused, a burst not yet released)
+            if await broker.run(broker.ledger.undo_reclaim, a.id):
+                log.warning("allocation %s of %s is in use again: its reclaim is undone", a.id, a.user)
+            self._stopping.pop(a.id, None)
         return verdict.state == "reclaim" and await self.reclaim(a, verdict)
 
     async def reclaim(self, a, verdict: Verdict) -> bool:
