@@ -245,3 +245,62 @@ def test_the_idle_pass_undoes_a_reclaim_when_the_gpus_turn_busy(setup):
     assert broker.utilization.verdicts[a.id].state == "active"
     assert ledger.reclaims() == []
     ledger.renew(a.id, 600)  # renewed again
+
+
+def test_a_burst_reporter_posts_its_gpus_until_the_allocation_is_released(tmp_path):
+    """gpu_magics.reporter.start_engine_reporter (engines, and %dask_cuda's kernel) against a
+    small HTTP server standing in for the broker: the body, the token, and the stop on 409."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from gpu_magics.reporter import start_engine_reporter
+
+    posts = []
+
+    class Broker(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            posts.append((self.path, self.headers["Authorization"], body))
+            code = 409 if len(posts) >= 3 else 200
+            answer = {"message": "released"} if code == 409 else {"idle": {"state": "active"}}
+            data = json.dumps(answer).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Broker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stats = tmp_path / "u.json"
+    stats.write_text(json.dumps({"n1:2": {"utilization": 40, "memory_used_mib": 5}}))
+    env = {
+        "GPUHUB_BROKER_URL": f"http://127.0.0.1:{server.server_port}/api/v1/",
+        "JUPYTERHUB_API_TOKEN": "secret",
+        "GPUHUB_GPU_SOURCE": "simulated",
+        "GPUHUB_SIMULATED_GPU_STATS": str(stats),
+        "GPUHUB_REPORT_SECONDS": "0.2",
+    }
+    try:
+        reporter = start_engine_reporter(7, ["n1:2", "n1:3"], env)
+        deadline = time.monotonic() + 20
+        while not reporter.stopped and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a condition with a deadline
+        assert reporter.stopped  # the 409 (released) ended it
+        assert len(posts) == 3
+        path, auth, body = posts[0]
+        assert (path, auth) == ("/api/v1/allocations/7/samples", "token secret")
+        assert [(g["node"], g["index"], g["utilization"]) for g in body["gpus"]] == [
+            ("n1", 2, 40.0),
+            ("n1", 3, 0.0),
+        ]
+        assert body["source"] == "simulated" and "idle_seconds" not in body
+        # no broker configured: nothing starts
+        assert start_engine_reporter(7, ["n1:2"], {"GPUHUB_GPU_SOURCE": "simulated"}) is None
+    finally:
+        server.shutdown()
