@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+from contextlib import contextmanager
 
 import pytest
 
@@ -47,17 +48,25 @@ def idle_state(hub: Hub, allocation_id: int) -> dict:
     return row["idle"]
 
 
-@pytest.fixture
-def reclaim_hub(tmp_path):
-    util_file = tmp_path / "utilization.json"
+@contextmanager
+def reclaim_hub_in(workdir, extra_config: str = ""):
+    """A hub with the short POLICY (plus ``extra_config``), its ledger and its utilization file."""
+    util_file = workdir / "utilization.json"
     set_utilization(util_file, ALL_BUSY)  # nothing idles while the servers start
-    hub = Hub(tmp_path, extra_config=POLICY.format(util_file=str(util_file))).start().wait_for_broker()
+    config = POLICY.format(util_file=str(util_file)) + extra_config
+    hub = Hub(workdir, extra_config=config).start().wait_for_broker()
     ledger = Ledger(hub.ledger_url)
     try:
         yield hub, ledger, util_file
     finally:
         hub.stop()
         ledger.close()
+
+
+@pytest.fixture
+def reclaim_hub(tmp_path):
+    with reclaim_hub_in(tmp_path) as found:
+        yield found
 
 
 def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(reclaim_hub):

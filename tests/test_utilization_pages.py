@@ -16,7 +16,7 @@ from spawner.ledger import Ledger
 
 from .hubtools import DEMO_PASSWORD, Hub, wait_for
 from .test_broker_pages import ADMIN_PASSWORD, CHROMIUM, FLAGS, login
-from .test_reclaim_hub import ALL_BUSY, POLICY, set_utilization
+from .test_reclaim_hub import ALL_BUSY, reclaim_hub_in, set_utilization
 
 pytestmark = pytest.mark.hub
 
@@ -30,17 +30,8 @@ c.GpuReclaim.reclaim_after_seconds = 20
 
 @pytest.fixture(scope="module")
 def util_hub(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("utilization-pages")
-    util_file = tmp / "utilization.json"
-    set_utilization(util_file, ALL_BUSY)  # nothing idles unless a test says so
-    hub = Hub(tmp, extra_config=POLICY.format(util_file=str(util_file)) + TIMING).start()
-    hub.wait_for_broker()
-    ledger = Ledger(hub.ledger_url)
-    try:
-        yield hub, ledger, util_file
-    finally:
-        hub.stop()
-        ledger.close()
+    with reclaim_hub_in(tmp_path_factory.mktemp("utilization-pages"), TIMING) as found:
+        yield found
 
 
 @pytest.fixture

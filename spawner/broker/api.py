@@ -186,14 +186,7 @@ class JobHandler(APIHandler):
 
 class UsageHandler(APIHandler):
     async def get(self):
-        caller = self.require_caller()
-        who = self.get_argument("user", None)
-        if not access.is_admin(caller):
-            if who not in (None, caller.name):
-                raise web.HTTPError(403, "Only gpuhub admins may see other users' usage.")
-            if not access.may_manage_own(caller):
-                raise web.HTTPError(403, f"{caller.kind} {caller.name} has no gpuhub allocations scope.")
-            who = caller.name
+        who = self.whose("usage")
         now = utcnow()
         try:
             since = parse_when(self.get_argument("since", f"{self.broker.settings.usage_days}d"), now)

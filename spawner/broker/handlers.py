@@ -91,6 +91,19 @@ class APIHandler(BaseHandler):
             raise web.HTTPError(403, "Authenticate with a JupyterHub token or log in to the hub.")
         return self.caller
 
+    def whose(self, what: str) -> str | None:
+        """The ``user`` a read is about: any (or None: everyone) for admins; otherwise only the
+        caller, who needs the allocations scope."""
+        caller = self.require_caller()
+        who = self.get_argument("user", None)
+        if access.is_admin(caller):
+            return who
+        if who not in (None, caller.name):
+            raise web.HTTPError(403, f"Only gpuhub admins may see other users' {what}.")
+        if not access.may_manage_own(caller):
+            raise web.HTTPError(403, f"{caller.kind} {caller.name} has no gpuhub allocations scope.")
+        return caller.name
+
     async def find_allocation(self, allocation_id: str):
         """The caller and the allocation, or 404: another user's is not even confirmed to exist."""
         caller = self.require_caller()
