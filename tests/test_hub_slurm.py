@@ -339,14 +339,17 @@ def test_a_burst_takes_only_its_own_users_tagged_engines_job(hub, ledger, clean)
         return slurm(*argv, user=user, input=script).stdout.strip()
 
     tag = f"gpuhub:{burst['id']}"
-    for job, why in [
+    refused = [
         (submit("bob", "gpuhub-engines", tag), "another user's job"),
         (submit("alice", "something-else", tag), "not an engines job"),
         (submit("alice", "gpuhub-engines", "gpuhub:999999"), "tagged for another allocation"),
-    ]:
+    ]
+    for job, why in refused:
         r = hub.broker("POST", f"allocations/{burst['id']}/job", alice, json={"job_id": job})
         assert r.status_code == 400 and r.json()["reason"] == "bad_job", why
     assert ledger.get(burst["id"]).backend_job_id is None
+    # done with them: alice's would otherwise hold GPUs of her Slurm limit (AssocGrpGRES)
+    slurm("scancel", *(job for job, _ in refused))
     mine = submit("alice", "gpuhub-engines", tag)
     r = hub.broker("POST", f"allocations/{burst['id']}/job", alice, json={"job_id": mine})
     assert r.status_code == 200 and r.json()["backend_job_id"] == mine
@@ -355,7 +358,7 @@ def test_a_burst_takes_only_its_own_users_tagged_engines_job(hub, ledger, clean)
     assert r.status_code == 409 and r.json()["reason"] == "has_job"
     # ...and, tagged with a burst that runs another job, cancelled by the watcher
     wait_for(lambda: job_state(other) in ("CANCELLED", "GONE"), 30, "the stray job to be cancelled")
-    assert job_state(mine) == "RUNNING"
+    wait_for(lambda: job_state(mine) == "RUNNING", 30, "the burst's own job to run")  # kept, not cancelled
     wait_for(lambda: len(ledger.get(burst["id"]).gpus) == 1, 30, "the burst's GPU to be recorded")
     assert hub.broker("DELETE", f"allocations/{burst['id']}", alice).status_code == 200
     wait_for(lambda: job_state(mine) in ("CANCELLED", "GONE"), 30, "the released burst's job to be cancelled")
