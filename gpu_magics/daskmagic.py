@@ -31,7 +31,7 @@ from traitlets import Float
 from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
 from .gpustats import nvml_problem
 from .ranks import Slot, choose_slots
-from .reporter import start_engine_reporter
+from .reporter import start_burst_reporter
 from .session import server_gpus
 
 USAGE = (
@@ -157,7 +157,7 @@ class DaskMagics(Magics):
         threading.Thread(target=self._watch_lease, args=(self.lease, self._unwatch), daemon=True).start()
         slots = [Slot(g["node"], g["index"]) for g in alloc["gpus"]]
         # the workers' GPUs are on this machine: this kernel reports their use (idle reclaim)
-        start_engine_reporter(alloc["id"], [s.label for s in slots])
+        start_burst_reporter(alloc["id"], [s.label for s in slots])
         return slots
 
     def _idle_seconds(self) -> float | None:

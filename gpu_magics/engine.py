@@ -51,9 +51,9 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
     pinned = pin_to_gpu(env.get("GPUHUB_RANK_GPU", ""))  # before torch starts its threads
     burst = int(env.get("GPUHUB_REPORT_ALLOCATION") or 0)
     if burst:
-        from .reporter import start_engine_reporter
+        from .reporter import start_burst_reporter
 
-        start_engine_reporter(burst, env.get("GPUHUB_RANK_GPU", ""))
+        start_burst_reporter(burst, env.get("GPUHUB_RANK_GPU", ""))
     if int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:
         # as torchrun does: one OpenMP thread per rank unless the user chose otherwise, or
         # several ranks on one machine fight over its cores (5x slower measured here)

@@ -4,7 +4,7 @@
   ``GPUHUB_REPORT_SECONDS`` it samples the server's GPUs and tells the broker, with how long
   ago its kernels were last active (0 while one is busy). The broker answers with the
   allocation's idle state; a warning goes to the server's log.
-- In each ``%%distributed`` engine of a burst (``start_engine_reporter``): the engine's own
+- In each ``%%distributed`` engine of a burst (``start_burst_reporter``): the engine's own
   GPU, from a thread; the kernel reports the pool's activity with its lease renewals.
 
 Nothing runs, and nothing is lost, where there is no allocation, no broker, or no way to
@@ -121,7 +121,7 @@ def _interval(env: Mapping[str, str]) -> float:
         return 30.0
 
 
-def start_engine_reporter(
+def start_burst_reporter(
     allocation_id: int, labels: str | Iterable[str], environ: Mapping[str, str] | None = None
 ):
     """From an engine of a burst (its own GPU), or a kernel whose Dask workers hold a burst

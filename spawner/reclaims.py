@@ -47,6 +47,10 @@ def _reclaim_info(r: Reclaim) -> ReclaimInfo:
     )
 
 
+def _record_of(s, allocation_id: int) -> Reclaim | None:
+    return s.scalar(select(Reclaim).where(Reclaim.allocation_id == allocation_id))
+
+
 class ReclaimRecords:
     """Methods of the Ledger (it provides ``_tx``, ``_read``, ``_end``, ``clock``)."""
 
@@ -56,10 +60,10 @@ class ReclaimRecords:
         None when it is no longer live; the existing record when it was recorded before
         (a stop still under way)."""
         with self._tx() as s:
-            old = s.scalar(select(Reclaim).where(Reclaim.allocation_id == allocation_id))
-            a = s.get(Allocation, allocation_id)
+            old = _record_of(s, allocation_id)
             if old is not None:
                 return _reclaim_info(old)
+            a = s.get(Allocation, allocation_id)
             if a is None or a.state not in ACTIVE_STATES:
                 return None
             gpus = max(a.gpu_count or 0, len(a.gpus))
@@ -79,7 +83,7 @@ class ReclaimRecords:
             return _reclaim_info(r)
 
     def _undo_if_used(self, s, allocation_id: int, active_at: datetime | None) -> bool:
-        r = s.scalar(select(Reclaim).where(Reclaim.allocation_id == allocation_id))
+        r = _record_of(s, allocation_id)
         if r is None or active_at is None or active_at <= r.created - timedelta(seconds=r.idle_seconds):
             return False
         s.delete(r)
@@ -89,7 +93,7 @@ class ReclaimRecords:
         """Forget the reclaim of an allocation still live (it was used again before whatever
         held its GPUs stopped). False when there is none or the allocation has ended."""
         with self._tx() as s:
-            r = s.scalar(select(Reclaim).where(Reclaim.allocation_id == allocation_id))
+            r = _record_of(s, allocation_id)
             a = s.get(Allocation, allocation_id)
             if r is None or a is None or a.state not in ACTIVE_STATES:
                 return False
@@ -97,8 +101,8 @@ class ReclaimRecords:
             return True
 
     def _reclaim_reason(self, s, allocation_id: int) -> str | None:
-        reason = s.scalar(select(Reclaim.reason).where(Reclaim.allocation_id == allocation_id))
-        return None if reason is None else f"reclaimed: {reason}"
+        r = _record_of(s, allocation_id)
+        return None if r is None else f"reclaimed: {r.reason}"
 
     def reclaims(self, user: str | None = None, since: datetime | None = None) -> list[ReclaimInfo]:
         """Reclaims, newest first."""

@@ -78,3 +78,25 @@ def test_parse_json_object_and_renew_and_limit():
         parse_renew({"gpus": 1}, max_lease_seconds=60)
     lim = parse_limit_body({"max_gpus": None, "gpu_hours": 5}, 168)
     assert (lim.max_gpus, lim.gpu_hours, lim.window_hours) == (None, 5.0, 168)
+
+
+def test_enable_broker_passes_the_settings_to_the_service_as_json():
+    import json
+
+    from traitlets.config import Config
+
+    from spawner.broker import enable_broker
+
+    c = Config()
+    c.GpuReclaim.exempt_users = {"bob", "alice"}
+    c.GpuHub.default_limit = 2
+    c.Authenticator.admin_users = {"root"}
+    enable_broker(c)
+    [service] = c.JupyterHub.services
+    settings = json.loads(service["environment"]["GPUHUB_SETTINGS"])
+    assert settings["GpuReclaim"]["exempt_users"] == ["alice", "bob"]
+    assert settings["GpuHub"]["default_limit"] == 2
+    # something the service could not get as JSON is refused, not passed on as its repr
+    c.GpuHub.db_url = object()
+    with pytest.raises(TypeError, match="cannot be passed to the broker service"):
+        enable_broker(c)

@@ -248,14 +248,14 @@ def test_the_idle_pass_undoes_a_reclaim_when_the_gpus_turn_busy(setup):
 
 
 def test_a_burst_reporter_posts_its_gpus_until_the_allocation_is_released(tmp_path):
-    """gpu_magics.reporter.start_engine_reporter (engines, and %dask_cuda's kernel) against a
+    """gpu_magics.reporter.start_burst_reporter (engines, and %dask_cuda's kernel) against a
     small HTTP server standing in for the broker: the body, the token, and the stop on 409."""
     import json
     import threading
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from gpu_magics.reporter import start_engine_reporter
+    from gpu_magics.reporter import start_burst_reporter
 
     posts = []
 
@@ -287,7 +287,7 @@ def test_a_burst_reporter_posts_its_gpus_until_the_allocation_is_released(tmp_pa
         "GPUHUB_REPORT_SECONDS": "0.2",
     }
     try:
-        reporter = start_engine_reporter(7, ["n1:2", "n1:3"], env)
+        reporter = start_burst_reporter(7, ["n1:2", "n1:3"], env)
         deadline = time.monotonic() + 20
         while not reporter.stopped and time.monotonic() < deadline:
             time.sleep(0.05)  # polling a condition with a deadline
@@ -301,6 +301,6 @@ def test_a_burst_reporter_posts_its_gpus_until_the_allocation_is_released(tmp_pa
         ]
         assert body["source"] == "simulated" and "idle_seconds" not in body
         # no broker configured: nothing starts
-        assert start_engine_reporter(7, ["n1:2"], {"GPUHUB_GPU_SOURCE": "simulated"}) is None
+        assert start_burst_reporter(7, ["n1:2"], {"GPUHUB_GPU_SOURCE": "simulated"}) is None
     finally:
         server.shutdown()

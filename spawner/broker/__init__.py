@@ -25,9 +25,18 @@ SERVICE = "gpuhub"
 SECTIONS = ("GpuHub", "GpuBroker", "GpuReclaim", "SlurmAccounting")
 
 
+def _as_json(value):
+    if isinstance(value, set | frozenset):  # e.g. c.GpuReclaim.exempt_users = {"alice"}
+        return sorted(value)
+    raise TypeError(
+        f"{value!r} in a c.GpuHub/c.GpuBroker/c.GpuReclaim/c.SlurmAccounting setting cannot be "
+        "passed to the broker service: use numbers, strings, lists, sets and dicts"
+    )
+
+
 def _settings_json(c) -> str:
     sections = {name: dict(c[name]) for name in SECTIONS if name in c}
-    return json.dumps(sections, default=lambda v: sorted(v) if isinstance(v, set | frozenset) else repr(v))
+    return json.dumps(sections, default=_as_json)
 
 
 def _replace(items: list, new: dict) -> list:

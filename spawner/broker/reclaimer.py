@@ -41,7 +41,10 @@ class Reclaimer:
         """One pass; returns the ids reclaimed (or whose server was asked to stop)."""
         broker, util = self.broker, self.broker.utilization
         live = await broker.run(broker.ledger.active)
-        util.forget({a.id for a in live})
+        ids = {a.id for a in live}
+        util.forget(ids)
+        for ended in set(self._stopping) - ids:
+            del self._stopping[ended]
         now = util.clock()
         acted = []
         for a in live:
