@@ -233,3 +233,40 @@ def test_an_idle_burst_pool_is_reclaimed_and_its_engines_stopped(reclaim_hub):
     finally:
         kc.stop_channels()
         hub.stop_server("alice")
+
+
+def test_a_report_names_only_the_callers_own_live_allocation_and_its_gpus(reclaim_hub):
+    hub, _ledger, _ = reclaim_hub
+    alice, bob = hub.user_token("alice"), hub.user_token("bob")
+    r = hub.broker("POST", "allocations", alice, json={"gpus": 1})
+    assert r.status_code == 201, r.text
+    burst = r.json()
+    [gpu] = burst["gpus"]
+    other = next(
+        g
+        for g in hub.broker("GET", "utilization", hub.user_token("admin")).json()["gpus"]
+        if (g["node"], g["index"]) != (gpu["node"], gpu["index"])
+    )
+    sample = {"node": gpu["node"], "index": gpu["index"], "utilization": 50}
+    path = f"allocations/{burst['id']}/samples"
+    # another user cannot even learn it exists
+    r = hub.broker("POST", path, bob, json={"gpus": [sample]})
+    assert r.status_code == 404
+    # a GPU that is not the allocation's
+    r = hub.broker(
+        "POST", path, alice, json={"gpus": [{**sample, "node": other["node"], "index": other["index"]}]}
+    )
+    assert r.status_code == 400 and r.json()["reason"] == "not_its_gpu", r.text
+    # a malformed report
+    r = hub.broker("POST", path, alice, json={"gpus": [{**sample, "utilization": 250}]})
+    assert r.status_code == 400 and "from 0 to 100" in r.json()["message"]
+    grid = hub.broker("GET", "utilization", alice).json()
+    assert [g["utilization"] for g in grid["gpus"]] == [None]  # nothing refused was recorded
+    # the owner's report is taken and answered with the idle state
+    r = hub.broker("POST", path, alice, json={"gpus": [sample], "idle_seconds": 0})
+    assert r.status_code == 200 and r.json()["allocation_id"] == burst["id"], r.text
+    assert [g["utilization"] for g in hub.broker("GET", "utilization", alice).json()["gpus"]] == [50.0]
+    # once released, reports are refused: the reporter stops
+    assert hub.broker("DELETE", f"allocations/{burst['id']}", alice).status_code == 200
+    r = hub.broker("POST", path, alice, json={"gpus": [sample]})
+    assert r.status_code == 409 and r.json()["reason"] == "released"
