@@ -1,5 +1,7 @@
 """Fixtures shared by the end-to-end tests (each module brings its own ``hub``)."""
 
+import shutil
+
 import pytest
 
 from spawner.ledger import Ledger
@@ -11,3 +13,26 @@ def ledger(hub):
     led = Ledger(hub.ledger_url)
     yield led
     led.close()
+
+
+# Debian's headless Chromium: the flags it needs to run as root without a display
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@pytest.fixture
+def browser():
+    """A headless Chromium driven by Playwright (the page tests)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()

@@ -5,25 +5,14 @@ page's buttons (which call the API with JupyterHub's XSRF token), and check the 
 Screenshots land in each test's temporary directory.
 """
 
-import shutil
-
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
 from .hubtools import DEMO_PASSWORD, Hub
 
 pytestmark = pytest.mark.hub
 
 ADMIN_PASSWORD = "gpuhub-demo-admin-password-change-me"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +21,6 @@ def hub(tmp_path_factory):
     h.wait_for_broker()
     yield h
     h.stop()
-
-
-@pytest.fixture
-def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield b
-        b.close()
 
 
 def login(browser, hub, user, password):

@@ -10,12 +10,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
 from spawner.ledger import Ledger
 
 from .hubtools import DEMO_PASSWORD, Hub, wait_for
-from .test_broker_pages import ADMIN_PASSWORD, CHROMIUM, FLAGS, login
+from .test_broker_pages import ADMIN_PASSWORD, login
 from .test_reclaim_hub import ALL_BUSY, reclaim_hub_in, set_utilization
 
 pytestmark = pytest.mark.hub
@@ -32,14 +32,6 @@ c.GpuReclaim.reclaim_after_seconds = 20
 def util_hub(tmp_path_factory):
     with reclaim_hub_in(tmp_path_factory.mktemp("utilization-pages"), TIMING) as found:
         yield found
-
-
-@pytest.fixture
-def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        yield b
-        b.close()
 
 
 def start_servers(hub: Hub, ledger: Ledger, *users: str) -> dict[str, str]:
