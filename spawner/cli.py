@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 
+from sqlalchemy.exc import SQLAlchemyError
+from traitlets import TraitError
 from traitlets.config import Config, PyFileConfigLoader
 
-from . import db
+from . import db, values
 from .inventory import InventoryError
 from .ledger import Ledger, utcnow
-from .policy import DEFAULT_WINDOW_HOURS, Limit
+from .policy import DEFAULT_WINDOW_HOURS, MAX_COUNT, MAX_GPU_HOURS, MAX_WINDOW_HOURS, MIN_WINDOW_HOURS, Limit
 from .settings import GpuHub
 from .slurm.jobs import SlurmError
 
@@ -38,28 +39,27 @@ class UsageError(Exception):
 
 
 def parse_count_or_unlimited(text: str) -> int | None:
-    if text.lower() in ("unlimited", "none"):
+    if text.strip().lower() in ("unlimited", "none"):
         return None
-    if not text.isdigit():
-        raise UsageError(f"a limit is a whole number of GPUs or 'unlimited'; got {text!r}")
-    return int(text)
-
-
-def parse_when(text: str, now: datetime) -> datetime:
-    """``2026-11-01``, ``2026-11-01T12:00`` or a span back from now: ``7d``, ``12h``."""
-    m = re.fullmatch(r"(\d{1,6}(?:\.\d+)?)([dh])", text.strip())
     try:
-        if m:
-            n = float(m.group(1))
-            return now - (timedelta(days=n) if m.group(2) == "d" else timedelta(hours=n))
-        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except (ValueError, OverflowError):
-        raise UsageError(
-            f"cannot read the date {text[:40]!r}; use 2026-11-01, 2026-11-01T12:00, 7d or 12h"
-        ) from None
-    if when.tzinfo is not None:  # the ledger keeps naive UTC
-        when = when.astimezone(UTC).replace(tzinfo=None)
-    return when
+        return values.parse_count(text, "a limit", lo=0, hi=MAX_COUNT)
+    except values.BadValue as e:
+        raise UsageError(f"{e} (or 'unlimited')") from None
+
+
+def parse_when(text: str, now: datetime, field: str = "the date") -> datetime:
+    """``2026-11-01``, ``2026-11-01T12:00`` or a span back from now: ``7d``, ``12h``."""
+    try:
+        return values.parse_timestamp(text, field, now)
+    except values.BadValue as e:
+        raise UsageError(str(e)) from None
+
+
+def parse_name(text: str, field: str) -> str:
+    try:
+        return values.parse_name(text, field)
+    except values.BadValue as e:
+        raise UsageError(str(e)) from None
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -91,8 +91,22 @@ def make_parser() -> argparse.ArgumentParser:
     who.add_argument("--default", metavar="N", help="GPUs anyone may hold at once")
     who.add_argument("--group", nargs=2, metavar=("GROUP", "N"))
     who.add_argument("--user", nargs=2, metavar=("USER", "N"))
-    lset.add_argument("--gpu-hours", type=float, help="GPU-hours allowed per window")
-    lset.add_argument("--window-hours", type=float, default=DEFAULT_WINDOW_HOURS)
+    lset.add_argument(
+        "--gpu-hours",
+        type=values.argparse_type(
+            values.parse_number, "--gpu-hours", lo=0, hi=MAX_GPU_HOURS, unit="GPU-hours"
+        ),
+        help=f"GPU-hours allowed per window (0 to {MAX_GPU_HOURS:g})",
+    )
+    lset.add_argument(
+        "--window-hours",
+        type=values.argparse_type(
+            values.parse_hours, "--window-hours", lo=MIN_WINDOW_HOURS, hi=MAX_WINDOW_HOURS
+        ),
+        default=DEFAULT_WINDOW_HOURS,
+        help=f"the window the GPU-hours count over ({MIN_WINDOW_HOURS:g} to {MAX_WINDOW_HOURS:g} hours; "
+        f"default {DEFAULT_WINDOW_HOURS:g})",
+    )
     lunset = limits.add_parser("unset", help="remove a ledger limit, returning to the config's")
     who = lunset.add_mutually_exclusive_group(required=True)
     who.add_argument("--default", action="store_true")
@@ -107,7 +121,9 @@ def make_parser() -> argparse.ArgumentParser:
     slurm = sub.add_parser("slurm", help="the Slurm backend").add_subparsers(dest="action", required=True)
     sscript = slurm.add_parser("script", help="preview the batch script of a user's server")
     sscript.add_argument("--user", required=True)
-    sscript.add_argument("--gpus", type=int, default=1)
+    sscript.add_argument(
+        "--gpus", type=values.argparse_type(values.parse_count, "--gpus", lo=0, hi=MAX_COUNT), default=1
+    )
     sscript.add_argument("--gpu-model")
     sscript.add_argument("--partition", default="")
     slurm.add_parser("sync", help="write every known user's GPU limit to Slurm's accounting")
@@ -129,16 +145,38 @@ def load_settings(args: argparse.Namespace) -> GpuHub:
         path = "jupyterhub_config.py"
     config = Config()
     if path:
-        if not os.path.exists(path):
-            raise UsageError(f"no config file at {path}")
+        if not os.path.isfile(path):
+            raise UsageError(f"no config file at {path}: name a jupyterhub_config.py with --config")
         loader = PyFileConfigLoader(os.path.basename(path), path=os.path.dirname(os.path.abspath(path)))
-        config = loader.load_config()
-    settings = GpuHub(config=config)
+        try:
+            config = loader.load_config()
+        except Exception as e:  # the admin's own Python: any error it raises is theirs to fix
+            raise UsageError(f"cannot read {path}: {type(e).__name__}: {_first_line(e)}") from None
+    try:
+        settings = GpuHub(config=config)
+    except (TraitError, ValueError) as e:
+        raise UsageError(f"{path}: {_first_line(e)}") from None
     if args.db_url:
         settings.db_url = args.db_url
     elif os.environ.get("GPUHUB_DB_URL"):
         settings.db_url = os.environ["GPUHUB_DB_URL"]
     return settings
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def open_ledger(settings: GpuHub) -> Ledger:
+    """The ledger read-only of its inventory, or a one-line ``UsageError`` naming the URL."""
+    try:
+        return settings.open_ledger(sync=False)  # the hub keeps the inventory; this only reads it
+    except (SQLAlchemyError, OSError, ImportError) as e:
+        raise UsageError(
+            f"cannot open the ledger at {db.safe_url(settings.db_url)} ({_first_line(e)}); "
+            "check --db-url or c.GpuHub.db_url, e.g. sqlite:////srv/jupyterhub/gpuhub.sqlite"
+        ) from None
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
@@ -151,21 +189,25 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         return 0
     settings = load_settings(args)
     if args.command == "db":
-        db.upgrade(settings.db_url)
+        try:
+            db.upgrade(settings.db_url)
+        except (SQLAlchemyError, OSError, ImportError) as e:
+            raise UsageError(
+                f"cannot upgrade the ledger at {db.safe_url(settings.db_url)}: {_first_line(e)}"
+            ) from None
         print(f"ledger {db.safe_url(settings.db_url)} is at schema {db.head_revision()}", file=out)
         return 0
     if args.command == "slurm" and args.action == "script":
         from .slurm.spawner import preview_script
 
-        if args.gpus < 0:
-            raise UsageError("--gpus must be 0 or more")
+        parse_name(args.user, "--user")
         try:
             text = preview_script(settings.config, args.user, args.gpus, args.gpu_model, args.partition)
         except ValueError as e:  # a value that cannot go on an #SBATCH line
             raise UsageError(str(e)) from None
         print(text, end="", file=out)
         return 0
-    ledger = settings.open_ledger(sync=False)  # the hub keeps the inventory; this only reads it
+    ledger = open_ledger(settings)
     if args.command == "slurm":
         from .slurm.accounting import SlurmAccounting
 
@@ -203,11 +245,12 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         return 0
     if args.command == "usage":
         now = utcnow()
-        since = parse_when(args.since, now)
-        until = parse_when(args.until, now) if args.until else now
+        since = parse_when(args.since, now, "--since")
+        until = parse_when(args.until, now, "--until") if args.until else now
         if until <= since:
             raise UsageError("--until must be after --since")
-        hours = ledger.usage(since, until, user=args.user)
+        user = parse_name(args.user, "--user") if args.user is not None else None
+        hours = ledger.usage(since, until, user=user)
         rows = [(u, f"{h:.2f}") for u, h in sorted(hours.items())]
         print(f"GPU-hours from {since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M} UTC", file=out)
         print(format_table(("USER", "GPU-HOURS"), rows), file=out)
@@ -222,6 +265,9 @@ def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
             gpus, hours = _fmt_limit(e.limit)
             rows.append((e.scope, e.name or "*", gpus, hours, e.origin))
         print(format_table(("SCOPE", "NAME", "MAX GPUS", "GPU-HOURS", "FROM"), rows), file=out)
+        for scope, name, problem in ledger.ignored_limits():
+            who = "default" if scope == "default" else f"{scope} {name}"
+            print(f"ignored: the ledger's {who} limit ({problem}); set it again or unset it", file=out)
         return 0
     if args.default is not None and args.default is not False:
         scope, name, value = "default", "", args.default
@@ -229,6 +275,8 @@ def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
         scope, name, value = ("group", *args.group) if args.action == "set" else ("group", args.group, None)
     else:
         scope, name, value = ("user", *args.user) if args.action == "set" else ("user", args.user, None)
+    if scope != "default":
+        name = parse_name(name, f"--{scope}")
     if args.action == "unset":
         if ledger.unset_limit(scope, name):
             print(f"removed the ledger's {scope} limit{' for ' + name if name else ''}", file=out)
@@ -276,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     except (UsageError, db.SchemaError, InventoryError, SlurmError) as e:
         print(f"gpuhub: error: {e}", file=sys.stderr)
+        return 2
+    except SQLAlchemyError as e:  # the database went away or refused mid-command
+        print(f"gpuhub: error: the ledger database failed: {_first_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -19,6 +19,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -119,8 +120,12 @@ def ensure_schema(engine: Engine, url: str) -> None:
 
 
 def safe_url(url: str) -> str:
-    """The URL with any password hidden, for messages and logs."""
-    return make_url(url).render_as_string(hide_password=True)
+    """The URL with any password hidden, for messages and logs (never the text of one that
+    does not parse: it might hold a password in a place no parser finds)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "(a URL that does not parse)"
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -12,17 +12,16 @@ trusts the form.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 from typing import Any
 
+from . import values
 from .ledger import Allowance
-from .policy import Refusal
+from .policy import MAX_COUNT, Refusal
 
 OPTION_KEYS = ("gpus", "gpu_model")
-COUNT_TEXT = re.compile(r"[+-]?[0-9]{1,6}")  # ASCII digits only: no "²", no "+-1"
 USAGE = 'gpuhub servers take "gpus" (a whole number, 0 for none) and optionally "gpu_model".'
 
 
@@ -44,22 +43,20 @@ def _single(value: Any) -> Any:
 
 def parse_count(raw: Any) -> int:
     raw = _single(raw)
-    if isinstance(raw, bool):
-        raise Refusal(f"The GPU count must be a whole number; got {raw!r}. {USAGE}", reason="bad_request")
-    if isinstance(raw, int):
-        count = raw
-    elif isinstance(raw, float) and raw.is_integer():
-        count = int(raw)
-    elif isinstance(raw, str) and COUNT_TEXT.fullmatch(raw.strip()):
-        count = int(raw.strip())
-    else:
-        shown = raw if not isinstance(raw, str) else raw[:40]
-        raise Refusal(f"The GPU count must be a whole number; got {shown!r}. {USAGE}", reason="bad_request")
-    if count < 0:
-        raise Refusal(
-            f"The GPU count cannot be negative; got {count}. Ask for 0 or more.", reason="bad_request"
-        )
-    return count
+    try:
+        return values.parse_count(raw, "The GPU count", lo=0, hi=MAX_COUNT)
+    except values.BadValue as e:
+        raise Refusal(f"{e} {USAGE}", reason="bad_request") from None
+
+
+def _label(raw: Any, field: str) -> str | None:
+    raw = _single(raw)
+    if raw is None or raw == "":
+        return None
+    try:
+        return values.parse_label(raw, field)
+    except values.BadValue as e:
+        raise Refusal(f"{e} {USAGE}", reason="bad_request") from None
 
 
 def parse_gpu_options(
@@ -75,21 +72,19 @@ def parse_gpu_options(
     """
     options = dict(user_options or {})
     allowed = OPTION_KEYS if partitions is None else (*OPTION_KEYS, "partition")
-    unknown = sorted(k for k in options if k not in allowed)
+    unknown = sorted(str(k) for k in options if k not in allowed)
     if unknown:
+        shown = ", ".join(map(values.show, unknown[:5]))
         raise Refusal(
-            f"Unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}. {USAGE}",
+            f"Unknown option{'s' if len(unknown) > 1 else ''} {shown}. {USAGE}",
             reason="bad_request",
         )
     count = parse_count(options["gpus"]) if "gpus" in options else default_gpus
-    model = _single(options.get("gpu_model")) or None
-    if model is not None and not isinstance(model, str):
-        raise Refusal(f"gpu_model must be a model name; got {model!r}.", reason="bad_request")
-    partition = _single(options.get("partition")) or None
+    model = _label(options.get("gpu_model"), "gpu_model")
+    partition = _label(options.get("partition"), "partition")
     if partition is not None and (partitions is None or partition not in partitions):
-        shown = partition if not isinstance(partition, str) else partition[:40]
         raise Refusal(
-            f"There is no partition {shown!r} to choose here. Partitions: "
+            f"There is no partition {values.show(partition)} to choose here. Partitions: "
             f"{', '.join(partitions or []) or 'none'}; or leave it empty for the default.",
             reason="bad_request",
         )

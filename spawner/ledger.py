@@ -14,6 +14,7 @@ key (default, one group, one user); ``gpuhub limits unset`` returns that key to 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from .models import (
     Node,
 )
 from .reclaims import ReclaimRecords
+
+log = logging.getLogger("gpuhub.ledger")
 
 
 def utcnow() -> datetime:
@@ -136,6 +139,28 @@ def _row_limit(row: LimitRow) -> policy.Limit:
         gpu_hours=row.gpu_hours,
         window_hours=row.window_hours or policy.DEFAULT_WINDOW_HOURS,
     )
+
+
+_WARNED: set[tuple] = set()
+
+
+def _usable(row: LimitRow, limit: policy.Limit) -> bool:
+    """Whether the policy can use a stored limit; a row it cannot (from an older version or a
+    direct write: infinite, negative, NaN) is ignored for its key, with a warning once."""
+    problem = policy.limit_problem(limit)
+    if problem is None:
+        return True
+    key = (row.scope, row.name, limit)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        who = "the default" if row.scope == "default" else f"{row.scope} {row.name!r}"
+        log.warning(
+            "Ignoring the ledger's limit for %s: %s. Set it again with gpuhub limits set, "
+            "or remove it with gpuhub limits unset.",
+            who,
+            problem,
+        )
+    return False
 
 
 class Ledger(ReclaimRecords):
@@ -238,12 +263,15 @@ class Ledger(ReclaimRecords):
         base = self.config_rules
         default, groups, users = base.default, dict(base.groups), dict(base.users)
         for row in s.scalars(select(LimitRow)):
+            limit = _row_limit(row)
+            if not _usable(row, limit):
+                continue  # the trait's (or no) rule for that key, rather than a 500
             if row.scope == "default":
-                default = _row_limit(row)
+                default = limit
             elif row.scope == "group":
-                groups[row.name] = _row_limit(row)
+                groups[row.name] = limit
             else:
-                users[row.name] = _row_limit(row)
+                users[row.name] = limit
         return policy.LimitRules(default=default, groups=groups, users=users)
 
     def rules(self) -> policy.LimitRules:
@@ -279,9 +307,17 @@ class Ledger(ReclaimRecords):
         entries |= {("group", k): LimitEntry("group", k, v, "config") for k, v in base.groups.items()}
         entries |= {("user", k): LimitEntry("user", k, v, "config") for k, v in base.users.items()}
         for key, row in rows.items():
-            entries[key] = LimitEntry(row.scope, row.name, _row_limit(row), "ledger")
+            if _usable(row, _row_limit(row)):
+                entries[key] = LimitEntry(row.scope, row.name, _row_limit(row), "ledger")
         order = {scope: i for i, scope in enumerate(SCOPES)}
         return sorted(entries.values(), key=lambda e: (order[e.scope], e.name))
+
+    def ignored_limits(self) -> list[tuple[str, str, str]]:
+        """Ledger rows the policy cannot use, as ``(scope, name, problem)``: ignored for their key."""
+        with self._read() as s:
+            rows = list(s.scalars(select(LimitRow)))
+        found = [(r.scope, r.name, policy.limit_problem(_row_limit(r))) for r in rows]
+        return sorted((scope, name, p) for scope, name, p in found if p)
 
     def set_limit(self, scope: str, name: str, limit: policy.Limit) -> None:
         if scope not in SCOPES:
@@ -290,12 +326,9 @@ class Ledger(ReclaimRecords):
             name = ""
         elif not name:
             raise ValueError(f"a {scope} limit needs the {scope}'s name")
-        if limit.max_gpus is not None and limit.max_gpus < 0:
-            raise ValueError("max GPUs must be 0 or more (or unlimited)")
-        if limit.gpu_hours is not None and limit.gpu_hours < 0:
-            raise ValueError("GPU-hours must be 0 or more (or unlimited)")
-        if limit.window_hours <= 0:
-            raise ValueError("the GPU-hours window must be longer than 0 hours")
+        problem = policy.limit_problem(limit)
+        if problem:
+            raise ValueError(problem)
         with self._tx() as s:
             row = s.scalars(
                 select(LimitRow).where(LimitRow.scope == scope, LimitRow.name == name)

@@ -25,7 +25,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from .values import show
+
 DEFAULT_WINDOW_HOURS = 168.0
+
+# what a limit may say, wherever it comes from (traits, CLI, API, a ledger row)
+MAX_COUNT = 4096  # GPUs, nodes: more than any one gpuhub holds
+MAX_GPU_HOURS = 1e9
+MIN_WINDOW_HOURS = 0.01
+MAX_WINDOW_HOURS = 24 * 366.0
 
 
 @dataclass(frozen=True, order=True)
@@ -50,6 +58,27 @@ class Limit:
     max_gpus: int | None = None
     gpu_hours: float | None = None
     window_hours: float = DEFAULT_WINDOW_HOURS
+
+
+def limit_problem(limit: Limit) -> str | None:
+    """What makes ``limit`` unusable (``None`` when it is fine): each field's allowed range.
+
+    The ledger refuses to store such a limit, and ignores (with a warning) one already
+    stored by an older version or a direct write, rather than fail every request it meets.
+    """
+    m, h, w = limit.max_gpus, limit.gpu_hours, limit.window_hours
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= MAX_COUNT):
+        return f"max GPUs must be a whole number from 0 to {MAX_COUNT} (or unlimited); got {show(m)}"
+    if h is not None and (
+        isinstance(h, bool) or not isinstance(h, int | float) or not 0 <= h <= MAX_GPU_HOURS
+    ):
+        return f"GPU-hours must be a number from 0 to {MAX_GPU_HOURS:g} (or unlimited); got {show(h)}"
+    if isinstance(w, bool) or not isinstance(w, int | float) or not MIN_WINDOW_HOURS <= w <= MAX_WINDOW_HOURS:
+        return (
+            f"the GPU-hours window must be from {MIN_WINDOW_HOURS:g} to {MAX_WINDOW_HOURS:g} hours; "
+            f"got {show(w)}"
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -15,44 +15,55 @@ from typing import Any
 from traitlets import CaselessStrEnum, Dict, Float, Int, List, Unicode, Union
 from traitlets.config import Configurable
 
-from . import inventory
+from . import inventory, values
 from .ledger import Ledger
-from .policy import DEFAULT_WINDOW_HOURS, Gpu, Limit, LimitRules
+from .policy import (
+    DEFAULT_WINDOW_HOURS,
+    MAX_COUNT,
+    MAX_GPU_HOURS,
+    MAX_WINDOW_HOURS,
+    MIN_WINDOW_HOURS,
+    Gpu,
+    Limit,
+    LimitRules,
+)
 
 LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
 
 
 def parse_limit(value: Any, where: str) -> Limit:
     """A limit from config: ``2`` (max GPUs), ``None`` (unlimited), or a dict of
-    ``max_gpus``, ``gpu_hours``, ``window_hours``."""
+    ``max_gpus``, ``gpu_hours``, ``window_hours``. Refused with the trait named."""
     if value is None:
         return Limit(max_gpus=None)
-    if isinstance(value, bool):
-        raise ValueError(f"{where}: a limit is a number of GPUs, not {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{where}: a limit must be 0 or more; got {value}")
-        return Limit(max_gpus=value)
-    if isinstance(value, Mapping):
-        unknown = set(value) - LIMIT_KEYS
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown keys {sorted(unknown)}; use {sorted(LIMIT_KEYS)}, "
-                'e.g. {"max_gpus": 4, "gpu_hours": 200, "window_hours": 168}'
+    try:
+        if isinstance(value, Mapping):
+            unknown = set(value) - LIMIT_KEYS
+            if unknown:
+                raise ValueError(
+                    f"unknown keys {sorted(map(str, unknown))}; use {sorted(LIMIT_KEYS)}, "
+                    'e.g. {"max_gpus": 4, "gpu_hours": 200, "window_hours": 168}'
+                )
+            m, h = value.get("max_gpus"), value.get("gpu_hours")
+            w = value.get("window_hours", DEFAULT_WINDOW_HOURS)
+            lim = Limit(
+                max_gpus=None if m is None else values.parse_count(m, "max_gpus", hi=MAX_COUNT, text=False),
+                gpu_hours=None
+                if h is None
+                else values.parse_number(
+                    h, "gpu_hours", lo=0, hi=MAX_GPU_HOURS, unit="GPU-hours", text=False
+                ),
+                window_hours=values.parse_hours(
+                    w, "window_hours", lo=MIN_WINDOW_HOURS, hi=MAX_WINDOW_HOURS, text=False
+                ),
             )
-        lim = Limit(
-            max_gpus=value.get("max_gpus"),
-            gpu_hours=value.get("gpu_hours"),
-            window_hours=float(value.get("window_hours", DEFAULT_WINDOW_HOURS)),
-        )
-        if lim.max_gpus is not None and (not isinstance(lim.max_gpus, int) or lim.max_gpus < 0):
-            raise ValueError(f"{where}: max_gpus must be a whole number >= 0 or None")
-        if lim.gpu_hours is not None and lim.gpu_hours < 0:
-            raise ValueError(f"{where}: gpu_hours must be >= 0 or None")
-        if lim.window_hours <= 0:
-            raise ValueError(f"{where}: window_hours must be > 0")
-        return lim
-    raise ValueError(f"{where}: a limit is an int, None or a dict; got {value!r}")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            lim = Limit(max_gpus=values.parse_count(value, "a limit", hi=MAX_COUNT, text=False))
+        else:
+            raise ValueError(f"a limit is an int, None or a dict; got {values.show(value)}")
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return lim
 
 
 _LEDGERS: dict[str, Ledger] = {}

@@ -60,8 +60,8 @@ def test_parse_burst_request(body, expected):
     [
         ({"gpus": 3, "gpus_per_node": 2}, "multiple"),
         ({"gpus": 4, "nodes": 3, "gpus_per_node": 1}, "must equal 'gpus'"),
-        ({"gpus": 1, "lease_seconds": 7200}, "'lease_seconds' must be from 10 to 3600"),
-        ({"gpus": 1, "nodes": 0}, "'nodes' must be from 1"),
+        ({"gpus": 1, "lease_seconds": 7200}, "'lease_seconds' must be a number from 10 to 3600 seconds"),
+        ({"gpus": 1, "nodes": 0}, "'nodes' must be a whole number from 1 to 4096; got 0"),
     ],
 )
 def test_parse_burst_request_refuses(body, words):

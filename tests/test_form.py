@@ -18,7 +18,7 @@ def test_parse_count_accepts(raw, count):
 @pytest.mark.parametrize(
     "raw, words",
     [
-        ("abc", "whole number; got 'abc'"),
+        ("abc", "whole number from 0 to 4096; got 'abc'"),
         ("", "whole number"),
         ("1e3", "whole number"),
         ("9" * 40, "whole number"),  # no giant ints from a form
@@ -26,8 +26,12 @@ def test_parse_count_accepts(raw, count):
         (True, "whole number"),
         (None, "whole number"),
         ({"n": 1}, "whole number"),
-        (-1, "cannot be negative"),
-        ("-2", "cannot be negative"),
+        (-1, "from 0 to 4096; got -1"),
+        ("-2", "from 0 to 4096; got -2"),
+        (4097, "from 0 to 4096; got 4097"),
+        (10**400, "more than 60 digits"),
+        (float("nan"), "got nan"),
+        ("\uff11", "whole number"),  # a full-width one
         (["1", "2"], "one value per option"),
         ("+-1", "whole number"),
         ("-+2", "whole number"),

@@ -10,12 +10,27 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .. import policy, values
+
 MAX_BODY_BYTES = 16 * 1024
-MAX_COUNT = 4096
+MAX_COUNT = policy.MAX_COUNT
+MAX_DIGITS = 30  # no count or time here needs more; int() of a long one is quadratic
 
 
 class BadRequest(ValueError):
     """A malformed request; ``str(e)`` is the message for the caller."""
+
+
+def _refuse_constant(name: str):
+    raise BadRequest(f"The request body holds {name}, which is not a JSON number; send a finite number.")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise BadRequest(
+            f"The request body holds a number of {len(text)} digits; at most {MAX_DIGITS} are accepted."
+        )
+    return int(text)
 
 
 def parse_json_object(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
@@ -24,7 +39,9 @@ def parse_json_object(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict[str,
     if not body.strip():
         return {}
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_constant=_refuse_constant, parse_int=_bounded_int)
+    except RecursionError:
+        raise BadRequest("The request body is nested too deeply; send a flat JSON object.") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadRequest(f"The request body is not valid JSON ({e}).") from None
     if not isinstance(value, dict):
@@ -35,7 +52,8 @@ def parse_json_object(body: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict[str,
 def _only(body: dict, allowed: tuple[str, ...]) -> None:
     unknown = sorted(set(body) - set(allowed))
     if unknown:
-        raise BadRequest(f"Unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(allowed)}.")
+        shown = ", ".join(values.show(k) for k in unknown[:5])
+        raise BadRequest(f"Unknown field(s) {shown}; accepted: {', '.join(allowed)}.")
 
 
 def _int(body: dict, key: str, *, lo: int, hi: int, required: bool = False) -> int | None:
@@ -44,22 +62,20 @@ def _int(body: dict, key: str, *, lo: int, hi: int, required: bool = False) -> i
         if required:
             raise BadRequest(f"{key!r} is required: a whole number from {lo} to {hi}.")
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{key!r} must be a whole number from {lo} to {hi}; got {json.dumps(value)[:40]}.")
-    if not lo <= value <= hi:
-        raise BadRequest(f"{key!r} must be from {lo} to {hi}; got {value}.")
-    return value
+    try:
+        return values.parse_count(value, repr(key), lo=lo, hi=hi, text=False)
+    except values.BadValue as e:
+        raise BadRequest(e.message) from None
 
 
-def _number(body: dict, key: str, *, lo: float, hi: float) -> float | None:
+def _number(body: dict, key: str, *, lo: float, hi: float, unit: str = "") -> float | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRequest(f"{key!r} must be a number from {lo:g} to {hi:g}; got {json.dumps(value)[:40]}.")
-    if not lo <= value <= hi:
-        raise BadRequest(f"{key!r} must be from {lo:g} to {hi:g}; got {value:g}.")
-    return float(value)
+    try:
+        return values.parse_number(value, repr(key), lo=lo, hi=hi, unit=unit, text=False)
+    except values.BadValue as e:
+        raise BadRequest(e.message) from None
 
 
 @dataclass(frozen=True)
@@ -74,14 +90,17 @@ class BurstRequest:
 def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest:
     _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds"))
     model = body.get("gpu_model")
-    if model is not None and (not isinstance(model, str) or len(model) > 255):
-        raise BadRequest("'gpu_model' must be a model name (a string).")
+    if model is not None:
+        try:
+            model = values.parse_label(model, "'gpu_model'")
+        except values.BadValue as e:
+            raise BadRequest(e.message) from None
     req = BurstRequest(
         gpus=_int(body, "gpus", lo=1, hi=MAX_COUNT, required=True),
         nodes=_int(body, "nodes", lo=1, hi=MAX_COUNT),
         gpus_per_node=_int(body, "gpus_per_node", lo=1, hi=MAX_COUNT),
         gpu_model=model or None,
-        lease_seconds=_number(body, "lease_seconds", lo=10, hi=max_lease_seconds),
+        lease_seconds=_number(body, "lease_seconds", lo=10, hi=max_lease_seconds, unit="seconds"),
     )
     if req.gpus_per_node and req.gpus % req.gpus_per_node:
         raise BadRequest(f"'gpus' ({req.gpus}) must be a multiple of 'gpus_per_node' ({req.gpus_per_node}).")
@@ -93,7 +112,7 @@ def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest
 def parse_renew(body: dict, *, max_lease_seconds: float) -> float | None:
     """The lease asked for; the body may also carry ``idle_seconds`` (``parse_activity``)."""
     _only(body, ("lease_seconds", "idle_seconds"))
-    return _number(body, "lease_seconds", lo=10, hi=max_lease_seconds)
+    return _number(body, "lease_seconds", lo=10, hi=max_lease_seconds, unit="seconds")
 
 
 MAX_IDLE_SECONDS = 10 * 365 * 86400.0
@@ -101,7 +120,7 @@ MAX_IDLE_SECONDS = 10 * 365 * 86400.0
 
 def parse_activity(body: dict) -> float | None:
     """``idle_seconds``: how long ago the owner's code was last active (0: busy now)."""
-    return _number(body, "idle_seconds", lo=0, hi=MAX_IDLE_SECONDS)
+    return _number(body, "idle_seconds", lo=0, hi=MAX_IDLE_SECONDS, unit="seconds")
 
 
 @dataclass(frozen=True)
@@ -155,10 +174,12 @@ def parse_limit_body(body: dict, default_window_hours: float) -> LimitBody:
     _only(body, ("max_gpus", "gpu_hours", "window_hours"))
     if "max_gpus" not in body:
         raise BadRequest("'max_gpus' is required: a whole number of GPUs, or null for unlimited.")
-    window = _number(body, "window_hours", lo=0.01, hi=24 * 366)
+    window = _number(
+        body, "window_hours", lo=policy.MIN_WINDOW_HOURS, hi=policy.MAX_WINDOW_HOURS, unit="hours"
+    )
     return LimitBody(
         max_gpus=_int(body, "max_gpus", lo=0, hi=MAX_COUNT),
-        gpu_hours=_number(body, "gpu_hours", lo=0, hi=1e9),
+        gpu_hours=_number(body, "gpu_hours", lo=0, hi=policy.MAX_GPU_HOURS, unit="GPU-hours"),
         window_hours=window if window is not None else default_window_hours,
     )
 
