@@ -28,6 +28,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from traitlets import Float
 
+from .arguments import COUNT
 from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
 from .gpustats import nvml_problem
 from .ranks import Slot, choose_slots
@@ -275,9 +276,13 @@ class DaskMagics(Magics):
 
     @magic_arguments.magic_arguments()
     @magic_arguments.argument("command", nargs="?", choices=["shutdown", "status"])
-    @magic_arguments.argument("--gpus", type=int, help="workers, one per GPU (default: the server's GPUs)")
+    @magic_arguments.argument(
+        "--gpus", type=COUNT("--gpus"), help="workers, one per GPU (default: the server's GPUs)"
+    )
     @magic_arguments.argument("--cpu", action="store_true", help="a cluster without GPUs")
-    @magic_arguments.argument("--workers", type=int, help="with --cpu: how many workers (default 2)")
+    @magic_arguments.argument(
+        "--workers", type=COUNT("--workers"), help="with --cpu: how many workers (default 2)"
+    )
     @magic_arguments.argument("--name", default="client", help="the Client's variable (default: client)")
     @line_magic
     def dask_cuda(self, line: str = ""):

@@ -23,6 +23,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display, update_display
 from traitlets import Float
 
+from .arguments import COUNT, SECONDS
 from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
 from .pool import CellOutcome, EnginePool
 from .ranks import Slot, choose_slots, make_rank_specs
@@ -312,13 +313,21 @@ class DistributedMagics(Magics):
 
     @magic_arguments.magic_arguments()
     @magic_arguments.argument("command", nargs="?", choices=["shutdown", "status"], help="line form only")
-    @magic_arguments.argument("--gpus", type=int, help="ranks: one engine per GPU")
-    @magic_arguments.argument("--nodes", type=int, help="nodes to spread over (default: as few as fit)")
-    @magic_arguments.argument("--gpus-per-node", type=int, help="GPUs (ranks) on each node")
+    @magic_arguments.argument("--gpus", type=COUNT("--gpus"), help="ranks: one engine per GPU")
+    @magic_arguments.argument(
+        "--nodes", type=COUNT("--nodes"), help="nodes to spread over (default: as few as fit)"
+    )
+    @magic_arguments.argument(
+        "--gpus-per-node", type=COUNT("--gpus-per-node"), help="GPUs (ranks) on each node"
+    )
     @magic_arguments.argument(
         "--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, gloo without"
     )
-    @magic_arguments.argument("--timeout", type=float, help="collective timeout in seconds")
+    @magic_arguments.argument(
+        "--timeout",
+        type=SECONDS("--timeout"),
+        help="collective timeout in seconds",
+    )
     @magic_arguments.argument(
         "--output", choices=["all", "rank0"], default="all", help="whose output to show"
     )
@@ -352,12 +361,6 @@ class DistributedMagics(Magics):
             if not own:
                 raise UsageError("say how many GPUs: %%distributed --gpus N")
             args.gpus = own
-        for name in ("gpus", "nodes", "gpus_per_node"):
-            value = getattr(args, name)
-            if value is not None and value < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be 1 or more; got {value}")
-        if args.timeout is not None and args.timeout <= 0:
-            raise UsageError(f"--timeout must be more than 0 seconds; got {args.timeout:g}")
         on_slurm = os.environ.get("GPUHUB_BACKEND") == "slurm"
         if not on_slurm and ((args.nodes or 1) > 1 or args.gpus_per_node not in (None, args.gpus)):
             raise UsageError(

@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from jupyterhub.spawner import SpawnException
 from traitlets import Any, Instance, Int, List, default
 from traitlets.config import Configurable
 
 from . import form, policy
 from .ledger import AllocationInfo, Ledger
+from .refusals import install_log_filter, make_refusal
 from .settings import GpuHub
 
 STATE_KEY = "gpuhub_allocation_id"
@@ -69,6 +69,10 @@ class GpuSpawnerMixin(Configurable):
     gpu_options = Any(None, allow_none=True, help="This start's checked user_options (form.GpuOptions).")
     _gpuhub_events = List()
     _gpuhub_changed = Instance(asyncio.Event, allow_none=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        install_log_filter(self.log)
 
     @default("options_form")
     def _default_options_form(self):
@@ -164,7 +168,20 @@ class GpuSpawnerMixin(Configurable):
         env.update(self.gpu_env(self.gpu_allocation))
         return env
 
+    def _forget_stored_options(self) -> None:
+        """JupyterHub keeps every start's ``user_options`` as the next start's when that one
+        names none, even options that were refused. gpuhub promises ``default_gpus`` to a
+        start without options: the options stay on this start (``self.user_options``) and
+        are not stored for the next one."""
+        orm = getattr(self, "orm_spawner", None)
+        db = getattr(getattr(self, "user", None), "db", None)
+        if orm is None or db is None or not orm.user_options:
+            return
+        orm.user_options = {}
+        db.commit()
+
     async def _admit(self) -> AllocationInfo | None:
+        self._forget_stored_options()
         try:
             opts = self.gpu_options = await asyncio.to_thread(self.parse_options)  # may ask the scheduler
             if opts.count == 0:
@@ -193,7 +210,7 @@ class GpuSpawnerMixin(Configurable):
                     await self._in_ledger("release", allocation.id, "spawn cancelled")
                 raise
         except policy.Refusal as e:
-            raise SpawnException(e.message, reason=f"gpuhub_{e.reason}", status_code=e.status_code) from None
+            raise make_refusal(e.message, e.reason, e.status_code) from None
 
     async def start(self):
         self._gpuhub_events = []

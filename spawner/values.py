@@ -174,14 +174,15 @@ def parse_label(raw: Any, field: str, *, max_length: int = 255) -> str:
 
 def argparse_type(parser, field: str, **bounds):
     """An ``argparse`` ``type=`` for a parser above: ``type=argparse_type(parse_count,
-    "--gpus", lo=1, hi=4096)``. A refusal becomes argparse's one-line error."""
+    "--gpus", lo=1, hi=4096)``. A refusal becomes argparse's one-line error,
+    ``argument --gpus: must be a whole number from 1 to 4096; got 0.``"""
     import argparse
 
     def convert(text: str):
         try:
             return parser(text, field, **bounds)
         except BadValue as e:
-            raise argparse.ArgumentTypeError(e.message) from None
+            raise argparse.ArgumentTypeError(e.message.removeprefix(f"{field} ")) from None
 
     convert.__name__ = parser.__name__.removeprefix("parse_")
     return convert

@@ -12,8 +12,7 @@ from datetime import timedelta
 
 from tornado import web
 
-from .. import policy
-from ..cli import UsageError, parse_when
+from .. import policy, values
 from ..ledger import utcnow
 from . import access, schemas, views
 from .handlers import APIHandler
@@ -189,16 +188,14 @@ class UsageHandler(APIHandler):
         who = self.whose("usage")
         now = utcnow()
         try:
-            since = parse_when(self.get_argument("since", f"{self.broker.settings.usage_days}d"), now)
-            until = parse_when(self.get_argument("until"), now) if self.get_argument("until", None) else now
-            bucket = float(self.get_argument("bucket_hours", "24"))
-        except (UsageError, ValueError) as e:
+            since = self.time_argument("since", f"{self.broker.settings.usage_days}d", now)
+            until = self.time_argument("until", None, now) or now
+            bucket = values.parse_hours(
+                self.get_argument("bucket_hours", "24"), "'bucket_hours'", lo=0.01, hi=24 * 366
+            )
+        except values.BadValue as e:
             return self.fail(400, str(e), "bad_request")
-        if (
-            until <= since
-            or not 0.01 <= bucket <= 24 * 366
-            or (until - since) / timedelta(hours=bucket) > 1000
-        ):
+        if until <= since or (until - since) / timedelta(hours=bucket) > 1000:
             return self.fail(400, "Ask for a period after 'since', in at most 1000 buckets.", "bad_request")
         ledger = self.broker.ledger
         totals = await self.broker.run(ledger.usage, since, until, who)

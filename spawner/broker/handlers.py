@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import datetime
 from typing import Any
 
 from jupyterhub.services.auth import HubOAuthenticated, UserNotAllowed
@@ -17,6 +18,7 @@ from tornado import web
 from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
+from .. import values
 from ..idle import IdleRules
 from . import access
 from .access import Caller
@@ -111,6 +113,11 @@ class APIHandler(BaseHandler):
         if a is None or not access.may_see(caller, a.user):
             raise web.HTTPError(404, f"No allocation {allocation_id} of yours.")
         return caller, a
+
+    def time_argument(self, name: str, default: str | None, now: datetime) -> datetime | None:
+        """A query argument read as a timestamp (``values.parse_timestamp``); raises ``BadValue``."""
+        raw = self.get_argument(name, default)
+        return None if raw is None else values.parse_timestamp(raw, repr(name), now)
 
     def fail(self, status: int, message: str, reason: str, **extra: Any) -> None:
         self.set_status(status)

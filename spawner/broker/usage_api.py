@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from tornado import web
 
-from ..cli import UsageError, parse_when
+from .. import values
 from ..ledger import utcnow
 from ..reclaims import totals
 from . import access, schemas, views
@@ -69,8 +69,8 @@ class ReclaimsHandler(APIHandler):
         who = self.whose("reclaims")
         now = utcnow()
         try:
-            since = parse_when(self.get_argument("since", f"{self.broker.settings.usage_days}d"), now)
-        except (UsageError, ValueError) as e:
+            since = self.time_argument("since", f"{self.broker.settings.usage_days}d", now)
+        except values.BadValue as e:
             return self.fail(400, str(e), "bad_request")
         if since > now + timedelta(seconds=1):
             return self.fail(400, "'since' is in the future.", "bad_request")

@@ -29,6 +29,7 @@ from traitlets import Float, Int, List, Unicode, default
 from .. import form
 from ..ledger import AllocationInfo
 from ..mixin import GpuSpawnerMixin
+from ..refusals import make_refusal
 from . import callback, jobs, script
 from .accounting import SlurmAccounting
 from .cluster import read_cluster
@@ -152,10 +153,10 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         try:
             return self.cluster()
         except jobs.SlurmError as e:
-            raise SpawnException(
+            raise make_refusal(
                 f"Slurm is not answering ({e}); try again in a minute, or tell an admin.",
-                reason="gpuhub_slurm_unavailable",
-                status_code=503,
+                "slurm_unavailable",
+                503,
             ) from None
 
     def admission(self, opts: form.GpuOptions) -> dict:
@@ -274,11 +275,11 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         job = self.job_id or self._seen_job  # batchspawner may have cleared the state already
         _, info = self.watcher.job(job) if job else ("", None)
         state = info.state.lower() if info else "gone"
-        return SpawnException(
+        return make_refusal(
             f"Your server's Slurm job {job} ended before the server started ({state}). "
             f"Its output is in {log} (%j is the job id); tell an admin if it does not say why.",
-            reason="gpuhub_slurm_job_ended",
-            status_code=500,
+            "slurm_job_ended",
+            500,
         )
 
     def _accounting(self) -> SlurmAccounting:
@@ -318,9 +319,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             task.add_done_callback(_BACKGROUND.discard)
             raise
         except jobs.SlurmError as e:
-            raise SpawnException(
-                f"Slurm refused the job: {e}", reason="gpuhub_slurm_refused", status_code=400
-            ) from None
+            raise make_refusal(f"Slurm refused the job: {e}", "slurm_refused", 400) from None
         self.job_id = jobs.parse_sbatch(out)
         self.watcher.track(self.job_id)
         self._save_state()  # a hub restarted while this job queues must know it
