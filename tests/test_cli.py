@@ -70,9 +70,15 @@ def test_limits_set_show_unset(hubdir):
         (["limits", "set", "--default", "\uff11"], "a limit must be a whole number"),
         (["limits", "set", "--default", "9" * 30], "from 0 to 4096"),
         (["limits", "set", "--user", "bob", "4097"], "from 0 to 4096; got 4097"),
-        (["limits", "set", "--user", "bob", "2", "--window-hours", "inf"], "argument --window-hours: must be a number"),
+        (
+            ["limits", "set", "--user", "bob", "2", "--window-hours", "inf"],
+            "argument --window-hours: must be a number",
+        ),
         (["limits", "set", "--user", "bob", "2", "--window-hours", "1e10"], "from 0.01 to 8784 hours"),
-        (["limits", "set", "--user", "bob", "2", "--gpu-hours", "nan"], "argument --gpu-hours: must be a number"),
+        (
+            ["limits", "set", "--user", "bob", "2", "--gpu-hours", "nan"],
+            "argument --gpu-hours: must be a number",
+        ),
         (["limits", "set", "--user", "bob", "2", "--gpu-hours", "1" + "0" * 400], "from 0 to 1e+09"),
         (["limits", "set", "--user", "bo,b", "2"], "--user must be a user or group name"),
         (["limits", "set", "--group", "a=b", "2"], "--group must be a user or group name"),
