@@ -210,6 +210,7 @@ class GpuSpawnerMixin(Configurable):
                     await self._in_ledger("release", allocation.id, "spawn cancelled")
                 raise
         except policy.Refusal as e:
+            install_log_filter(self.log)  # before JupyterHub logs this refusal
             raise make_refusal(e.message, e.reason, e.status_code) from None
 
     async def start(self):

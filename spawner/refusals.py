@@ -52,8 +52,13 @@ _FILTER = RefusalLogFilter()
 
 
 def install_log_filter(*loggers: logging.Logger | logging.LoggerAdapter | None) -> None:
-    """Add the filter (once) to JupyterHub's own logger and to each of ``loggers``."""
+    """Add the filter (once) to JupyterHub's own logger, to each of ``loggers`` and to their
+    handlers: the hub configures its logging after it loads its config and may again later,
+    so the refusal path calls this too, where the handlers are the ones in use."""
     for log in (logging.getLogger("JupyterHub"), *loggers):
         log = getattr(log, "logger", log)  # a LoggerAdapter's logger
-        if isinstance(log, logging.Logger) and _FILTER not in log.filters:
-            log.addFilter(_FILTER)
+        if not isinstance(log, logging.Logger):
+            continue
+        for target in (log, *log.handlers):
+            if _FILTER not in target.filters:
+                target.addFilter(_FILTER)
