@@ -387,3 +387,47 @@ def test_json_examples_from_the_fuzz_are_refused_with_the_reason():
             schemas.parse_json_object(body)
     with pytest.raises(schemas.BadRequest, match="'lease_seconds' must be a number from 10 to 3600"):
         schemas.parse_burst_request({"gpus": 1, "lease_seconds": 10**400}, max_lease_seconds=3600)
+
+
+# the magics' options ----------------------------------------------------------------------
+
+
+def _magic(name):
+    from IPython.core import magic_arguments
+
+    from gpu_magics.daskmagic import DaskMagics
+    from gpu_magics.magics import DistributedMagics
+
+    owner = DistributedMagics if name == "distributed" else DaskMagics
+    return magic_arguments, getattr(owner, name)
+
+
+@FUZZ
+@given(option=st.sampled_from(["--gpus", "--nodes", "--gpus-per-node", "--timeout"]), value=weird_text)
+@example(option="--gpus", value="\u00b2")
+@example(option="--timeout", value="nan")
+@example(option="--timeout", value="1e400")
+@example(option="--gpus", value="1" + "0" * 5000)
+def test_distributed_options_are_in_range_or_a_usage_error(option, value):
+    from IPython.core.error import UsageError
+
+    magic_arguments, fn = _magic("distributed")
+    try:
+        args = magic_arguments.parse_argstring(fn, f"{option} {value!r}" if value.strip() else option)
+    except UsageError as e:
+        assert "Traceback" not in str(e)
+        return
+    got = getattr(args, option.lstrip("-").replace("-", "_"))
+    if option == "--timeout":
+        assert 0.1 <= got <= 7 * 86400 and math.isfinite(got)
+    else:
+        assert 1 <= got <= policy.MAX_COUNT
+
+
+@pytest.mark.parametrize("line", ["--gpus 0", "--gpus \u00b2", "--workers -1", "--workers 1e400"])
+def test_dask_options_out_of_range_are_a_usage_error(line):
+    from IPython.core.error import UsageError
+
+    magic_arguments, fn = _magic("dask_cuda")
+    with pytest.raises(UsageError, match="must be a whole number from 1 to 4096"):
+        magic_arguments.parse_argstring(fn, line)
