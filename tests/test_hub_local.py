@@ -130,8 +130,8 @@ def test_over_the_limit_is_refused_with_the_message(hub, ledger, clean):
 @pytest.mark.parametrize(
     "options, status, words",
     [
-        ({"gpus": "abc"}, 400, "must be a whole number; got 'abc'"),
-        ({"gpus": -1}, 400, "cannot be negative"),
+        ({"gpus": "abc"}, 400, "must be a whole number from 0 to 4096; got 'abc'"),
+        ({"gpus": -1}, 400, "from 0 to 4096; got -1"),
         ({"gpus": 2.5}, 400, "must be a whole number"),
         ({"gpus": True}, 400, "must be a whole number"),
         ({"gpus": None}, 400, "must be a whole number"),
@@ -154,8 +154,8 @@ def test_bad_rest_user_options_are_refused(hub, ledger, clean, options, status, 
 @pytest.mark.parametrize(
     "form, words",
     [
-        ({"gpus": "two"}, "must be a whole number; got 'two'"),
-        ({"gpus": "-3"}, "cannot be negative"),
+        ({"gpus": "two"}, "must be a whole number from 0 to 4096; got 'two'"),
+        ({"gpus": "-3"}, "from 0 to 4096; got -3"),
         ({"gpus": "1", "gpu_model": "<b>H100</b>"}, "no GPU model '<b>H100</b>' here"),
         ({"gpus": "1", "extra": "x"}, "Unknown option 'extra'"),
     ],
