@@ -17,6 +17,7 @@ Run it as the hub's account: the ledger is readable only by the hub.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -76,17 +77,59 @@ def _fmt_limit(limit: Limit) -> tuple[str, str]:
     return gpus, hours
 
 
+EXIT_CODES = """exit codes:
+  0  done
+  1  nothing to change (limits unset of a limit the ledger does not have)
+  2  bad input or a failure: one line on stderr says what and what to do
+
+--config, --db-url and --json go before or after the command:
+  gpuhub gpus --db-url sqlite:////srv/jupyterhub/gpuhub.sqlite --json"""
+
+
+def _common(json_output: bool) -> argparse.ArgumentParser:
+    """Options every command takes, before or after its name (SUPPRESS: the top level's stay)."""
+    c = argparse.ArgumentParser(add_help=False)
+    c.add_argument(
+        "--config", "-f", default=argparse.SUPPRESS, help="jupyterhub_config.py to read c.GpuHub from"
+    )
+    c.add_argument(
+        "--db-url", default=argparse.SUPPRESS, help="ledger database URL (overrides c.GpuHub.db_url)"
+    )
+    if json_output:
+        c.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON for scripts"
+        )
+    return c
+
+
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpuhub", description="Admin commands for the gpuhub GPU ledger.")
+    p = argparse.ArgumentParser(
+        prog="gpuhub",
+        description="Admin commands for the gpuhub GPU ledger.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", "-f", help="jupyterhub_config.py to read c.GpuHub from")
     p.add_argument("--db-url", help="ledger database URL (overrides c.GpuHub.db_url)")
+    p.add_argument("--json", action="store_true", help="print JSON (gpus, usage, limits show)")
+    plain, with_json = _common(False), _common(True)
+
+    def command(group, name: str, *, json_output: bool = False, **kw) -> argparse.ArgumentParser:
+        return group.add_parser(
+            name,
+            parents=[with_json if json_output else plain],
+            epilog=EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **kw,
+        )
+
     sub = p.add_subparsers(dest="command", required=True)
 
     limits = sub.add_parser("limits", help="show and set GPU limits").add_subparsers(
         dest="action", required=True
     )
-    limits.add_parser("show", help="every limit in force and where it comes from")
-    lset = limits.add_parser("set", help="set a limit (wins over c.GpuHub.*_limit(s))")
+    command(limits, "show", json_output=True, help="every limit in force and where it comes from")
+    lset = command(limits, "set", help="set a limit (wins over c.GpuHub.*_limit(s))")
     who = lset.add_mutually_exclusive_group(required=True)
     who.add_argument("--default", metavar="N", help="GPUs anyone may hold at once")
     who.add_argument("--group", nargs=2, metavar=("GROUP", "N"))
@@ -107,31 +150,31 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"the window the GPU-hours count over ({MIN_WINDOW_HOURS:g} to {MAX_WINDOW_HOURS:g} hours; "
         f"default {DEFAULT_WINDOW_HOURS:g})",
     )
-    lunset = limits.add_parser("unset", help="remove a ledger limit, returning to the config's")
+    lunset = command(limits, "unset", help="remove a ledger limit, returning to the config's")
     who = lunset.add_mutually_exclusive_group(required=True)
     who.add_argument("--default", action="store_true")
     who.add_argument("--group", metavar="GROUP")
     who.add_argument("--user", metavar="USER")
 
-    sub.add_parser("gpus", help="every GPU: node, index, model, holder, since when, for what")
-    usage = sub.add_parser("usage", help="GPU-hours per user")
+    command(sub, "gpus", json_output=True, help="every GPU: node, index, model, holder, since when, for what")
+    usage = command(sub, "usage", json_output=True, help="GPU-hours per user")
     usage.add_argument("--since", default="30d", help="start: a date or a span such as 7d (default 30d)")
     usage.add_argument("--until", help="end (default: now)")
     usage.add_argument("--user")
     slurm = sub.add_parser("slurm", help="the Slurm backend").add_subparsers(dest="action", required=True)
-    sscript = slurm.add_parser("script", help="preview the batch script of a user's server")
+    sscript = command(slurm, "script", help="preview the batch script of a user's server")
     sscript.add_argument("--user", required=True)
     sscript.add_argument(
         "--gpus", type=values.argparse_type(values.parse_count, "--gpus", lo=0, hi=MAX_COUNT), default=1
     )
     sscript.add_argument("--gpu-model")
     sscript.add_argument("--partition", default="")
-    slurm.add_parser("sync", help="write every known user's GPU limit to Slurm's accounting")
+    command(slurm, "sync", help="write every known user's GPU limit to Slurm's accounting")
     dbp = sub.add_parser("db", help="ledger database").add_subparsers(dest="action", required=True)
-    dbp.add_parser("upgrade", help="migrate the ledger to this gpuhub's schema")
+    command(dbp, "upgrade", help="migrate the ledger to this gpuhub's schema")
     kernel = sub.add_parser("kernel", help="notebook kernels").add_subparsers(dest="action", required=True)
-    kinst = kernel.add_parser(
-        "install", help='install the "Python 3 (GPUs)" kernel (default: this Python\'s prefix)'
+    kinst = command(
+        kernel, "install", help='install the "Python 3 (GPUs)" kernel (default: this Python\'s prefix)'
     )
     where = kinst.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="into the current user's Jupyter directory")
@@ -161,6 +204,35 @@ def load_settings(args: argparse.Namespace) -> GpuHub:
     elif os.environ.get("GPUHUB_DB_URL"):
         settings.db_url = os.environ["GPUHUB_DB_URL"]
     return settings
+
+
+def _iso(when: datetime | None) -> str | None:
+    return None if when is None else when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def limit_json(limit: Limit) -> dict:
+    return {"max_gpus": limit.max_gpus, "gpu_hours": limit.gpu_hours, "window_hours": limit.window_hours}
+
+
+def gpu_json(st) -> dict:
+    """One row of ``gpuhub gpus --json``: a GPU and its holder (or ``null``)."""
+    h = st.holder
+    holder = None
+    if h is not None:
+        holder = {
+            "user": h.user,
+            "allocation_id": h.id,
+            "purpose": h.purpose,
+            "server_name": h.server_name,
+            "since": _iso(h.started or h.created),
+        }
+    g = st.gpu
+    return {"node": g.node, "index": g.index, "model": g.model, "present": st.present, "holder": holder}
+
+
+def _print_json(value, out) -> int:
+    print(json.dumps(value, indent=2), file=out)
+    return 0
 
 
 def _first_line(e: BaseException) -> str:
@@ -227,8 +299,11 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             _sync_slurm_after(settings, ledger, args, out)
         return code
     if args.command == "gpus":
+        table = ledger.gpu_table()
+        if args.json:
+            return _print_json([gpu_json(st) for st in table], out)
         rows = []
-        for st in ledger.gpu_table():
+        for st in table:
             h = st.holder
             rows.append(
                 (
@@ -251,6 +326,9 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             raise UsageError("--until must be after --since")
         user = parse_name(args.user, "--user") if args.user is not None else None
         hours = ledger.usage(since, until, user=user)
+        if args.json:
+            per_user = {u: round(h, 4) for u, h in sorted(hours.items())}
+            return _print_json({"since": _iso(since), "until": _iso(until), "gpu_hours": per_user}, out)
         rows = [(u, f"{h:.2f}") for u, h in sorted(hours.items())]
         print(f"GPU-hours from {since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M} UTC", file=out)
         print(format_table(("USER", "GPU-HOURS"), rows), file=out)
@@ -260,6 +338,13 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
 
 def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
     if args.action == "show":
+        if args.json:
+            entries = [
+                {"scope": e.scope, "name": e.name, "origin": e.origin, **limit_json(e.limit)}
+                for e in ledger.limit_entries()
+            ]
+            ignored = [{"scope": sc, "name": n, "problem": pr} for sc, n, pr in ledger.ignored_limits()]
+            return _print_json({"limits": entries, "ignored": ignored}, out)
         rows = []
         for e in ledger.limit_entries():
             gpus, hours = _fmt_limit(e.limit)

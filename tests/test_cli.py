@@ -1,5 +1,6 @@
 """The `gpuhub` console script, run as an admin would, against a real ledger file."""
 
+import json
 import subprocess
 import sys
 from datetime import datetime
@@ -117,6 +118,59 @@ def test_gpus_and_usage_show_holders(hubdir):
     assert f"server big (#{a.id})" in out[2]
     usage = gpuhub(hubdir, "usage", "--user", "carol").stdout
     assert usage.splitlines()[-1].split()[0] == "carol"
+
+
+def test_global_options_go_before_or_after_the_command_and_json_matches_the_ledger(hubdir, tmp_path_factory):
+    url = f"sqlite:///{hubdir / 'gpuhub.sqlite'}"
+    ledger = Ledger(url)
+    ledger.sync_inventory(parse_simulated([{"node": "n1", "count": 2, "model": "A100"}]))
+    ledger.set_limit("group", "students", Limit(max_gpus=2, gpu_hours=10, window_hours=24))
+    a = ledger.allocate("carol", ["students"], 1, server_name="")
+    ledger.mark_running(a.id, "4242")
+    elsewhere = tmp_path_factory.mktemp("elsewhere")  # no jupyterhub_config.py here
+    cfg = str(hubdir / "jupyterhub_config.py")
+
+    before = gpuhub(elsewhere, "--db-url", url, "gpus", "--json").stdout
+    after = gpuhub(elsewhere, "gpus", "--db-url", url, "--json").stdout
+    top = gpuhub(elsewhere, "--json", "--db-url", url, "gpus").stdout
+    assert before == after == top
+    rows = json.loads(after)
+    assert [(r["node"], r["index"], r["model"], r["present"]) for r in rows] == [
+        ("n1", 0, "A100", True),
+        ("n1", 1, "A100", True),
+    ]
+    [held] = [r for r in rows if r["holder"]]
+    assert held["holder"] == {
+        "user": "carol",
+        "allocation_id": a.id,
+        "purpose": "server",
+        "server_name": "",
+        "since": ledger.get(a.id).started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    assert {st.gpu.label for st in ledger.gpu_table() if st.holder} == {f"n1:{held['index']}"}
+
+    limits = json.loads(gpuhub(elsewhere, "limits", "show", "--json", "-f", cfg, "--db-url", url).stdout)
+    assert {
+        "scope": "group",
+        "name": "students",
+        "origin": "ledger",
+        "max_gpus": 2,
+        "gpu_hours": 10.0,
+        "window_hours": 24.0,
+    } in limits["limits"]
+    assert limits["ignored"] == []
+    usage = json.loads(gpuhub(elsewhere, "usage", "--since", "1d", "--db-url", url, "--json").stdout)
+    assert set(usage) == {"since", "until", "gpu_hours"} and set(usage["gpu_hours"]) == {"carol"}
+    # a change through the options after the command lands in that ledger
+    gpuhub(elsewhere, "limits", "set", "--user", "dave", "3", "--db-url", url)
+    assert ledger.rules().users["dave"].max_gpus == 3
+
+
+def test_help_lists_the_exit_codes():
+    r = subprocess.run([GPUHUB, "--help"], capture_output=True, text=True)
+    assert "exit codes:" in r.stdout and "2  bad input or a failure" in r.stdout
+    r = subprocess.run([GPUHUB, "limits", "unset", "--help"], capture_output=True, text=True)
+    assert "1  nothing to change" in r.stdout
 
 
 def test_db_upgrade_and_behind_schema(hubdir):
