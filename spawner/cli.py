@@ -253,10 +253,14 @@ def open_ledger(settings: GpuHub) -> Ledger:
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.command == "kernel":
-        import kernels
+        from gpu_magics import kernelspec
 
         prefix = None if args.user else (args.prefix or sys.prefix)
-        for path in kernels.install(user=args.user, prefix=prefix):
+        try:
+            installed = kernelspec.install(user=args.user, prefix=prefix)
+        except (FileNotFoundError, OSError) as e:
+            raise UsageError(str(e)) from None
+        for path in installed:
             print(f"installed {path}", file=out)
         return 0
     settings = load_settings(args)

@@ -59,7 +59,14 @@ def xsrf_from(html: str) -> str:
 
 
 class Hub:
-    def __init__(self, workdir: Path, extra_config: str = "", base_config: Path = DEMO_CONFIG):
+    def __init__(
+        self,
+        workdir: Path,
+        extra_config: str = "",
+        base_config: Path = DEMO_CONFIG,
+        python: Path | None = None,
+    ):
+        self.python = python  # run the hub with this Python (an installed gpuhub), not this test's
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -112,10 +119,12 @@ enable_broker(c, url="http://127.0.0.1:{self.broker_port}")
     def start(self, timeout: float = 90) -> Hub:
         cfg = self.write_config()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{Path(sys.executable).parent}:{env['PATH']}"
+        bindir = Path(self.python or sys.executable).parent
+        env["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{bindir}:{env['PATH']}"
+        command = [str(JUPYTERHUB)] if self.python is None else [str(self.python), "-m", "jupyterhub"]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [str(JUPYTERHUB), "-f", str(cfg)],
+            [*command, "-f", str(cfg)],
             cwd=self.dir,
             env=env,
             stdout=log,

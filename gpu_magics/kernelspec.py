@@ -1,0 +1,44 @@
+"""The "Python 3 (GPUs)" kernel spec (``python3-gpus``): IPython with ``gpu_magics`` loaded.
+
+``pip install jupyterhub-gpuhub`` puts it in the environment's
+``share/jupyter/kernels/python3-gpus`` as wheel data, where Jupyter finds it with no command
+(as ipykernel ships its own). The repository's ``kernels/`` folder is its source.
+``gpuhub kernel install [--user | --prefix P]`` copies it elsewhere: another environment's
+prefix, or one user's Jupyter directory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+KERNEL_NAMES = ("python3-gpus",)
+REPO_SPECS = Path(__file__).resolve().parent.parent / "kernels"  # a checkout (editable install)
+
+
+def spec_dir(name: str, prefix: str | Path = sys.prefix) -> Path:
+    """The source of kernel spec ``name``: a checkout's ``kernels/`` folder (an editable
+    install), else the wheel's data in ``prefix``."""
+    for base in (REPO_SPECS, Path(prefix) / "share" / "jupyter" / "kernels"):
+        if (base / name / "kernel.json").is_file():
+            return base / name
+    raise FileNotFoundError(
+        f"gpuhub's kernel spec {name!r} is not in {prefix}/share/jupyter/kernels: "
+        "reinstall gpuhub (pip install jupyterhub-gpuhub) into this environment"
+    )
+
+
+def install(user: bool = False, prefix: str | None = None) -> list[str]:
+    """Install every gpuhub kernel spec; returns where each is."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    ksm = KernelSpecManager()
+    done = []
+    for name in KERNEL_NAMES:
+        source = spec_dir(name)
+        target = Path(prefix or sys.prefix) / "share" / "jupyter" / "kernels" / name
+        if not user and target.resolve() == source.resolve():
+            done.append(str(target))  # the wheel put it there already
+            continue
+        done.append(ksm.install_kernel_spec(str(source), kernel_name=name, user=user, prefix=prefix))
+    return done

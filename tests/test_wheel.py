@@ -1,0 +1,163 @@
+"""The path a real admin takes: build the wheel, install it into a clean environment, and run
+a hub from ``hub_config/`` with that install, which spawns a GPU server whose kernel runs
+``%gpus``.
+
+The clean environment gets gpuhub only from the wheel (``pip install --no-deps``). Its
+dependencies (JupyterHub, torch, ...) are this test environment's, reached through a plain
+path line in a ``.pth`` file: that adds the directory without running its ``.pth`` hooks, so
+the checkout's editable install is not visible there.
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from spawner.ledger import Ledger
+
+from .hubtools import REPO, Hub
+from .test_distributed_hub import run
+
+pytestmark = pytest.mark.hub
+
+SPEC = "share/jupyter/kernels/python3-gpus/kernel.json"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from the repository's tracked files (what a clone holds)."""
+    src = tmp_path_factory.mktemp("src")
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
+    for name in files.stdout.splitlines():
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    [whl] = out.glob("jupyterhub_gpuhub-*.whl")
+    return whl
+
+
+def test_the_wheel_holds_two_packages_and_the_kernel_spec_as_data(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    data = [n for n in names if ".data/" in n]
+    assert top == {"spawner", "gpu_magics", *(t for t in top if t.startswith("jupyterhub_gpuhub-0"))}
+    assert not [n for n in names if n.startswith(("kernels/", "tests/", "hub_config/"))]
+    assert [n.split(".data/data/", 1)[1] for n in data] == [SPEC]
+    assert "spawner/broker/openapi.yaml" in names and "spawner/migrations/env.py" in names
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """A clean environment with the wheel installed; returns its python."""
+    env = tmp_path_factory.mktemp("env") / "venv"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    python = env / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    (site / "gpuhub-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    return python
+
+
+def test_the_installed_kernel_is_there_with_no_command(installed, tmp_path):
+    env = dict(os.environ, JUPYTER_DATA_DIR=str(tmp_path / "data"), HOME=str(tmp_path))
+    code = (
+        "import spawner, gpu_magics, importlib.util as u;"
+        "from jupyter_client.kernelspec import KernelSpecManager as K;"
+        "print(spawner.__file__); print(gpu_magics.__file__); print(u.find_spec('kernels'));"
+        "print(K().get_kernel_spec('python3-gpus').resource_dir)"
+    )
+    out = subprocess.run([str(installed), "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    spawner_file, magics_file, kernels_spec, resource = out.stdout.split("\n")[:4]
+    prefix = str(installed.parent.parent)
+    assert spawner_file.startswith(prefix) and magics_file.startswith(prefix)
+    assert kernels_spec == "None"  # no top-level package named kernels
+    assert resource == f"{prefix}/share/jupyter/kernels/python3-gpus"
+    cli = subprocess.run([str(installed.with_name("gpuhub")), "--help"], capture_output=True, text=True)
+    assert cli.returncode == 0 and "exit codes:" in cli.stdout
+    # `gpuhub kernel install` stays, for other places
+    other = tmp_path / "other"
+    r = subprocess.run(
+        [str(installed.with_name("gpuhub")), "kernel", "install", "--prefix", str(other)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert (other / SPEC).read_text() == (Path(prefix) / SPEC).read_text()
+
+
+def test_a_hub_from_the_installed_package_spawns_a_gpu_server_that_runs_gpus(installed, tmp_path):
+    hub = Hub(tmp_path, python=installed).start()
+    ledger = Ledger(hub.ledger_url)
+    try:
+        hub.wait_for_broker()
+        assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
+        hub.wait_ready("alice")
+        [alloc] = ledger.active(user="alice")
+        env = hub.server_env("alice")
+        assert env["GPUHUB_ALLOCATION_ID"] == str(alloc.id)
+        r = hub.api_url_request("POST", "/user/alice/api/kernels", json={"name": "python3-gpus"})
+        assert r.status_code == 201, r.text
+        [conn] = glob.glob(
+            f"{tmp_path}/home/alice/**/kernel-{r.json()['id']}.json", recursive=True, include_hidden=True
+        )
+        kc = BlockingKernelClient(connection_file=conn)
+        kc.load_connection_file()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        status, out = run(kc, "import gpu_magics, sys; print(gpu_magics.__file__, sys.prefix)")
+        assert status == "ok" and out.split() == [
+            str(
+                installed.parent.parent
+                / "lib"
+                / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+                / "site-packages"
+                / "gpu_magics"
+                / "__init__.py"
+            ),
+            str(installed.parent.parent),
+        ], out
+        status, out = run(kc, "%gpus")
+        assert status == "ok" and f"Server allocation #{alloc.id}: 1 GPU(s)" in out, out
+        kc.stop_channels()
+        hub.stop_server("alice")
+        assert ledger.active() == []
+    finally:
+        hub.stop()
+        ledger.close()
