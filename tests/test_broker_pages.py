@@ -5,6 +5,8 @@ page's buttons (which call the API with JupyterHub's XSRF token), and check the 
 Screenshots land in each test's temporary directory.
 """
 
+import re
+
 import pytest
 from playwright.sync_api import expect
 
@@ -31,6 +33,20 @@ def login(browser, hub, user, password):
     page.click("#login_submit")
     page.wait_for_url(lambda url: "/hub/login" not in url)
     return page
+
+
+BARS = """() => {
+  const chart = Chart.getChart(document.getElementById("usage-plot"));
+  return chart.data.datasets.map((ds, i) => {
+    const bars = chart.getDatasetMeta(i).data;
+    const last = bars[bars.length - 1];
+    return {user: ds.gpuhubUser, values: ds.data, x: last.x, y: last.y};
+  });
+}"""
+TOOLTIP = """() => {
+  const tip = Chart.getChart(document.getElementById("usage-plot")).tooltip;
+  return tip.opacity > 0 && tip.body && tip.body.map((b) => b.lines.join(" ")).join(" | ");
+}"""
 
 
 def test_user_page_shows_and_releases_my_gpus(hub, ledger, browser, tmp_path):
@@ -86,19 +102,42 @@ def test_admin_page_shows_every_gpu_edits_limits_and_plots_usage(hub, ledger, br
     hub.wait_ready("dave")
     assert len(hub.server_env("dave")["CUDA_VISIBLE_DEVICES"].split(",")) == 2
 
-    # the usage plot is drawn in the page from the API's data: one line per user
-    plot = page.locator("#usage-plot")
+    hub.stop_server("dave")
+    hub.broker("DELETE", "limits/user/dave", hub.user_token("admin"))
+    hub.broker("DELETE", f"allocations/{held['id']}", bob)
+
+    # the usage chart (chart.js, served by the broker) has bars of GPU-hours per day per user,
+    # from the API's data; hovering today's bars shows bob's value (nothing is held now,
+    # so the numbers stand still)
+    page.reload()
+    plot = page.locator("canvas#usage-plot")
     expect(plot).to_be_visible()
-    expect(plot.locator('path.series[data-user="bob"]')).to_have_count(1)
-    d = plot.locator('path.series[data-user="bob"]').get_attribute("d")
-    assert d.startswith("M") and d.count("L") >= 13  # 14 daily points
+    assert page.evaluate("() => typeof window.Chart") == "function"
+    assert page.request.get(f"{hub.broker_url}/static/vendor/chart.umd.min.js").status == 200
+    usage = hub.broker("GET", "usage?since=14d", hub.user_token("admin")).json()
+    bars = page.evaluate(BARS)
+    assert {b["user"] for b in bars} == set(usage["series"]) and "bob" in usage["series"]
+    bob = next(b for b in bars if b["user"] == "bob")
+    assert bob["values"] == pytest.approx(usage["series"]["bob"], abs=1e-3)
+    assert len(bob["values"]) == len(usage["buckets"]) >= 14
+    plot.scroll_into_view_if_needed()
+    box = plot.bounding_box()  # in the viewport, where the mouse is
+    page.mouse.move(box["x"] + bob["x"], box["y"] + box["height"] / 2)  # over today's bars
+    tooltip = page.wait_for_function(TOOLTIP)
+    shown = re.search(r"bob: ([0-9.e+-]+) GPU-hours", tooltip.json_value())
+    assert shown, tooltip.json_value()
+    assert float(shown.group(1)) == pytest.approx(usage["series"]["bob"][-1], rel=0.05, abs=1e-4)
+    # the same data as CSV, from the page's download link (the browser's session)
+    href = page.locator("#usage-csv").get_attribute("href")
+    csv_text = page.request.get(href if href.startswith("http") else f"{hub.url}{href}").text()
+    rows = [line.split(",") for line in csv_text.strip().splitlines()]
+    assert rows[0] == ["bucket_start", "user", "gpu_hours"]
+    bob_rows = [float(h) for start, u, h in rows[1:] if u == "bob"]
+    assert bob_rows == pytest.approx(usage["series"]["bob"], abs=1e-3)
     expect(page.locator("#usage-table tbody tr")).not_to_have_count(0)
     shot = tmp_path / "admin-page.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
-    hub.stop_server("dave")
-    hub.broker("DELETE", "limits/user/dave", hub.user_token("admin"))
-    hub.broker("DELETE", f"allocations/{held['id']}", bob)
 
 
 def test_a_user_cannot_open_the_admin_page(hub, browser):

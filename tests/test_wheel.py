@@ -28,14 +28,19 @@ from .test_distributed_hub import run
 pytestmark = pytest.mark.hub
 
 SPEC = "share/jupyter/kernels/python3-gpus/kernel.json"
+VENDOR = "spawner/broker/static/vendor"
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """The wheel built from the repository's tracked files (what a clone holds)."""
+    """The wheel built from the repository's tracked files (what a clone holds) after
+    scripts/setup, as a release build would be."""
     src = tmp_path_factory.mktemp("src")
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
-    for name in files.stdout.splitlines():
+    # plus what scripts/setup adds from npm before it packages (chart.js for the pages)
+    vendor = [str(p.relative_to(REPO)) for p in (REPO / VENDOR).glob("*")]
+    assert vendor, "scripts/setup puts chart.js in spawner/broker/static/vendor"
+    for name in [*files.stdout.splitlines(), *vendor]:
         if (REPO / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, src / name)
@@ -68,6 +73,7 @@ def test_the_wheel_holds_two_packages_and_the_kernel_spec_as_data(wheel):
     assert not [n for n in names if n.startswith(("kernels/", "tests/", "hub_config/"))]
     assert [n.split(".data/data/", 1)[1] for n in data] == [SPEC]
     assert "spawner/broker/openapi.yaml" in names and "spawner/migrations/env.py" in names
+    assert f"{VENDOR}/chart.umd.min.js" in names and f"{VENDOR}/chart.js.LICENSE.md" in names
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +133,8 @@ def test_a_hub_from_the_installed_package_spawns_a_gpu_server_that_runs_gpus(ins
     ledger = Ledger(hub.ledger_url)
     try:
         hub.wait_for_broker()
+        chart = hub.api_url_request("GET", "/services/gpuhub/static/vendor/chart.umd.min.js")
+        assert chart.status_code == 200 and "Chart.js v" in chart.text[:200]  # the pages' chart, installed
         assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
         hub.wait_ready("alice")
         [alloc] = ledger.active(user="alice")

@@ -195,12 +195,20 @@ class UsageHandler(APIHandler):
             )
         except values.BadValue as e:
             return self.fail(400, str(e), "bad_request")
+        fmt = self.get_argument("format", "json")
+        if fmt not in ("json", "csv"):
+            return self.fail(400, "'format' is json (the default) or csv.", "bad_request")
         if until <= since or (until - since) / timedelta(hours=bucket) > 1000:
             return self.fail(400, "Ask for a period after 'since', in at most 1000 buckets.", "bad_request")
         ledger = self.broker.ledger
         totals = await self.broker.run(ledger.usage, since, until, who)
         starts, series = await self.broker.run(ledger.usage_series, since, until, bucket, who)
-        self.finish(views.usage_json(since, until, totals, starts, series))
+        usage = views.usage_json(since, until, totals, starts, series)
+        if fmt == "csv":
+            self.set_header("Content-Type", "text/csv; charset=utf-8")
+            self.set_header("Content-Disposition", 'attachment; filename="gpuhub-usage.csv"')
+            return self.finish(views.usage_csv(usage))
+        self.finish(usage)
 
 
 class AdminHandler(APIHandler):

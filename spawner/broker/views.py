@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 from datetime import UTC, datetime
 from typing import Any
 
@@ -108,6 +110,17 @@ def usage_json(
         "buckets": [iso(t) for t in starts],
         "series": {u: [round(h, 4) for h in hs] for u, hs in sorted(series.items())},
     }
+
+
+def usage_csv(usage: dict[str, Any]) -> str:
+    """``usage_json``'s buckets as CSV, one row per bucket and user: what the chart draws."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["bucket_start", "user", "gpu_hours"])
+    for user, hours in usage["series"].items():
+        for start, h in zip(usage["buckets"], hours, strict=True):
+            writer.writerow([start, user, f"{h:.4f}"])
+    return out.getvalue()
 
 
 def idle_json(verdict: Verdict | None, now: float) -> dict[str, Any]:

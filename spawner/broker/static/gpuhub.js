@@ -76,53 +76,75 @@ function fmt(v) {
   return v >= 10 ? v.toFixed(0) : v >= 0.1 ? v.toFixed(1) : v.toPrecision(2);
 }
 
-function svg(tag, attrs, parent) {
+function svg(tag, attrs, parent) {  // the admin grid's sparklines
   const el = document.createElementNS("http://www.w3.org/2000/svg", tag);
   for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
   if (parent) parent.appendChild(el);
   return el;
 }
 
+function usageQuery(container) {
+  const params = new URLSearchParams({ since: `${container.dataset.usageDays}d` });
+  if (container.dataset.usageUser) params.set("user", container.dataset.usageUser);
+  return params;
+}
+
+// GPU-hours per day per user as stacked bars (Chart.js, served by the broker itself:
+// static/vendor/chart.umd.min.js); hovering a day shows each user's GPU-hours that day.
 function drawPlot(container, usage) {
-  const W = 900, H = 280, L = 48, R = 130, T = 12, B = 36;
   const users = Object.keys(usage.series);
-  const n = usage.buckets.length;
-  const max = Math.max(1e-9, ...users.flatMap((u) => usage.series[u]));
-  const x = (i) => L + (n <= 1 ? 0 : (i * (W - L - R)) / (n - 1));
-  const y = (v) => H - B - (v / max) * (H - T - B);
-  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, id: "usage-plot", role: "img",
-    "aria-label": "GPU-hours per day per user" });
-  svg("line", { class: "axis", x1: L, y1: H - B, x2: W - R, y2: H - B }, root);
-  svg("line", { class: "axis", x1: L, y1: T, x2: L, y2: H - B }, root);
-  for (const frac of [0, 0.5, 1]) {
-    const t = svg("text", { x: L - 6, y: y(max * frac) + 4, "text-anchor": "end" }, root);
-    t.textContent = fmt(max * frac);
-  }
-  usage.buckets.forEach((b, i) => {
-    if (i % Math.ceil(n / 7) !== 0) return;
-    const t = svg("text", { x: x(i), y: H - B + 16, "text-anchor": "middle" }, root);
-    t.textContent = b.slice(5, 10);
-  });
-  users.forEach((u, k) => {
-    const color = COLORS[k % COLORS.length];
-    const d = usage.series[u].map((v, i) => `${i ? "L" : "M"}${x(i).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
-    svg("path", { class: "series", d, stroke: color, "data-user": u }, root);
-    const label = svg("text", { x: W - R + 8, y: T + 14 + 16 * k, fill: color, class: "legend" }, root);
-    label.textContent = `${u} (${fmt(usage.total[u])} h)`;
-  });
+  const csv = el("a", { class: "btn btn-sm btn-outline-secondary mb-2", id: "usage-csv", download: "gpuhub-usage.csv",
+    href: `${API}usage?${usageQuery(container)}&format=csv` }, "Download CSV");
   if (!users.length) {
-    const t = svg("text", { x: L + 10, y: T + 20 }, root);
-    t.textContent = "No GPU usage in this period.";
+    container.replaceChildren(csv, el("p", { class: "text-muted", id: "usage-plot" }, "No GPU usage in this period."));
+    return;
   }
-  container.replaceChildren(root);
+  if (!window.Chart) {
+    container.replaceChildren(csv, el("p", { class: "text-warning", id: "usage-plot" },
+      "The usage chart needs chart.js in the broker's static files (scripts/setup installs it)."));
+    return;
+  }
+  const canvas = el("canvas", { id: "usage-plot", role: "img", "aria-label": "GPU-hours per day per user" });
+  const box = el("div", { class: "usage-chart" });
+  box.appendChild(canvas);
+  container.replaceChildren(csv, box);
+  const old = window.Chart.getChart(canvas);
+  if (old) old.destroy();
+  new window.Chart(canvas, {
+    type: "bar",
+    data: {
+      labels: usage.buckets.map((b) => b.slice(0, 10)),
+      datasets: users.map((u, k) => ({
+        label: `${u} (${fmt(usage.total[u])} h)`,
+        gpuhubUser: u,
+        data: usage.series[u],
+        backgroundColor: COLORS[k % COLORS.length],
+        stack: "gpu-hours",
+      })),
+    },
+    options: {
+      animation: false,
+      maintainAspectRatio: false,
+      interaction: { mode: "index", intersect: false },  // a day: every user's value
+      scales: {
+        x: { stacked: true, title: { display: true, text: "day (UTC)" } },
+        y: { stacked: true, beginAtZero: true, title: { display: true, text: "GPU-hours" } },
+      },
+      plugins: {
+        tooltip: {
+          callbacks: {
+            label: (ctx) => `${ctx.dataset.gpuhubUser}: ${fmt(ctx.parsed.y)} GPU-hours`,
+          },
+        },
+      },
+    },
+  });
 }
 
 async function loadUsage() {
   for (const container of document.querySelectorAll(".usage-plot")) {
-    const params = new URLSearchParams({ since: `${container.dataset.usageDays}d` });
-    if (container.dataset.usageUser) params.set("user", container.dataset.usageUser);
     try {
-      const usage = await api("GET", `usage?${params}`);
+      const usage = await api("GET", `usage?${usageQuery(container)}`);
       drawPlot(container, usage);
       const table = document.querySelector("#usage-table tbody");
       if (table) {
