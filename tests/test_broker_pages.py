@@ -144,3 +144,16 @@ def test_a_user_cannot_open_the_admin_page(hub, browser):
     page = login(browser, hub, "carol", DEMO_PASSWORD)
     resp = page.goto(f"{hub.broker_url}/admin")
     assert resp.status == 403
+
+
+def test_a_refusal_on_the_spawn_form_is_the_message_alone(hub, ledger, browser):
+    page = login(browser, hub, "dave", DEMO_PASSWORD)
+    page.goto(f"{hub.url}/hub/spawn")
+    page.fill("#gpuhub-gpus", "2")  # dave's limit is 1
+    page.locator("#spawn_form input[type=submit], #spawn_form button[type=submit]").first.click()
+    error = page.locator(".spawn-error-msg")
+    expect(error).to_contain_text("You asked for 2 GPUs, but you hold 0 of a limit of 1 (default)")
+    text = error.inner_text()
+    assert "SpawnException" not in text and "gpuhub_" not in text and "403" not in text, text
+    assert text.startswith("Error: You asked for 2 GPUs"), text  # JupyterHub's prefix, then the message
+    assert ledger.active(user="dave") == [] and hub.server("dave") is None
