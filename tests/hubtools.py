@@ -217,6 +217,23 @@ enable_broker(c, url="http://127.0.0.1:{self.broker_port}")
         assert r.status_code in (202, 204), r.text
         wait_for(lambda: self.server(user, name) is None, timeout, f"{user}'s server to stop")
 
+    def server_kernel(self, user: str):
+        """A client of a ``python3-gpus`` kernel that ``user``'s running server started (as
+        JupyterLab would), connected and ready; the caller stops its channels."""
+        import glob
+
+        from jupyter_client import BlockingKernelClient
+
+        r = self.api_url_request("POST", f"/user/{user}/api/kernels", json={"name": "python3-gpus"})
+        assert r.status_code == 201, r.text
+        pattern = f"{self.dir}/home/{user}/**/kernel-{r.json()['id']}.json"
+        [conn] = glob.glob(pattern, recursive=True, include_hidden=True)
+        kc = BlockingKernelClient(connection_file=conn)
+        kc.load_connection_file()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        return kc
+
     def server_pid(self, user: str, name: str = "") -> int:
         return int(self.server(user, name)["state"]["pid"])
 

@@ -1,10 +1,7 @@
 """End to end through the hub: a server with 1 GPU runs `%%distributed --gpus 2` in its own
 kernel (started by the server, as the notebook UI does), which takes a burst from the broker."""
 
-import glob
-
 import pytest
-from jupyter_client import BlockingKernelClient
 
 from spawner.ledger import Ledger
 
@@ -40,15 +37,7 @@ def test_a_server_with_one_gpu_runs_distributed_on_two(tmp_path):
         hub.wait_ready("alice")
         [server_alloc] = ledger.active(user="alice")
         # the server starts the kernel, as JupyterLab would
-        r = hub.api_url_request("POST", "/user/alice/api/kernels", json={"name": "python3-gpus"})
-        assert r.status_code == 201, r.text
-        kernel_id = r.json()["id"]
-        pattern = f"{tmp_path}/home/alice/**/kernel-{kernel_id}.json"
-        [conn] = glob.glob(pattern, recursive=True, include_hidden=True)
-        kc = BlockingKernelClient(connection_file=conn)
-        kc.load_connection_file()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=60)
+        kc = hub.server_kernel("alice")
 
         status, out = run(kc, "%%distributed --gpus 2\nimport os\n(rank, os.environ['CUDA_VISIBLE_DEVICES'])")
         assert status == "ok", out

@@ -169,26 +169,16 @@ def test_use_resets_the_idle_clock_and_clears_the_warning(reclaim_hub):
 def test_an_idle_burst_pool_is_reclaimed_and_its_engines_stopped(reclaim_hub):
     """%%distributed on a 0-GPU server takes a burst; its engines report their own GPUs and
     the kernel its cells' activity. Idle, it is warned, reclaimed, and the engines stop."""
-    import glob
 
     import psutil
-    from jupyter_client import BlockingKernelClient
 
     from .test_distributed_hub import run
 
     hub, ledger, util_file = reclaim_hub
     assert hub.spawn("alice", {"gpus": 0}).status_code in (201, 202)
     hub.wait_ready("alice")
-    r = hub.api_url_request("POST", "/user/alice/api/kernels", json={"name": "python3-gpus"})
-    assert r.status_code == 201, r.text
-    [conn] = glob.glob(
-        f"{hub.dir}/home/alice/**/kernel-{r.json()['id']}.json", recursive=True, include_hidden=True
-    )
-    kc = BlockingKernelClient(connection_file=conn)
-    kc.load_connection_file()
-    kc.start_channels()
+    kc = hub.server_kernel("alice")
     try:
-        kc.wait_for_ready(timeout=60)
         status, out = run(kc, "%config DistributedMagics.lease_seconds = 12")
         assert status == "ok", out
         status, out = run(kc, "%%distributed --gpus 2\nimport os\nos.getpid()")

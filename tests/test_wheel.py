@@ -8,7 +8,6 @@ path line in a ``.pth`` file: that adds the directory without running its ``.pth
 the checkout's editable install is not visible there.
 """
 
-import glob
 import os
 import shutil
 import subprocess
@@ -18,7 +17,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from jupyter_client import BlockingKernelClient
 
 from spawner.ledger import Ledger
 
@@ -140,15 +138,7 @@ def test_a_hub_from_the_installed_package_spawns_a_gpu_server_that_runs_gpus(ins
         [alloc] = ledger.active(user="alice")
         env = hub.server_env("alice")
         assert env["GPUHUB_ALLOCATION_ID"] == str(alloc.id)
-        r = hub.api_url_request("POST", "/user/alice/api/kernels", json={"name": "python3-gpus"})
-        assert r.status_code == 201, r.text
-        [conn] = glob.glob(
-            f"{tmp_path}/home/alice/**/kernel-{r.json()['id']}.json", recursive=True, include_hidden=True
-        )
-        kc = BlockingKernelClient(connection_file=conn)
-        kc.load_connection_file()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=60)
+        kc = hub.server_kernel("alice")
         status, out = run(kc, "import gpu_magics, sys; print(gpu_magics.__file__, sys.prefix)")
         assert status == "ok" and out.split() == [
             str(
