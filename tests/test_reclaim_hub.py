@@ -206,7 +206,9 @@ def test_an_idle_burst_pool_is_reclaimed_and_its_engines_stopped(reclaim_hub):
             rf"{re.escape(burst.gpus[0].label)} +0% busy, 0 MiB +allocation #{burst.id} \(burst\)", out
         ), out
 
-        wait_for(lambda: ledger.get(burst.id).state == "released", 40, "the burst reclaimed")
+        # a deadline, not a speed claim: on a loaded machine the kernel's news of its last cell
+        # can reach the broker after a reclaim, which then undoes it and reclaims it again later
+        wait_for(lambda: ledger.get(burst.id).state == "released", 120, "the burst reclaimed")
         assert ledger.get(burst.id).end_reason.startswith("reclaimed: its 2 GPUs stayed below 5%")
         # the kernel learns it at its next renewal and stops the engines
         wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "the engines stopped")
