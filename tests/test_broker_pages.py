@@ -43,6 +43,7 @@ BARS = """() => {
     return {user: ds.gpuhubUser, values: ds.data, x: last.x, y: last.y};
   });
 }"""
+TOOLTIP_TITLE = """() => Chart.getChart(document.getElementById("usage-plot")).tooltip.title.join(" ")"""
 TOOLTIP = """() => {
   const tip = Chart.getChart(document.getElementById("usage-plot")).tooltip;
   return tip.opacity > 0 && tip.body && tip.body.map((b) => b.lines.join(" ")).join(" | ");
@@ -124,6 +125,9 @@ def test_admin_page_shows_every_gpu_edits_limits_and_plots_usage(hub, ledger, br
     box = plot.bounding_box()  # in the viewport, where the mouse is
     page.mouse.move(box["x"] + bob["x"], box["y"] + box["height"] / 2)  # over today's bars
     tooltip = page.wait_for_function(TOOLTIP)
+    title = page.evaluate(TOOLTIP_TITLE)
+    last = usage["buckets"][-1].replace("T", " ")[:16]
+    assert title.startswith(last) and title.endswith(" UTC"), title  # the period the bar covers
     shown = re.search(r"bob: ([0-9.e+-]+) GPU-hours", tooltip.json_value())
     assert shown, tooltip.json_value()
     assert float(shown.group(1)) == pytest.approx(usage["series"]["bob"][-1], rel=0.05, abs=1e-4)

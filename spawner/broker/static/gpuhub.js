@@ -110,10 +110,15 @@ function drawPlot(container, usage) {
   container.replaceChildren(csv, box);
   const old = window.Chart.getChart(canvas);
   if (old) old.destroy();
+  // buckets are periods back from now (24 h by default): name each by the day it ends on,
+  // and show its exact start and end on hover
+  const starts = usage.buckets.map((b) => Date.parse(b));
+  const step = starts.length > 1 ? starts[1] - starts[0] : Date.parse(usage.until) - starts[0];
+  const iso = (ms) => new Date(ms).toISOString().slice(0, 16).replace("T", " ");
   new window.Chart(canvas, {
     type: "bar",
     data: {
-      labels: usage.buckets.map((b) => b.slice(0, 10)),
+      labels: starts.map((t) => iso(t + step).slice(0, 10)),
       datasets: users.map((u, k) => ({
         label: `${u} (${fmt(usage.total[u])} h)`,
         gpuhubUser: u,
@@ -127,12 +132,13 @@ function drawPlot(container, usage) {
       maintainAspectRatio: false,
       interaction: { mode: "index", intersect: false },  // a day: every user's value
       scales: {
-        x: { stacked: true, title: { display: true, text: "day (UTC)" } },
+        x: { stacked: true, title: { display: true, text: "period ending on (UTC)" } },
         y: { stacked: true, beginAtZero: true, title: { display: true, text: "GPU-hours" } },
       },
       plugins: {
         tooltip: {
           callbacks: {
+            title: (items) => `${iso(starts[items[0].dataIndex])} to ${iso(starts[items[0].dataIndex] + step)} UTC`,
             label: (ctx) => `${ctx.dataset.gpuhubUser}: ${fmt(ctx.parsed.y)} GPU-hours`,
           },
         },
