@@ -9,7 +9,9 @@ prefix, or one user's Jupyter directory.
 
 from __future__ import annotations
 
+import os
 import sys
+import sysconfig
 from pathlib import Path
 
 KERNEL_NAMES = ("python3-gpus",)
@@ -19,7 +21,8 @@ REPO_SPECS = Path(__file__).resolve().parent.parent / "kernels"  # a checkout (e
 def spec_dir(name: str, prefix: str | Path = sys.prefix) -> Path:
     """The source of kernel spec ``name``: a checkout's ``kernels/`` folder (an editable
     install), else the wheel's data in ``prefix``."""
-    for base in (REPO_SPECS, Path(prefix) / "share" / "jupyter" / "kernels"):
+    user_base = Path(sysconfig.get_path("data", f"{os.name}_user")) / "share" / "jupyter" / "kernels"
+    for base in (REPO_SPECS, Path(prefix) / "share" / "jupyter" / "kernels", user_base):  # pip --user
         if (base / name / "kernel.json").is_file():
             return base / name
     raise FileNotFoundError(
@@ -36,8 +39,8 @@ def install(user: bool = False, prefix: str | None = None) -> list[str]:
     done = []
     for name in KERNEL_NAMES:
         source = spec_dir(name)
-        target = Path(prefix or sys.prefix) / "share" / "jupyter" / "kernels" / name
-        if not user and target.resolve() == source.resolve():
+        target = Path(ksm._get_destination_dir(name, user=user, prefix=prefix))
+        if target.resolve() == source.resolve():  # jupyter_client would delete it, then copy nothing
             done.append(str(target))  # the wheel put it there already
             continue
         done.append(ksm.install_kernel_spec(str(source), kernel_name=name, user=user, prefix=prefix))

@@ -30,7 +30,15 @@ from traitlets.config import Config, PyFileConfigLoader
 from . import db, values
 from .inventory import InventoryError
 from .ledger import Ledger, utcnow
-from .policy import DEFAULT_WINDOW_HOURS, MAX_COUNT, MAX_GPU_HOURS, MAX_WINDOW_HOURS, MIN_WINDOW_HOURS, Limit
+from .policy import (
+    DEFAULT_WINDOW_HOURS,
+    MAX_COUNT,
+    MAX_GPU_HOURS,
+    MAX_LIMIT_GPUS,
+    MAX_WINDOW_HOURS,
+    MIN_WINDOW_HOURS,
+    Limit,
+)
 from .settings import GpuHub
 from .slurm.jobs import SlurmError
 
@@ -43,9 +51,12 @@ def parse_count_or_unlimited(text: str) -> int | None:
     if text.strip().lower() in ("unlimited", "none"):
         return None
     try:
-        return values.parse_count(text, "a limit", lo=0, hi=MAX_COUNT)
-    except values.BadValue as e:
-        raise UsageError(f"{e} (or 'unlimited')") from None
+        return values.parse_count(text, "a limit", lo=0, hi=MAX_LIMIT_GPUS)
+    except values.BadValue:
+        raise UsageError(
+            f"a limit must be a whole number from 0 to {MAX_LIMIT_GPUS} or 'unlimited'; "
+            f"got {values.show(text)}"
+        ) from None
 
 
 def parse_when(text: str, now: datetime, field: str = "the date") -> datetime:
@@ -56,9 +67,9 @@ def parse_when(text: str, now: datetime, field: str = "the date") -> datetime:
         raise UsageError(str(e)) from None
 
 
-def parse_name(text: str, field: str) -> str:
+def parse_name(text: str, field: str, *, spaces: bool = False) -> str:
     try:
-        return values.parse_name(text, field)
+        return values.parse_name(text, field, spaces=spaces)
     except values.BadValue as e:
         raise UsageError(str(e)) from None
 
@@ -244,7 +255,7 @@ def open_ledger(settings: GpuHub) -> Ledger:
     """The ledger read-only of its inventory, or a one-line ``UsageError`` naming the URL."""
     try:
         return settings.open_ledger(sync=False)  # the hub keeps the inventory; this only reads it
-    except (SQLAlchemyError, OSError, ImportError) as e:
+    except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
         raise UsageError(
             f"cannot open the ledger at {db.safe_url(settings.db_url)} ({_first_line(e)}); "
             "check --db-url or c.GpuHub.db_url, e.g. sqlite:////srv/jupyterhub/gpuhub.sqlite"
@@ -267,7 +278,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.command == "db":
         try:
             db.upgrade(settings.db_url)
-        except (SQLAlchemyError, OSError, ImportError) as e:
+        except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
             raise UsageError(
                 f"cannot upgrade the ledger at {db.safe_url(settings.db_url)}: {_first_line(e)}"
             ) from None
@@ -364,8 +375,8 @@ def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
         scope, name, value = ("group", *args.group) if args.action == "set" else ("group", args.group, None)
     else:
         scope, name, value = ("user", *args.user) if args.action == "set" else ("user", args.user, None)
-    if scope != "default":
-        name = parse_name(name, f"--{scope}")
+    if scope != "default" and args.action == "set":  # unset finds whatever is stored
+        name = parse_name(name, f"--{scope}", spaces=scope == "group")
     if args.action == "unset":
         if ledger.unset_limit(scope, name):
             print(f"removed the ledger's {scope} limit{' for ' + name if name else ''}", file=out)

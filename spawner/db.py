@@ -124,7 +124,7 @@ def safe_url(url: str) -> str:
     does not parse: it might hold a password in a place no parser finds)."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # e.g. a port that is not a number
         return "(a URL that does not parse)"
 
 

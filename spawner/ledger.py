@@ -150,7 +150,7 @@ def _usable(row: LimitRow, limit: policy.Limit) -> bool:
     problem = policy.limit_problem(limit)
     if problem is None:
         return True
-    key = (row.scope, row.name, limit)
+    key = (row.scope, row.name, problem)  # not the limit: NaN != NaN would warn on every read
     if key not in _WARNED:
         _WARNED.add(key)
         who = "the default" if row.scope == "default" else f"{row.scope} {row.name!r}"
@@ -680,8 +680,11 @@ class Ledger(ReclaimRecords):
             users = sorted(set(s.scalars(select(Allocation.user).distinct())))
             for name in users if user is None else [user]:
                 intervals = list(self._intervals(s, user=name))
-                out[name] = [
-                    policy.gpu_hours_used(intervals, min(b + step, until), bucket_hours) for b in starts
+                out[name] = [  # the last bucket may be partial: count only up to ``until``
+                    policy.gpu_hours_used(
+                        intervals, min(b + step, until), (min(b + step, until) - b).total_seconds() / 3600.0
+                    )
+                    for b in starts
                 ]
         return starts, out
 

@@ -29,11 +29,15 @@ from .values import show
 
 DEFAULT_WINDOW_HOURS = 168.0
 
-# what a limit may say, wherever it comes from (traits, CLI, API, a ledger row)
-MAX_COUNT = 4096  # GPUs, nodes: more than any one gpuhub holds
-MAX_GPU_HOURS = 1e9
+MAX_COUNT = 4096  # GPUs or nodes one request may ask for: more than any one gpuhub holds
+
+# what a limit may say, wherever it comes from (traits, CLI, API, a ledger row): generous
+# ranges (a limit far above the cluster is how admins write "practically unlimited"), bounded
+# where arithmetic or JSON would break (a window beyond what a timedelta holds, inf, NaN)
+MAX_LIMIT_GPUS = 1_000_000
+MAX_GPU_HOURS = 1e12
 MIN_WINDOW_HOURS = 0.01
-MAX_WINDOW_HOURS = 24 * 366.0
+MAX_WINDOW_HOURS = 100 * 8766.0  # 100 years
 
 
 @dataclass(frozen=True, order=True)
@@ -65,10 +69,11 @@ def limit_problem(limit: Limit) -> str | None:
 
     The ledger refuses to store such a limit, and ignores (with a warning) one already
     stored by an older version or a direct write, rather than fail every request it meets.
+    New input is held to the tighter ranges of its parser (``MAX_LIMIT_GPUS`` GPUs).
     """
     m, h, w = limit.max_gpus, limit.gpu_hours, limit.window_hours
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= MAX_COUNT):
-        return f"max GPUs must be a whole number from 0 to {MAX_COUNT} (or unlimited); got {show(m)}"
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+        return f"max GPUs must be a whole number of 0 or more (or unlimited); got {show(m)}"
     if h is not None and (
         isinstance(h, bool) or not isinstance(h, int | float) or not 0 <= h <= MAX_GPU_HOURS
     ):

@@ -38,11 +38,16 @@ class RefusalLogFilter(logging.Filter):
     """One WARNING line, no traceback, for every record about a gpuhub refusal."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if is_refusal(exc):
-            record.msg, record.args = f"{record.getMessage()}: {exc}", ()
-            record.exc_info = record.exc_text = None
-        elif record.levelno < logging.ERROR or not _LOGGED.search(record.getMessage()):
+        if record.levelno < logging.ERROR:
+            return True
+        try:
+            exc = record.exc_info[1] if record.exc_info else None
+            if is_refusal(exc):
+                record.msg, record.args = f"{record.getMessage()}: {exc}", ()
+                record.exc_info = record.exc_text = None
+            elif exc is not None or not _LOGGED.search(record.getMessage()):
+                return True  # another exception's record, or not about a refusal: as it is
+        except Exception:  # a record that cannot format: logging reports it, not the caller
             return True
         record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
         return True

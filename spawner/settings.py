@@ -19,8 +19,8 @@ from . import inventory, values
 from .ledger import Ledger
 from .policy import (
     DEFAULT_WINDOW_HOURS,
-    MAX_COUNT,
     MAX_GPU_HOURS,
+    MAX_LIMIT_GPUS,
     MAX_WINDOW_HOURS,
     MIN_WINDOW_HOURS,
     Gpu,
@@ -47,7 +47,9 @@ def parse_limit(value: Any, where: str) -> Limit:
             m, h = value.get("max_gpus"), value.get("gpu_hours")
             w = value.get("window_hours", DEFAULT_WINDOW_HOURS)
             lim = Limit(
-                max_gpus=None if m is None else values.parse_count(m, "max_gpus", hi=MAX_COUNT, text=False),
+                max_gpus=None
+                if m is None
+                else values.parse_count(m, "max_gpus", hi=MAX_LIMIT_GPUS, text=False),
                 gpu_hours=None
                 if h is None
                 else values.parse_number(
@@ -58,7 +60,7 @@ def parse_limit(value: Any, where: str) -> Limit:
                 ),
             )
         elif isinstance(value, int) and not isinstance(value, bool):
-            lim = Limit(max_gpus=values.parse_count(value, "a limit", hi=MAX_COUNT, text=False))
+            lim = Limit(max_gpus=values.parse_count(value, "a limit", hi=MAX_LIMIT_GPUS, text=False))
         else:
             raise ValueError(f"a limit is an int, None or a dict; got {values.show(value)}")
     except ValueError as e:

@@ -146,17 +146,19 @@ def parse_timestamp(
     return when
 
 
-def parse_name(raw: Any, field: str, *, max_length: int = 255) -> str:
-    """A user or group name: 1 to ``max_length`` printable characters, no spaces, none of
-    ``,=/\\:;`` and no quote or shell character (names end up in lists, URLs and
-    ``sacctmgr`` arguments)."""
+def parse_name(raw: Any, field: str, *, max_length: int = 255, spaces: bool = False) -> str:
+    """A user or group name: 1 to ``max_length`` printable characters, none of ``,=/\\:;``
+    and no quote or shell character (names end up in lists, URLs and ``sacctmgr``
+    arguments). ``spaces``: inner spaces allowed (directory group names such as "ml team")."""
     what = (
         f"{field} must be a user or group name: 1 to {max_length} letters, digits or "
-        "characters such as . _ - @ +, without spaces"
+        "characters such as . _ - @ +" + (", no space at either end" if spaces else ", without spaces")
     )
-    if not isinstance(raw, str) or not 1 <= len(raw) <= max_length:
+    if not isinstance(raw, str) or not 1 <= len(raw) <= max_length or (spaces and raw != raw.strip()):
         raise BadValue(field, f"{what}; got {show(raw)}.")
     for ch in raw:
+        if spaces and ch == " ":
+            continue
         if ch in _NAME_FORBIDDEN or ch.isspace() or unicodedata.category(ch)[0] in "CZ":
             raise BadValue(field, f"{what}; got {show(raw)}, which has {ch!r}.")
     return raw

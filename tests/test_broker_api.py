@@ -237,6 +237,8 @@ def test_bad_burst_requests_are_refused_with_a_message(hub, tokens, ledger, raw,
         ("limits/user/carol", {"gpu_hours": 5}, "'max_gpus' is required"),
         ("limits/user/carol", {"max_gpus": 1, "window_hours": 0}, "'window_hours' must be a number from"),
         ("limits/user/carol", {"max_gpus": 1, "colour": "red"}, "Unknown field(s) 'colour'"),
+        ("limits/user/a,b", {"max_gpus": 1}, "the user name must be a user or group name"),
+        ("limits/group/%20ml", {"max_gpus": 1}, "no space at either end"),
         ("limits/planet/mars", {"max_gpus": 1}, None),  # no such route: 404
     ],
 )

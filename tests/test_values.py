@@ -306,6 +306,14 @@ def ledger_url(tmp_path_factory):
     return url
 
 
+def read_ledger(url: str, method: str):
+    led = Ledger(url)
+    try:
+        return getattr(led, method)()
+    finally:
+        led.close()
+
+
 CLI_VALUES = st.one_of(weird_text, st.sampled_from(["unlimited", "2", "0", "4096", "4097"]))
 
 
@@ -324,7 +332,7 @@ def test_the_cli_sets_a_usable_limit_or_says_why_in_one_line(ledger_url, count, 
     argv = ["--db-url", ledger_url, "limits", "set", "--user", name, count]
     argv += ["--gpu-hours", hours] if hours is not None else []
     argv += ["--window-hours", window] if window is not None else []
-    before = Ledger(ledger_url).limit_entries()
+    before = read_ledger(ledger_url, "limit_entries")
     err = io.StringIO()
     with redirect_stdout(io.StringIO()), redirect_stderr(err):
         try:
@@ -332,13 +340,13 @@ def test_the_cli_sets_a_usable_limit_or_says_why_in_one_line(ledger_url, count, 
         except SystemExit as e:  # argparse's own refusal of an option value
             code = e.code
     if code == 0:
-        rules = Ledger(ledger_url).rules()
+        rules = read_ledger(ledger_url, "rules")
         assert_usable(rules.users[name])
         return
     assert code == 2 and "Traceback" not in err.getvalue()
     lines = [line for line in err.getvalue().splitlines() if line.strip()]
     assert lines and lines[-1].startswith(("gpuhub: error: ", "gpuhub limits set: error: ")), err.getvalue()
-    assert Ledger(ledger_url).limit_entries() == before  # a refusal writes nothing
+    assert read_ledger(ledger_url, "limit_entries") == before  # a refusal writes nothing
 
 
 # a limit already stored that the policy cannot use ---------------------------------------
@@ -347,7 +355,7 @@ def test_the_cli_sets_a_usable_limit_or_says_why_in_one_line(ledger_url, count, 
 @pytest.mark.parametrize(
     "column, value",
     # SQLite stores NaN as NULL, and a CHECK keeps max_gpus >= 0: these are what it can hold
-    [("window_hours", math.inf), ("window_hours", 1e12), ("gpu_hours", -1.0), ("max_gpus", 10**12)],
+    [("window_hours", math.inf), ("window_hours", 1e12), ("gpu_hours", -1.0), ("gpu_hours", math.inf)],
 )
 def test_a_stored_limit_the_policy_cannot_use_is_ignored_with_a_warning(tmp_path, caplog, column, value):
     url = f"sqlite:///{tmp_path / 'gpuhub.sqlite'}"
@@ -367,6 +375,23 @@ def test_a_stored_limit_the_policy_cannot_use_is_ignored_with_a_warning(tmp_path
     assert "Ignoring the ledger's limit for user 'bob'" in caplog.text
     assert [(s, n) for s, n, _ in led.ignored_limits()] == [("user", "bob")]
     assert all(e.origin == "config" for e in led.limit_entries() if e.name == "bob")
+    led.close()
+
+
+def test_a_large_stored_limit_from_an_older_cli_still_holds(tmp_path):
+    """An older CLI stored any count; a limit far above the cluster is an admin's "plenty"."""
+    url = f"sqlite:///{tmp_path / 'gpuhub.sqlite'}"
+    led = Ledger(url)
+    led.sync_inventory([Gpu("n1", i) for i in range(4)])
+    led.set_limit("user", "bob", Limit(max_gpus=1))
+    import sqlalchemy as sa
+
+    with led.engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE limits SET max_gpus = :v, window_hours = 10000 WHERE name = 'bob'"), {"v": 10**12}
+        )
+    assert led.allowance("bob").effective.limit.max_gpus == 10**12 and led.ignored_limits() == []
+    assert len(led.allocate("bob", [], 3, purpose="server").gpus) == 3
     led.close()
 
 

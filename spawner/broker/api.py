@@ -11,6 +11,7 @@ import time
 from datetime import timedelta
 
 from tornado import web
+from tornado.escape import url_unescape
 
 from .. import policy, values
 from ..ledger import utcnow
@@ -231,6 +232,12 @@ class LimitHandler(AdminHandler):
         if scope == "default" and not name:
             return scope, ""
         if scope in ("group", "user") and name:
+            name = url_unescape(name)
+            if self.request.method == "PUT":  # a new key: the CLI's rule; DELETE finds any stored one
+                try:
+                    values.parse_name(name, f"the {scope} name", spaces=scope == "group")
+                except values.BadValue as e:
+                    raise web.HTTPError(400, str(e)) from None
             return scope, name
         raise web.HTTPError(404, "Limits live at limits/default, limits/group/NAME and limits/user/NAME.")
 

@@ -97,7 +97,7 @@ class APIHandler(BaseHandler):
         """The ``user`` a read is about: any (or None: everyone) for admins; otherwise only the
         caller, who needs the allocations scope."""
         caller = self.require_caller()
-        who = self.get_argument("user", None)
+        who = self.get_argument("user", None) or None  # ``user=`` (empty): no one in particular
         if access.is_admin(caller):
             return who
         if who not in (None, caller.name):
@@ -116,7 +116,7 @@ class APIHandler(BaseHandler):
 
     def time_argument(self, name: str, default: str | None, now: datetime) -> datetime | None:
         """A query argument read as a timestamp (``values.parse_timestamp``); raises ``BadValue``."""
-        raw = self.get_argument(name, default)
+        raw = self.get_argument(name, None) or default  # ``until=`` (empty) means the default
         return None if raw is None else values.parse_timestamp(raw, repr(name), now)
 
     def fail(self, status: int, message: str, reason: str, **extra: Any) -> None:

@@ -7,6 +7,7 @@ are not a JSON object are refused with a message that names the field and what i
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,8 +149,12 @@ def parse_samples(body: dict) -> SamplesReport:
             raise BadRequest(f"'gpus'[{i}] must be an object.")
         _only(g, ("node", "index", "utilization", "memory_used_mib", "memory_total_mib"))
         node = g.get("node")
-        if not isinstance(node, str) or not node or len(node) > 255:
-            raise BadRequest(f"'gpus'[{i}]['node'] must be the GPU's node name.")
+        try:
+            if not node:
+                raise values.BadValue("node", "")
+            values.parse_label(node, "node")
+        except values.BadValue:
+            raise BadRequest(f"'gpus'[{i}]['node'] must be the GPU's node name.") from None
         index = _int(g, "index", lo=0, hi=MAX_COUNT, required=True)
         util = _number(g, "utilization", lo=0, hi=100)
         if util is None:
@@ -158,7 +163,7 @@ def parse_samples(body: dict) -> SamplesReport:
         total = _int(g, "memory_total_mib", lo=0, hi=2**31)
         samples.append(Sample(node, index, util, used, total))
     source = body.get("source", "")
-    if not isinstance(source, str) or len(source) > 32:
+    if not isinstance(source, str) or len(source) > 32 or not source.isprintable():
         raise BadRequest("'source' must be a short name, e.g. \"nvml\".")
     return SamplesReport(tuple(samples), parse_activity(body), source)
 
@@ -178,7 +183,7 @@ def parse_limit_body(body: dict, default_window_hours: float) -> LimitBody:
         body, "window_hours", lo=policy.MIN_WINDOW_HOURS, hi=policy.MAX_WINDOW_HOURS, unit="hours"
     )
     return LimitBody(
-        max_gpus=_int(body, "max_gpus", lo=0, hi=MAX_COUNT),
+        max_gpus=_int(body, "max_gpus", lo=0, hi=policy.MAX_LIMIT_GPUS),
         gpu_hours=_number(body, "gpu_hours", lo=0, hi=policy.MAX_GPU_HOURS, unit="GPU-hours"),
         window_hours=window if window is not None else default_window_hours,
     )
@@ -190,6 +195,6 @@ def parse_job(body: dict) -> str:
     job = body.get("job_id")
     if isinstance(job, int) and not isinstance(job, bool):
         job = str(job)
-    if not isinstance(job, str) or not job.isdigit() or len(job) > 18:
+    if not isinstance(job, str) or not re.fullmatch(r"[0-9]{1,18}", job):  # ASCII: not "²"
         raise BadRequest('\'job_id\' must be a Slurm job id (digits), e.g. {"job_id": "123"}.')
     return job

@@ -119,7 +119,9 @@ def usage_csv(usage: dict[str, Any]) -> str:
     writer.writerow(["bucket_start", "user", "gpu_hours"])
     for user, hours in usage["series"].items():
         for start, h in zip(usage["buckets"], hours, strict=True):
-            writer.writerow([start, user, f"{h:.4f}"])
+            # a name starting with = + - @ would be a formula to a spreadsheet
+            shown = "'" + user if user[:1] in ("=", "+", "-", "@") else user
+            writer.writerow([start, shown, f"{h:.4f}"])
     return out.getvalue()
 
 

@@ -1,7 +1,8 @@
-// gpuhub pages: release buttons, the in-place limit editor, the usage plot, the admin's
+// gpuhub pages: release buttons, the in-place limit editor, the usage chart, the admin's
 // live GPU grid and reclaims, and a user's own GPU use and idle warnings.
 // Everything goes through the broker's REST API with JupyterHub's XSRF token.
-// The plot and the sparklines are small SVG drawn here: no chart library from a CDN.
+// The usage chart is chart.js, served by the broker (static/vendor/, put there by
+// scripts/setup: no CDN); the sparklines are small SVG drawn here.
 "use strict";
 
 const API = document.querySelector('meta[name="gpuhub-api"]').content;
