@@ -1,6 +1,7 @@
 """Slurm backend units without a cluster: parsers, batch scripts (golden files), accounting plans,
 the watcher's decisions, and one watcher cycle against fake squeue/scontrol/scancel on PATH."""
 
+import json
 import os
 import shlex
 from datetime import datetime, timedelta
@@ -19,25 +20,12 @@ GOLDEN = Path(__file__).parent / "golden"
 
 # jobs.py: parsers ------------------------------------------------------------------------
 
-SHOW_JOB = """\
-JobId=4 JobName=gpuhub-server
-   JobState=RUNNING Reason=None Dependency=(null)
-   NumNodes=1 NumCPUs=4 NumTasks=1 ReqNodeList=(null) ExcNodeList=(null)
-   NodeList=gpu-node1
-   TRES=cpu=4,mem=4000M,node=1,billing=4,gres/gpu=2
-   JOB_GRES=gpu:a100:2
-"""
-
-
-def show(*lines):
-    return SHOW_JOB + "".join(f"     Nodes={n} CPU_IDs=0-3 Mem=4000 GRES={g}\n" for n, g in lines)
-
 
 def gres(args):
     return jobs.gres_request(*args)
 
 
-HL, IDX, GRES, GPUS = jobs.expand_hostlist, jobs.parse_index_list, jobs.parse_gres, jobs.parse_job_gpus
+HL, IDX, GRES = jobs.expand_hostlist, jobs.parse_index_list, jobs.parse_gres
 SB = jobs.parse_sbatch
 N1 = "gpu-node1"
 TWICE = "12|PENDING|a||u|n|N/A|\n12|RUNNING|a||u|n|N/A|\n"
@@ -70,11 +58,6 @@ SQUEUE = [
     (GRES, "mps:100,gpu:v100:1(S:0,1),shard:8", [GresEntry("v100", 1)]),
     (GRES, "gpu:a100:4(S:0),gpu:2", [GresEntry("a100", 4), GresEntry(None, 2)]),
     (GRES, "(null)", []),
-    (GPUS, show((N1, "gpu:a100:2(IDX:2-3)")), [(N1, 2), (N1, 3)]),
-    (GPUS, show((N1, "gpu:1(IDX:0)")), [(N1, 0)]),
-    (GPUS, show((N1, "gpu:a100:1(IDX:3)"), ("n2", "gpu:a100:2(IDX:0,2)")), [(N1, 3), ("n2", 0), ("n2", 2)]),
-    (GPUS, show(("n[1-2]", "gpu:a100:2(IDX:0-1)")), [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]),
-    (GPUS, show(), []),  # pending: no per-node line yet
     (gres, (2, "a100"), "gpu:a100:2"), (gres, (1, None), "gpu:1"),
     (SB, "12", "12"), (SB, "12;cluster\n", "12"), (SB, "warning: x\n13\n", "13"),
     (jobs.squeue_argv, ["gpuhub-server", "gpuhub-engines"], SQUEUE),
@@ -140,10 +123,69 @@ def test_a_comment_cannot_forge_a_job_line():
     text += "5|COMPLETED|None|n1|alice|gpuhub-server|N/A|gpuhub:1\n"
     with pytest.raises(SlurmError, match="job 5 twice"):
         jobs.parse_squeue(text)
-    # and a comment cannot add GPUs to scontrol's answer: only Slurm's indented per-node lines count
-    detail = "JobId=9 Comment=x Nodes=gpu-node2 GRES=gpu:a100:4(IDX:0-3)\n"
-    detail += "   Nodes=n1 CPU_IDs=0 GRES=gpu:1(IDX:2)\n"
-    assert jobs.parse_job_gpus(detail) == [("n1", 2)]
+
+
+FORGED = "gpuhub:97\n     Nodes=gpu-node2 CPU_IDs=0 Mem=1 GRES=gpu:a100:1(IDX:3)"
+
+
+def squeue_json(*jobs_):
+    return json.dumps({"jobs": [dict(j) for j in jobs_]})
+
+
+@pytest.mark.parametrize(
+    "listing, job_id, gpus",
+    [
+        (
+            squeue_json({"job_id": 5, "nodes": "n1", "gres_detail": ["gpu:a100:2(IDX:2-3)"]}),
+            "5",
+            [("n1", 2), ("n1", 3)],
+        ),
+        (
+            squeue_json(
+                {"job_id": 6, "nodes": "n[1-2]", "gres_detail": ["gpu:a100:1(IDX:0)", "gpu:a100:2(IDX:1,3)"]}
+            ),
+            "6",
+            [("n1", 0), ("n2", 1), ("n2", 3)],
+        ),
+        (
+            squeue_json({"job_id": 7, "nodes": "n1", "gres_detail": ["gpu:2(IDX:0-1)"]}),
+            "7",
+            [("n1", 0), ("n1", 1)],
+        ),
+        (squeue_json({"job_id": 8, "nodes": "", "gres_detail": []}), "8", []),  # pending: no GPUs yet
+        # a comment (or any field) imitating scontrol's GRES line adds nothing
+        (squeue_json({"job_id": 9, "nodes": "n1", "gres_detail": [], "comment": FORGED}), "9", []),
+        (
+            squeue_json(
+                {"job_id": 1, "nodes": "n2", "gres_detail": ["gpu:a100:4(IDX:0-3)"]},
+                {"job_id": 9, "nodes": "n1", "gres_detail": ["gpu:a100:1(IDX:0)"], "comment": FORGED},
+            ),
+            "9",
+            [("n1", 0)],
+        ),
+    ],
+)
+def test_a_jobs_gpus_come_from_squeue_json(listing, job_id, gpus):
+    assert jobs.parse_job_gpus_json(listing, job_id) == gpus
+
+
+@pytest.mark.parametrize(
+    "listing, words",
+    [
+        ("not json", "cannot read"),
+        (json.dumps({"no": "jobs"}), "cannot read"),
+        (squeue_json({"job_id": 4, "nodes": "n1", "gres_detail": []}), "lists job 9 0 times"),
+        (squeue_json({"job_id": 9, "nodes": "n1"}, {"job_id": 9, "nodes": "n2"}), "lists job 9 2 times"),
+        (
+            squeue_json({"job_id": 9, "nodes": "n[1-2]", "gres_detail": ["gpu:1(IDX:0)"]}),
+            "1 GRES entries for 2 nodes",
+        ),
+        (squeue_json({"job_id": 9, "nodes": 3, "gres_detail": "gpu"}), "no readable nodes"),
+    ],
+)
+def test_a_job_listing_gpuhub_cannot_trust_is_an_error_not_a_guess(listing, words):
+    with pytest.raises(SlurmError, match=words):
+        jobs.parse_job_gpus_json(listing, "9")
 
 
 def test_sbatch_never_requeues_and_tags_its_allocation():
@@ -380,13 +422,19 @@ def test_orphans(live, others, listed, want):
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    """squeue prints squeue.txt (exit 1 while `down` exists), scontrol prints a job on
-    gpu-node1:1-2, scancel appends its arguments to scancel.log."""
+    """squeue prints squeue.txt (exit 1 while `down` exists); with --json it lists every job
+    id from 1 to 99 on gpu-node1:1-2; scancel appends its arguments to scancel.log."""
     q = shlex.quote
+    listing = {
+        "jobs": [
+            {"job_id": i, "nodes": "gpu-node1", "gres_detail": ["gpu:a100:2(IDX:1-2)"]} for i in range(1, 100)
+        ]
+    }
+    (tmp_path / "squeue.json").write_text(json.dumps(listing))
     bodies = {
-        "squeue": f"[ -e {q(str(tmp_path / 'down'))} ] && exit 1\ncat {q(str(tmp_path / 'squeue.txt'))}",
-        "scontrol": "echo 'JobId=7 JobName=gpuhub-server'\n"
-        "echo '   Nodes=gpu-node1 CPU_IDs=0-3 Mem=4000 GRES=gpu:a100:2(IDX:1-2)'",
+        "squeue": f"[ -e {q(str(tmp_path / 'down'))} ] && exit 1\n"
+        f'case " $* " in *" --json "*) cat {q(str(tmp_path / "squeue.json"))};; '
+        f"*) cat {q(str(tmp_path / 'squeue.txt'))};; esac",
         "scancel": f'echo "$@" >> {q(str(tmp_path / "scancel.log"))}',
     }
     for name, body in bodies.items():
@@ -467,7 +515,7 @@ async def test_watcher_attaches_a_job_found_by_its_tag_and_cancels_one_over_its_
     small = queued(led, "21", count=1)
     (d / "squeue.txt").write_text(
         f"20|PENDING|Resources||alice|gpuhub-server|N/A|gpuhub:{lost.id}\n"
-        "21|RUNNING|None|gpu-node1|alice|gpuhub-engines|N/A|\n"  # scontrol shows 2 GPUs: 1 admitted
+        "21|RUNNING|None|gpu-node1|alice|gpuhub-engines|N/A|\n"  # squeue --json: 2 GPUs, 1 admitted
     )
     assert await watcher.cycle() is True
     assert led.get(lost.id).backend_job_id == "20" and led.get(lost.id).state == "starting"

@@ -7,13 +7,15 @@ Formats relied on (Slurm 22.05 and later):
 - ``squeue -h -a -t all -o '%i|%T|%r|%N|%u|%j|%S|%k'``: one line per job, e.g.
   ``12|PENDING|Resources||alice|gpuhub-server|N/A|gpuhub:7`` (``%k``: the comment, where
   gpuhub tags each job with its allocation; last, since it is the user's own text).
-- ``scontrol -d show job ID``: per-node lines ``Nodes=gpu-node1 CPU_IDs=0-1 Mem=2000
-  GRES=gpu:a100:2(IDX:2-3)``. ``IDX`` holds the node's own GPU indices, whatever
-  ``CUDA_VISIBLE_DEVICES`` says inside the job (it is renumbered under device cgroups).
+- ``squeue --json``: a job's ``nodes`` and ``gres_detail`` (``gpu:a100:2(IDX:2-3)`` per
+  node): ``IDX`` holds the node's own GPU indices, whatever ``CUDA_VISIBLE_DEVICES`` says
+  inside the job (it is renumbered under device cgroups). Read as JSON, never from
+  ``scontrol -d show job``'s text, where a comment with a newline can imitate a GRES line.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -264,17 +266,35 @@ def parse_squeue(text: str) -> dict[str, JobInfo]:
     return jobs
 
 
-def parse_job_gpus(text: str) -> list[tuple[str, int]]:
-    """``scontrol -d show job`` to the job's GPUs as (node, node-local index)."""
+_GRES_IDX = re.compile(r"gpu(?::[^:(,\s]+)*:\d+\(IDX:([0-9,\-]+)\)", re.ASCII)
+
+
+def parse_job_gpus_json(text: str, job_id: str) -> list[tuple[str, int]]:
+    """Job ``job_id``'s GPUs as (node, node-local index), from ``squeue --json``.
+
+    Slurm's JSON gives ``nodes`` (a hostlist) and ``gres_detail``, one ``gpu:a100:2(IDX:0-1)``
+    per node in the hostlist's order. No field is split out of free text, so a comment or a
+    name holding a newline and an imitation of scontrol's ``Nodes=... GRES=...(IDX:k)`` lines
+    cannot add another user's GPU. A job that is absent, or whose two fields do not line up,
+    is a :class:`SlurmError`: the caller keeps what it knew."""
+    try:
+        listing = json.loads(text)
+        found = [j for j in listing["jobs"] if str(j.get("job_id")) == str(job_id)]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SlurmError(f"squeue --json printed what gpuhub cannot read ({e})") from None
+    if len(found) != 1:
+        raise SlurmError(f"squeue --json lists job {job_id} {len(found)} times")
+    job = found[0]
+    nodes_expr, detail = job.get("nodes") or "", job.get("gres_detail") or []
+    if not isinstance(nodes_expr, str) or not isinstance(detail, list):
+        raise SlurmError(f"squeue --json: job {job_id} has no readable nodes and GRES")
+    nodes = expand_hostlist(nodes_expr) if nodes_expr else []
+    if detail and len(detail) != len(nodes):
+        raise SlurmError(f"squeue --json: job {job_id} has {len(detail)} GRES entries for {len(nodes)} nodes")
     out: list[tuple[str, int]] = []
-    # only Slurm's own per-node lines (indented, starting with Nodes=): never a user's comment
-    for m in re.finditer(r"(?m)^[ \t]+Nodes=(\S+)[^\n]*?\bGRES=(\S+)", text):
-        nodes, gres = m.groups()
-        indices: list[int] = []
-        for idx in re.findall(r"gpu(?::[^:(,\s]+)*:\d+\(IDX:([0-9,\-]+)\)", gres):
-            indices.extend(parse_index_list(idx))
-        for node in expand_hostlist(nodes):
-            out.extend((node, i) for i in indices)
+    for node, gres in zip(nodes, detail, strict=False):
+        for idx in _GRES_IDX.findall(str(gres)):
+            out.extend((node, i) for i in parse_index_list(idx))
     return sorted(set(out))
 
 
@@ -307,7 +327,9 @@ def sbatch_argv(allocation_id: int) -> list[str]:
 
 
 def job_detail_argv(job_id: str) -> list[str]:
-    return ["scontrol", "-d", "show", "job", str(job_id)]
+    """The job's GPUs as JSON (``parse_job_gpus_json``). Slurm 22.05 lists every job with
+    ``--json`` whatever the filters say; the filters cut the answer where Slurm honours them."""
+    return ["squeue", "--json", "-a", "-t", "all", "-j", str(job_id)]
 
 
 def parse_sbatch(output: str) -> str:

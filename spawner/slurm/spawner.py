@@ -391,7 +391,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         counts as started and the watcher writes the GPUs at its next cycle."""
         try:
             out = await run_command(jobs.job_detail_argv(self.job_id), 30)
-            gpus = jobs.parse_job_gpus(out)
+            gpus = jobs.parse_job_gpus_json(out, self.job_id)
         except jobs.SlurmError as e:
             self.log.warning("gpuhub: GPUs of job %s not read yet (%s); the watcher will", self.job_id, e)
             return await super().mark_started(allocation)

@@ -336,7 +336,7 @@ class SlurmWatcher(LoggingConfigurable):
                 self.log.info("gpuhub: released allocation %s of %s: %s", a.id, a.user, action.reason)
         elif action.kind == "record":
             out = await run_command(jobs.job_detail_argv(action.job_id), self.command_timeout)
-            gpus = jobs.parse_job_gpus(out)
+            gpus = jobs.parse_job_gpus_json(out, action.job_id)
             if len(gpus) > a.gpu_count:  # more than was admitted: over the user's limit
                 reason = f"Slurm job {action.job_id} holds {len(gpus)} GPUs, {a.gpu_count} were admitted"
                 self.log.warning("gpuhub: cancelling job %s of %s: %s", action.job_id, a.user, reason)
