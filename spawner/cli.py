@@ -21,6 +21,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from datetime import datetime
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -38,6 +39,7 @@ from .policy import (
     MAX_WINDOW_HOURS,
     MIN_WINDOW_HOURS,
     Limit,
+    parse_limit_field,
 )
 from .settings import GpuHub
 from .slurm.jobs import SlurmError
@@ -51,7 +53,7 @@ def parse_count_or_unlimited(text: str) -> int | None:
     if text.strip().lower() in ("unlimited", "none"):
         return None
     try:
-        return values.parse_count(text, "a limit", lo=0, hi=MAX_LIMIT_GPUS)
+        return parse_limit_field("max_gpus", text, field="a limit", text=True)
     except values.BadValue:
         raise UsageError(
             f"a limit must be a whole number from 0 to {MAX_LIMIT_GPUS} or 'unlimited'; "
@@ -95,6 +97,16 @@ EXIT_CODES = """exit codes:
 
 --config, --db-url and --json go before or after the command:
   gpuhub gpus --db-url sqlite:////srv/jupyterhub/gpuhub.sqlite --json"""
+
+
+def _limit_field(name: str):
+    """``parse_limit_field`` as a parser of option text."""
+
+    def parse(raw: str, field: str):
+        return parse_limit_field(name, raw, field=field, text=True)
+
+    parse.__name__ = f"parse_{name}"
+    return parse
 
 
 def _common(json_output: bool) -> argparse.ArgumentParser:
@@ -147,16 +159,12 @@ def make_parser() -> argparse.ArgumentParser:
     who.add_argument("--user", nargs=2, metavar=("USER", "N"))
     lset.add_argument(
         "--gpu-hours",
-        type=values.argparse_type(
-            values.parse_number, "--gpu-hours", lo=0, hi=MAX_GPU_HOURS, unit="GPU-hours"
-        ),
+        type=values.argparse_type(_limit_field("gpu_hours"), "--gpu-hours"),
         help=f"GPU-hours allowed per window (0 to {MAX_GPU_HOURS:g})",
     )
     lset.add_argument(
         "--window-hours",
-        type=values.argparse_type(
-            values.parse_hours, "--window-hours", lo=MIN_WINDOW_HOURS, hi=MAX_WINDOW_HOURS
-        ),
+        type=values.argparse_type(_limit_field("window_hours"), "--window-hours"),
         default=DEFAULT_WINDOW_HOURS,
         help=f"the window the GPU-hours count over ({MIN_WINDOW_HOURS:g} to {MAX_WINDOW_HOURS:g} hours; "
         f"default {DEFAULT_WINDOW_HOURS:g})",
@@ -219,10 +227,6 @@ def load_settings(args: argparse.Namespace) -> GpuHub:
 
 def _iso(when: datetime | None) -> str | None:
     return None if when is None else when.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def limit_json(limit: Limit) -> dict:
-    return {"max_gpus": limit.max_gpus, "gpu_hours": limit.gpu_hours, "window_hours": limit.window_hours}
 
 
 def gpu_json(st) -> dict:
@@ -355,7 +359,7 @@ def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
     if args.action == "show":
         if args.json:
             entries = [
-                {"scope": e.scope, "name": e.name, "origin": e.origin, **limit_json(e.limit)}
+                {"scope": e.scope, "name": e.name, "origin": e.origin, **asdict(e.limit)}
                 for e in ledger.limit_entries()
             ]
             ignored = [{"scope": sc, "name": n, "problem": pr} for sc, n, pr in ledger.ignored_limits()]

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from .values import show
+from .values import parse_count, parse_hours, parse_number, show
 
 DEFAULT_WINDOW_HOURS = 168.0
 
@@ -62,6 +62,20 @@ class Limit:
     max_gpus: int | None = None
     gpu_hours: float | None = None
     window_hours: float = DEFAULT_WINDOW_HOURS
+
+
+def parse_limit_field(name: str, raw, *, text: bool, field: str | None = None):
+    """One field of a new limit (``max_gpus``, ``gpu_hours``, ``window_hours``) read with its
+    range, the same for the CLI, the broker's API and the traits; raises ``values.BadValue``
+    naming ``field`` (default: ``name``)."""
+    label = field or name
+    if name == "max_gpus":
+        return parse_count(raw, label, lo=0, hi=MAX_LIMIT_GPUS, text=text)
+    if name == "gpu_hours":
+        return parse_number(raw, label, lo=0, hi=MAX_GPU_HOURS, unit="GPU-hours", text=text)
+    if name == "window_hours":
+        return parse_hours(raw, label, lo=MIN_WINDOW_HOURS, hi=MAX_WINDOW_HOURS, text=text)
+    raise ValueError(f"a limit has no field {name!r}")
 
 
 def limit_problem(limit: Limit) -> str | None:

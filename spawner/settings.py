@@ -17,16 +17,7 @@ from traitlets.config import Configurable
 
 from . import inventory, values
 from .ledger import Ledger
-from .policy import (
-    DEFAULT_WINDOW_HOURS,
-    MAX_GPU_HOURS,
-    MAX_LIMIT_GPUS,
-    MAX_WINDOW_HOURS,
-    MIN_WINDOW_HOURS,
-    Gpu,
-    Limit,
-    LimitRules,
-)
+from .policy import DEFAULT_WINDOW_HOURS, Gpu, Limit, LimitRules, parse_limit_field
 
 LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
 
@@ -44,23 +35,14 @@ def parse_limit(value: Any, where: str) -> Limit:
                     f"unknown keys {sorted(map(str, unknown))}; use {sorted(LIMIT_KEYS)}, "
                     'e.g. {"max_gpus": 4, "gpu_hours": 200, "window_hours": 168}'
                 )
-            m, h = value.get("max_gpus"), value.get("gpu_hours")
-            w = value.get("window_hours", DEFAULT_WINDOW_HOURS)
+            read = {k: parse_limit_field(k, v, text=False) for k, v in value.items() if v is not None}
             lim = Limit(
-                max_gpus=None
-                if m is None
-                else values.parse_count(m, "max_gpus", hi=MAX_LIMIT_GPUS, text=False),
-                gpu_hours=None
-                if h is None
-                else values.parse_number(
-                    h, "gpu_hours", lo=0, hi=MAX_GPU_HOURS, unit="GPU-hours", text=False
-                ),
-                window_hours=values.parse_hours(
-                    w, "window_hours", lo=MIN_WINDOW_HOURS, hi=MAX_WINDOW_HOURS, text=False
-                ),
+                max_gpus=read.get("max_gpus"),
+                gpu_hours=read.get("gpu_hours"),
+                window_hours=read.get("window_hours", DEFAULT_WINDOW_HOURS),
             )
         elif isinstance(value, int) and not isinstance(value, bool):
-            lim = Limit(max_gpus=values.parse_count(value, "a limit", hi=MAX_LIMIT_GPUS, text=False))
+            lim = Limit(max_gpus=parse_limit_field("max_gpus", value, field="a limit", text=False))
         else:
             raise ValueError(f"a limit is an int, None or a dict; got {values.show(value)}")
     except ValueError as e:

@@ -150,11 +150,11 @@ def parse_samples(body: dict) -> SamplesReport:
         _only(g, ("node", "index", "utilization", "memory_used_mib", "memory_total_mib"))
         node = g.get("node")
         try:
-            if not node:
-                raise values.BadValue("node", "")
-            values.parse_label(node, "node")
+            node = values.parse_label(node, "node")
         except values.BadValue:
-            raise BadRequest(f"'gpus'[{i}]['node'] must be the GPU's node name.") from None
+            node = ""
+        if not node:
+            raise BadRequest(f"'gpus'[{i}]['node'] must be the GPU's node name.")
         index = _int(g, "index", lo=0, hi=MAX_COUNT, required=True)
         util = _number(g, "utilization", lo=0, hi=100)
         if util is None:
@@ -179,13 +179,18 @@ def parse_limit_body(body: dict, default_window_hours: float) -> LimitBody:
     _only(body, ("max_gpus", "gpu_hours", "window_hours"))
     if "max_gpus" not in body:
         raise BadRequest("'max_gpus' is required: a whole number of GPUs, or null for unlimited.")
-    window = _number(
-        body, "window_hours", lo=policy.MIN_WINDOW_HOURS, hi=policy.MAX_WINDOW_HOURS, unit="hours"
-    )
+    read = {}
+    for key in ("max_gpus", "gpu_hours", "window_hours"):
+        try:
+            raw = body.get(key)
+            read[key] = (
+                None if raw is None else policy.parse_limit_field(key, raw, field=repr(key), text=False)
+            )
+        except values.BadValue as e:
+            raise BadRequest(e.message) from None
+    window = read["window_hours"]
     return LimitBody(
-        max_gpus=_int(body, "max_gpus", lo=0, hi=policy.MAX_LIMIT_GPUS),
-        gpu_hours=_number(body, "gpu_hours", lo=0, hi=policy.MAX_GPU_HOURS, unit="GPU-hours"),
-        window_hours=window if window is not None else default_window_hours,
+        read["max_gpus"], read["gpu_hours"], window if window is not None else default_window_hours
     )
 
 
