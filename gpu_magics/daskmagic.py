@@ -30,6 +30,7 @@ from traitlets import Float
 
 from .arguments import COUNT
 from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
+from .daskprivate import WORKER_CONFIG, Private
 from .gpustats import nvml_problem
 from .ranks import Slot, choose_slots
 from .reporter import start_burst_reporter
@@ -131,7 +132,7 @@ class DaskMagics(Magics):
 
     def __init__(self, shell=None, **kw):
         super().__init__(shell=shell, **kw)
-        self.cluster = self.client = None
+        self.cluster = self.client = self.private = None
         self.kind, self.name, self.labels = "", "", ()
         self.burst: dict | None = None
         self.lease: LeaseKeeper | None = None
@@ -218,16 +219,24 @@ class DaskMagics(Magics):
                 slots = plan.slots or tuple(self._acquire_burst(req.workers, len(own.gpus)))
                 labels = tuple(s.label for s in slots)
                 options = {"CUDA_VISIBLE_DEVICES": plan.devices or make_devices(slots, (), None)}
-            cluster = None
+            cluster = private = None
             try:
-                cluster = make(n_workers=req.workers, dashboard_address=":0", **options)
-                client = Client(cluster)
+                import dask
+
+                private = Private.make()
+                with dask.config.set(WORKER_CONFIG):
+                    cluster = private.cluster_class(make)(
+                        n_workers=req.workers, **private.options(), **options
+                    )
+                client = Client(cluster, security=private.security)
             except BaseException:
                 if cluster is not None:
                     cluster.close()
+                if private is not None:
+                    private.remove()
                 self._release_burst()  # nothing may keep GPUs that no worker uses
                 raise
-            self.cluster, self.client = cluster, client
+            self.cluster, self.client, self.private = cluster, client, private
             self.kind = "LocalCluster (CPU only)" if req.kind == "cpu" else "dask-cuda LocalCUDACluster"
             self.name, self.labels = req.name, labels
             self.shell.user_ns[req.name] = client
@@ -253,6 +262,9 @@ class DaskMagics(Magics):
                     print(f"gpuhub: closing the Dask {type(part).__name__}: {e!r}")
             if client is not None and self.shell is not None and self.shell.user_ns.get(self.name) is client:
                 del self.shell.user_ns[self.name]
+            if self.private is not None:
+                self.private.remove()
+                self.private = None
             self._release_burst()
             self.kind, self.labels = "", ()
             return had

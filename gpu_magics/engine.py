@@ -2,13 +2,15 @@
 
 ``setup_rank`` pins the rank's GPU *before* torch touches CUDA, starts a watchdog that ends
 the engine when the notebook kernel is gone (engines run in their own session and would
-otherwise outlive a killed kernel), and initialises the default process group.
+otherwise outlive a killed kernel), and initialises the default process group on a
+rendezvous that only the owner can reach (``open_rendezvous``).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -46,7 +48,46 @@ def pin_to_gpu(label: str) -> bool:
     return True
 
 
-def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int) -> dict:
+_STORE = None  # rank 0's TCPStore between open_rendezvous and setup_rank
+
+
+def open_rendezvous(kind: str, world_size: int, timeout_s: float) -> dict:
+    """Runs on rank 0's engine before any rank joins.
+
+    ``file``: all ranks share this node, and meet in a ``FileStore`` in a new directory of mode
+    0700, so no other account can join, read or write it (no port at all). ``tcp``: ranks on
+    several nodes meet in a ``TCPStore`` that picked its own port (no bind-close-reuse race);
+    TCPStore has no authentication, so what protects it is the cluster's network.
+    """
+    global _STORE
+    if kind == "file":
+        return {"kind": "file", "path": os.path.join(tempfile.mkdtemp(prefix="gpuhub-rendezvous-"), "store")}
+    import torch.distributed as dist
+
+    _STORE = dist.TCPStore(
+        "0.0.0.0", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    return {"kind": "tcp", "port": _STORE.port}
+
+
+def _store(rendezvous: dict, env: dict, timeout_s: float):
+    import torch.distributed as dist
+
+    world = int(env["WORLD_SIZE"])
+    if rendezvous["kind"] == "file":
+        return dist.FileStore(rendezvous["path"], world)
+    if int(env["RANK"]) == 0:
+        return _STORE
+    return dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(rendezvous["port"]),
+        world,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int, rendezvous: dict) -> dict:
     os.environ.update(env)
     pinned = pin_to_gpu(env.get("GPUHUB_RANK_GPU", ""))  # before torch starts its threads
     burst = int(env.get("GPUHUB_REPORT_ALLOCATION") or 0)
@@ -70,7 +111,13 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
     if cuda:
         torch.cuda.set_device(0)  # the one GPU CUDA_VISIBLE_DEVICES leaves visible
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        store=_store(rendezvous, env, timeout_s),
+        rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]),
+        timeout=timedelta(seconds=timeout_s),
+    )
 
     from IPython import get_ipython
 

@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,6 +81,8 @@ class EnginePool:
         self.controller_pid = 0
         self.reaper: subprocess.Popen | None = None
         self.report_allocation = 0  # the burst whose GPUs the engines hold (0: the server's own)
+        self.multi_host = False  # ranks on several hosts: a TCPStore rendezvous, else a FileStore
+        self.rendezvous: dict = {}
 
     @property
     def size(self) -> int:
@@ -132,8 +135,11 @@ class EnginePool:
             envs, kernel_pid = self._slurm_ranks(timeout)
         if self.report_allocation:  # a burst's engines report their GPUs' use themselves
             envs = [dict(env, GPUHUB_REPORT_ALLOCATION=str(self.report_allocation)) for env in envs]
+        envs, rendezvous = self._open_rendezvous(envs, timeout)
         setups = [
-            self.client[eid].apply_async(setup_rank, env, self.backend, self.timeout_s, kernel_pid)
+            self.client[eid].apply_async(
+                setup_rank, env, self.backend, self.timeout_s, kernel_pid, rendezvous
+            )
             for eid, env in zip(self.engine_ids, envs, strict=True)
         ]
         # wait for all together: rank 0 blocks in init_process_group until every rank is in,
@@ -152,6 +158,22 @@ class EnginePool:
         self.view = self.client[self.engine_ids]
         mine = [] if getattr(self, "_remote", False) else self.pids  # only pids of this machine
         self._start_reaper([self.controller_pid, *mine, *(self.launcher.local_pids if self.launcher else [])])
+
+    def _open_rendezvous(self, envs: list[dict], timeout: float) -> tuple[list[dict], dict]:
+        """The process group's meeting place, made by rank 0's engine (``engine.open_rendezvous``):
+        a private FileStore when every rank is on one node, else a TCPStore whose own port
+        becomes MASTER_PORT (as torchrun's agent store is)."""
+        from .engine import open_rendezvous
+
+        kind = "tcp" if self.multi_host else "file"
+        first = next(eid for eid, env in zip(self.engine_ids, envs, strict=True) if env["RANK"] == "0")
+        rendezvous = (
+            self.client[first].apply_async(open_rendezvous, kind, len(envs), self.timeout_s).get(timeout)
+        )
+        self.rendezvous = rendezvous
+        if rendezvous["kind"] == "tcp":
+            envs = [dict(env, MASTER_PORT=str(rendezvous["port"])) for env in envs]
+        return envs, rendezvous
 
     def _slurm_ranks(self, timeout: float) -> tuple[list[dict], int]:
         """Ranks from where Slurm put each engine; a free port on rank 0's node."""
@@ -175,6 +197,7 @@ class EnginePool:
         envs = [dict(spec.env(), CUDA_VISIBLE_DEVICES=cuda_device(facts[eid])) for eid, spec in pairs]
         here = socket.gethostname()
         self._remote = any(f.host != here for f in facts.values())
+        self.multi_host = len({f.host for f in facts.values()}) > 1
         return envs, 0 if self._remote else os.getpid()
 
     def _start_reaper(self, pids: list[int]) -> None:
@@ -323,6 +346,8 @@ class EnginePool:
             if self.launcher is not None:
                 local = [*local, *self.launcher.local_pids]
             kill_trees([pid for pid in (self.controller_pid, *local) if pid])
+            if self.rendezvous.get("kind") == "file" and not getattr(self, "_remote", False):
+                shutil.rmtree(os.path.dirname(self.rendezvous["path"]), ignore_errors=True)
             if self.reaper is not None:
                 self.reaper.kill()
                 self.reaper.wait()

@@ -151,7 +151,8 @@ def start_burst_reporter(
 
 
 def _jupyter_server_extension_points():
-    return [{"module": "gpu_magics.reporter"}]
+    # the private Dask dashboards' proxy comes with it (gpu_magics.dashproxy)
+    return [{"module": "gpu_magics.reporter"}, {"module": "gpu_magics.dashproxy"}]
 
 
 def _load_jupyter_server_extension(serverapp) -> None:

@@ -59,3 +59,21 @@ class Cell:
 
     def __repr__(self):
         return f"Cell(stdout={self.stdout!r}, stderr={self.stderr!r}, error={self.traceback!r})"
+
+
+def run_cell(kc, code: str, timeout: float = 180) -> tuple[str, str]:
+    """One cell through a connected kernel client: its reply status and everything it showed
+    (streams, results, displays, the traceback of an error), in order."""
+    out = []
+
+    def hook(msg):
+        c = msg["content"]
+        if msg["msg_type"] == "stream":
+            out.append(c["text"])
+        elif msg["msg_type"] in ("execute_result", "display_data", "update_display_data"):
+            out.append(c["data"].get("text/plain", ""))
+        elif msg["msg_type"] == "error":
+            out.append("\n".join(c["traceback"]))
+
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+    return reply["content"]["status"], "".join(out)

@@ -7,6 +7,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -190,15 +191,17 @@ def broker(monkeypatch):
 @pytest.fixture
 def cuda_cluster(monkeypatch):
     """LocalCUDACluster's stand-in: records its arguments, runs a threaded LocalCluster."""
+    from distributed import LocalCluster
+
     calls = []
 
-    def make(**kw):
-        from distributed import LocalCluster
+    class Recording(LocalCluster):
+        def __init__(self, n_workers, CUDA_VISIBLE_DEVICES, security, **private):
+            calls.append({"n_workers": n_workers, "CUDA_VISIBLE_DEVICES": CUDA_VISIBLE_DEVICES})
+            assert security.require_encryption and private["protocol"] == "tls://"
+            super().__init__(n_workers=n_workers, processes=False, security=security, **private)
 
-        calls.append(kw)
-        return LocalCluster(n_workers=kw["n_workers"], processes=False, dashboard_address=":0")
-
-    monkeypatch.setattr(daskmagic, "load_local_cuda_cluster", lambda: make)
+    monkeypatch.setattr(daskmagic, "load_local_cuda_cluster", lambda: Recording)
     return calls
 
 
@@ -232,9 +235,11 @@ def test_the_servers_own_gpus_are_used_without_a_burst(magics, broker, cuda_clus
     monkeypatch.setenv("GPUHUB_GPUS", "n1:2,n1:3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     magics.dask_cuda("--gpus 2 --name dc")
-    assert cuda_cluster == [{"n_workers": 2, "dashboard_address": ":0", "CUDA_VISIBLE_DEVICES": "2,3"}]
+    assert cuda_cluster == [{"n_workers": 2, "CUDA_VISIBLE_DEVICES": "2,3"}]
     assert fake.calls == []
-    assert "Dask cluster up: 2 workers on GPUs n1:2, n1:3; dashboard http" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    up = r"Dask cluster up: 2 workers on GPUs n1:2, n1:3; dashboard /gpuhub/dask/[0-9a-f]{32}/status"
+    assert re.search(up, out), out
     assert magics.shell.user_ns["dc"].submit(lambda x: x * 3, 2).result() == 6
     with pytest.raises(UsageError, match=r"already running.*run %dask_cuda shutdown first"):
         magics.dask_cuda("--gpus 1")
@@ -272,8 +277,9 @@ def test_a_lost_lease_closes_the_cluster(magics, broker, cuda_cluster, capsys):
 def test_a_cluster_that_fails_to_start_gives_the_burst_back(magics, broker, monkeypatch):
     fake = broker()
 
-    def broken(**kw):
-        raise RuntimeError("CUDA error: no device")
+    class broken:
+        def __init__(self, **kw):
+            raise RuntimeError("CUDA error: no device")
 
     monkeypatch.setattr(daskmagic, "load_local_cuda_cluster", lambda: broken)
     with pytest.raises(RuntimeError, match="no device"):
@@ -343,7 +349,7 @@ def test_a_cpu_cluster_runs_tasks_in_its_own_processes_and_shutdown_ends_them(tm
     try:
         kc.wait_for_ready(timeout=60)
         out, err = _execute(kc, "%load_ext gpu_magics\n%dask_cuda --cpu --workers 2")
-        assert "Dask cluster up: 2 CPU workers (no GPUs); dashboard http://" in out, err
+        assert "Dask cluster up: 2 CPU workers (no GPUs); dashboard /gpuhub/dask/" in out, err
         assert "the Client is `client`" in out
         out, err = _execute(
             kc,

@@ -6,24 +6,9 @@ import pytest
 from spawner.ledger import Ledger
 
 from .hubtools import Hub, wait_for
+from .kerneltools import run_cell as run
 
 pytestmark = pytest.mark.hub
-
-
-def run(kc, code, timeout=180):
-    out = []
-
-    def hook(msg):
-        c = msg["content"]
-        if msg["msg_type"] == "stream":
-            out.append(c["text"])
-        elif msg["msg_type"] in ("execute_result", "display_data", "update_display_data"):
-            out.append(c["data"].get("text/plain", ""))
-        elif msg["msg_type"] == "error":
-            out.append("\n".join(c["traceback"]))
-
-    reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-    return reply["content"]["status"], "".join(out)
 
 
 def test_a_server_with_one_gpu_runs_distributed_on_two(tmp_path):
