@@ -34,7 +34,8 @@ def checked(r):
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("broker")).start()
+    # few reports per minute, so that the flood test needs only a few requests
+    h = Hub(tmp_path_factory.mktemp("broker"), extra_config="c.GpuReclaim.reports_per_gpu_minute = 5").start()
     h.wait_for_broker()
     yield h
     h.stop()
@@ -348,3 +349,34 @@ def test_nobody_releases_a_running_servers_gpus_through_the_api(hub, tokens, led
     r = checked(hub.broker("DELETE", f"allocations/{server.id}", tokens["admin"]))
     assert r.status_code == 409 and "stop the server" in r.json()["message"]
     assert ledger.get(server.id).active
+
+
+def test_a_flood_of_use_reports_is_refused_and_not_stored(hub, tokens, ledger):
+    def burst():
+        r = checked(hub.broker("POST", "allocations", tokens["alice"], json={"gpus": 1}))
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    first, second = burst(), burst()
+
+    def report(a, utilization):
+        [gpu] = a["gpus"]
+        sample = {"node": gpu["node"], "index": gpu["index"], "utilization": utilization}
+        return checked(
+            hub.broker("POST", f"allocations/{a['id']}/samples", tokens["alice"], json={"gpus": [sample]})
+        )
+
+    for u in range(5):  # c.GpuReclaim.reports_per_gpu_minute = 5 (1 GPU)
+        assert report(first, 10 + u).status_code == 200
+    r = report(first, 99)
+    assert r.status_code == 429 and r.json()["reason"] == "too_many_reports", r.text
+    assert 1 <= int(r.headers["Retry-After"]) <= 60 and "reports_per_gpu_minute" in r.json()["message"]
+    grid = {
+        g["holder"]["allocation_id"]: g["utilization"]
+        for g in hub.broker("GET", "utilization", tokens["alice"]).json()["gpus"]
+        if g["holder"]
+    }
+    assert grid[first["id"]] == 14.0  # the refused report was not stored
+    assert report(second, 50).status_code == 200  # another allocation has its own rate
+    for a in (first, second):
+        hub.broker("DELETE", f"allocations/{a['id']}", tokens["alice"])

@@ -6,14 +6,18 @@ minor number, with a fake NVML (the real one is checked by benchmarks/gpu_check.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import types
+from collections import deque
+from datetime import datetime
+from types import SimpleNamespace
 
 import pytest
 
 from gpu_magics.gpustats import NvmlSource
 from spawner.broker.metrics import Metrics
 from spawner.broker.reclaimer import Reclaimer, server_url
-from spawner.broker.utilization import Sample, Utilization, epoch
+from spawner.broker.utilization import Sample, Utilization, epoch, rate_wait
 from spawner.idle import IdleRules
 from spawner.ledger import Ledger
 from spawner.policy import Gpu, Limit, LimitRules
@@ -304,3 +308,37 @@ def test_a_burst_reporter_posts_its_gpus_until_the_allocation_is_released(tmp_pa
         assert start_burst_reporter(7, ["n1:2"], {"GPUHUB_GPU_SOURCE": "simulated"}) is None
     finally:
         server.shutdown()
+
+
+# bounded memory: the per-GPU history and the per-allocation report rate
+
+
+@pytest.mark.parametrize(
+    "times, now, limit, wait, kept",
+    [
+        ([], 100.0, 2, 0.0, [100.0]),
+        ([50.0], 100.0, 2, 0.0, [50.0, 100.0]),
+        ([50.0, 70.0], 100.0, 2, 10.0, [50.0, 70.0]),  # full: wait until 50 leaves the window
+        ([30.0, 70.0], 100.0, 2, 0.0, [70.0, 100.0]),  # 30 is a minute old: it left
+        ([40.0, 70.0], 100.0, 2, 0.0, [70.0, 100.0]),  # exactly a minute: gone
+    ],
+)
+def test_rate_wait(times, now, limit, wait, kept):
+    q = deque(times)
+    assert rate_wait(q, now, limit) == pytest.approx(wait)
+    assert list(q) == kept
+
+
+def test_a_fast_reporter_keeps_one_reading_per_interval():
+    t = [0.0]
+    util = Utilization(history_seconds=10.0, clock=lambda: t[0], min_interval=1.0)
+    a = SimpleNamespace(
+        id=1, user="alice", purpose="server", gpu_count=1, gpus=(), started=None, created=datetime(2026, 1, 1)
+    )
+    for step in range(200):  # 10 reports a second for 20 s
+        t[0] = step / 10
+        util.add_samples(a, [Sample("n1", 0, float(step), 0, None)], 50.0, 60.0)
+    history = util.history("n1", 0)
+    assert util.latest("n1", 0, 60.0).utilization == 199.0  # the newest always shows
+    assert len(history) <= 10 / 1.0 + 2
+    assert all(b.t - a.t >= 1.0 for a, b in itertools.pairwise(history[:-1]))

@@ -79,8 +79,9 @@ def enable_broker(c, *, url: str = "http://127.0.0.1:10101", admin_users=None) -
         {
             "name": "gpuhub-service",
             "description": "What the gpuhub broker needs from the hub",
-            # servers: to stop a server whose GPUs sat idle (c.GpuReclaim)
-            "scopes": ["read:users:groups", "read:users:name", "servers"],
+            # delete:servers (JupyterHub's narrowest scope that stops a server, without
+            # starting any): to stop a server whose GPUs sat idle (c.GpuReclaim)
+            "scopes": ["read:users:groups", "read:users:name", "delete:servers"],
             "services": [SERVICE],
         },
     ):

@@ -21,6 +21,7 @@ from tornado import web
 from tornado.ioloop import PeriodicCallback
 from traitlets.config import Config
 
+from ..db import safe_url
 from ..settings import GpuHub
 from .api import api_handlers
 from .handlers import Broker
@@ -89,7 +90,11 @@ async def main() -> None:
         prefix=os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpuhub/"),
     )
     broker.backend = "slurm" if hub_settings.inventory == "slurm" else "local"
-    broker.utilization = Utilization(reclaim.history_seconds)
+    broker.utilization = Utilization(
+        reclaim.history_seconds,
+        min_interval=reclaim.sample_seconds,
+        reports_per_gpu_minute=reclaim.reports_per_gpu_minute,
+    )
     broker.reclaim_rules = rules
     broker.metrics.registry.register(UtilizationCollector(broker))
     reclaimer = Reclaimer(broker, rules)
@@ -113,7 +118,9 @@ async def main() -> None:
             log.exception("the idle check failed; it runs again in %s s", reclaim.check_seconds)
 
     PeriodicCallback(check_idle, reclaim.check_seconds * 1000).start()
-    log.info("gpuhub broker at %s%s, ledger %s", url.geturl().rstrip("/"), broker.prefix, ledger.url)
+    log.info(
+        "gpuhub broker at %s%s, ledger %s", url.geturl().rstrip("/"), broker.prefix, safe_url(ledger.url)
+    )
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -123,6 +123,25 @@ class GpuReclaim(Configurable):
         """,
     ).tag(config=True)
 
+    sample_seconds = Float(
+        1.0,
+        min=0.01,
+        help="""The finest grain of the per-GPU history: readings of one GPU that come faster
+        than this replace each other, so the history of a GPU never holds more than
+        ``history_seconds / sample_seconds`` readings whatever its reporters send.
+        ``c.GpuReclaim.sample_seconds = 5``
+        """,
+    ).tag(config=True)
+
+    reports_per_gpu_minute = Int(
+        600,
+        min=1,
+        help="""At most this many use reports per minute per GPU of an allocation (its server
+        and its engines together); more are answered 429 with ``Retry-After`` and not stored.
+        Reporters send one per ``c.GpuHub.report_seconds``. ``c.GpuReclaim.reports_per_gpu_minute = 120``
+        """,
+    ).tag(config=True)
+
     def rules(self):
         from ..idle import IdleRules
 

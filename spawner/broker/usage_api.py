@@ -28,6 +28,15 @@ class SamplesHandler(APIHandler):
         caller, a = await self.find_allocation(allocation_id)
         if caller.name != a.user and not access.is_admin(caller):
             raise web.HTTPError(404, f"No allocation {allocation_id} of yours.")
+        wait = self.broker.utilization.admit(a)
+        if wait:
+            self.set_header("Retry-After", str(max(1, round(wait))))
+            return self.fail(
+                429,
+                f"Allocation {a.id} reported more often than c.GpuReclaim.reports_per_gpu_minute allows; "
+                f"this report was not stored. Try again in {wait:.0f} s.",
+                "too_many_reports",
+            )
         try:
             body = schemas.parse_json_object(self.request.body, self.broker.settings.max_body_bytes)
             report = schemas.parse_samples(body)

@@ -36,13 +36,42 @@ def epoch(t: datetime) -> float:
     return t.replace(tzinfo=UTC).timestamp()
 
 
+def rate_wait(times: deque[float], now: float, limit: int, window: float = 60.0) -> float:
+    """Seconds until one more event fits ``limit`` per ``window`` (0: it fits now, and is
+    counted). ``times`` holds the counted events' times, oldest first."""
+    while times and times[0] <= now - window:
+        times.popleft()
+    if len(times) >= limit:
+        return times[0] + window - now
+    times.append(now)
+    return 0.0
+
+
 class Utilization:
-    def __init__(self, history_seconds: float = 3600.0, clock: Callable[[], float] = time.time):
+    """Bounded: per GPU, one reading per ``min_interval`` (a faster reporter's readings replace
+    the last one) for ``history_seconds``; per allocation, ``reports_per_gpu_minute`` reports
+    per GPU it holds (``admit``)."""
+
+    def __init__(
+        self,
+        history_seconds: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+        min_interval: float = 1.0,
+        reports_per_gpu_minute: int = 600,
+    ):
         self.history_seconds = history_seconds
         self.clock = clock
+        self.min_interval = min_interval
+        self.reports_per_gpu_minute = reports_per_gpu_minute
         self.gpus: dict[tuple[str, int], deque[Reading]] = {}
         self.watches: dict[int, Watch] = {}
         self.verdicts: dict[int, Verdict] = {}
+        self.reports: dict[int, deque[float]] = {}
+
+    def admit(self, a: AllocationInfo) -> float:
+        """0 when one more report of ``a`` is within its rate, else the seconds to wait."""
+        limit = self.reports_per_gpu_minute * max(1, a.gpu_count, len(a.gpus))
+        return rate_wait(self.reports.setdefault(a.id, deque()), self.clock(), limit)
 
     def watch(self, a: AllocationInfo) -> Watch:
         w = self.watches.get(a.id)
@@ -60,7 +89,11 @@ class Utilization:
         busy = False
         for s in samples:
             history = self.gpus.setdefault((s.node, s.index), deque())
-            history.append(Reading(now, s.utilization, s.memory_used_mib, s.memory_total_mib))
+            reading = Reading(now, s.utilization, s.memory_used_mib, s.memory_total_mib)
+            if len(history) > 1 and history[-1].t - history[-2].t < self.min_interval:
+                history[-1] = reading  # the newest is provisional until min_interval after the last
+            else:
+                history.append(reading)
             while history and history[0].t < now - self.history_seconds:
                 history.popleft()
             busy = busy or s.utilization >= threshold
@@ -95,6 +128,7 @@ class Utilization:
 
     def forget(self, live_ids: set[int]) -> None:
         """Drop what is known about allocations that ended (their GPUs' history stays)."""
-        for ident in set(self.watches) - live_ids:
+        for ident in (set(self.watches) | set(self.reports)) - live_ids:
             self.watches.pop(ident, None)
             self.verdicts.pop(ident, None)
+            self.reports.pop(ident, None)
