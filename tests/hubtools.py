@@ -21,7 +21,10 @@ import requests
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "hub_config" / "demo.py"
-DEMO_PASSWORD = "gpuhub-demo"
+# a test hub's own passwords (the demo makes its own per state directory: hub_config/demo.py);
+# the admin's is the one tests/test_broker_pages.py logs in with
+DEMO_PASSWORD = secrets.token_urlsafe(12)
+ADMIN_PASSWORD = "gpuhub-demo-admin-password-change-me"
 JUPYTERHUB = Path(sys.executable).with_name("jupyterhub")
 
 
@@ -90,6 +93,12 @@ class Hub:
             f"""
 c = get_config()
 load_subconfig({str(self.base_config)!r})
+# a test hub: the tests' passwords, and servers as the tests' own user (root in CI), wherever
+# the demo would run them (as root it runs them as Unix accounts of its own)
+c.SharedPasswordAuthenticator.user_password = {DEMO_PASSWORD!r}
+c.SharedPasswordAuthenticator.admin_password = {ADMIN_PASSWORD!r}
+c.JupyterHub.spawner_class = "gpu-local-simple"
+c.Spawner.args = ["--allow-root"]
 c.JupyterHub.bind_url = {self.url!r}
 c.JupyterHub.hub_port = {self.hub_port}
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{self.proxy_api_port}"
@@ -217,16 +226,17 @@ enable_broker(c, url="http://127.0.0.1:{self.broker_port}")
         assert r.status_code in (202, 204), r.text
         wait_for(lambda: self.server(user, name) is None, timeout, f"{user}'s server to stop")
 
-    def server_kernel(self, user: str):
+    def server_kernel(self, user: str, home: str | None = None):
         """A client of a ``python3-gpus`` kernel that ``user``'s running server started (as
-        JupyterLab would), connected and ready; the caller stops its channels."""
+        JupyterLab would), connected and ready; the caller stops its channels. ``home``: the
+        user's home where it is not the test hub's (a real Unix account's)."""
         import glob
 
         from jupyter_client import BlockingKernelClient
 
         r = self.api_url_request("POST", f"/user/{user}/api/kernels", json={"name": "python3-gpus"})
         assert r.status_code == 201, r.text
-        pattern = f"{self.dir}/home/{user}/**/kernel-{r.json()['id']}.json"
+        pattern = f"{home or f'{self.dir}/home/{user}'}/**/kernel-{r.json()['id']}.json"
         [conn] = glob.glob(pattern, recursive=True, include_hidden=True)
         kc = BlockingKernelClient(connection_file=conn)
         kc.load_connection_file()
