@@ -1,9 +1,10 @@
 """Slurm backend units without a cluster: parsers, batch scripts (golden files), accounting plans,
-the watcher's decisions, and one watcher cycle against fake squeue/scontrol/scancel on PATH."""
+the watcher's decisions, and one watcher cycle against fake squeue/scancel on PATH."""
 
 import json
 import os
 import shlex
+import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -29,17 +30,7 @@ HL, IDX, GRES = jobs.expand_hostlist, jobs.parse_index_list, jobs.parse_gres
 SB = jobs.parse_sbatch
 N1 = "gpu-node1"
 TWICE = "12|PENDING|a||u|n|N/A|\n12|RUNNING|a||u|n|N/A|\n"
-SQUEUE = [
-    "squeue",
-    "-h",
-    "-a",
-    "-t",
-    "all",
-    "--name",
-    "gpuhub-engines,gpuhub-server",
-    "-o",
-    "%i|%T|%r|%N|%u|%j|%S|%k",
-]
+SQUEUE_TEXT = ["squeue", "-h", "-a", "-t", "all", "--name", "gpuhub-engines,gpuhub-server"]
 
 
 # fmt: off
@@ -60,7 +51,7 @@ SQUEUE = [
     (GRES, "(null)", []),
     (gres, (2, "a100"), "gpu:a100:2"), (gres, (1, None), "gpu:1"),
     (SB, "12", "12"), (SB, "12;cluster\n", "12"), (SB, "warning: x\n13\n", "13"),
-    (jobs.squeue_argv, ["gpuhub-server", "gpuhub-engines"], SQUEUE),
+    (jobs.squeue_text_argv, ["gpuhub-server", "gpuhub-engines"], SQUEUE_TEXT),
 ])
 def test_pure(fn, arg, want):
     assert fn(arg) == want
@@ -329,6 +320,42 @@ def test_plan(max_gpus, current, commands):
     assert accounting.plan({"alice": eff(max_gpus)}, have, "gpuhub") == commands
 
 
+@pytest.mark.parametrize(
+    "user, account, words",
+    [
+        ("a,b", "gpuhub", "which has ','"),
+        ("a=b", "gpuhub", "which has '='"),
+        ("alice bob", "gpuhub", "which has ' '"),
+        ("al\nice", "gpuhub", "which has '\\n'"),
+        ("a'b", "gpuhub", 'which has "\'"'),
+        ("", "gpuhub", "Slurm user name must be"),
+        ("-i", "gpuhub", "starts with '-'"),
+        ("alice", "gpu,hub", "Slurm account name"),
+        ("alice", "gpu=hub", "Slurm account name"),
+    ],
+)
+def test_plan_refuses_a_name_sacctmgr_would_misread(user, account, words):
+    with pytest.raises(SlurmError, match="not written to Slurm's accounting") as e:
+        accounting.plan({"ok": eff(1), user: eff(2)}, {}, account)
+    assert words in str(e.value)
+
+
+def test_sync_writes_the_others_then_names_the_refused(monkeypatch):
+    ran = []
+    acc = accounting.SlurmAccounting(enabled=True)
+    monkeypatch.setattr(acc, "_run", lambda argv: ran.append(argv) or "")
+
+    class FakeLedger:
+        def effective_limits(self, users=None):
+            return {"alice": eff(2), "a,b=c": eff(1), "-x": eff(1)}
+
+    with pytest.raises(SlurmError) as e:
+        acc.sync(FakeLedger())
+    assert "'a,b=c'" in str(e.value) and "'-x'" in str(e.value)
+    assert [argv for argv in ran if "show" not in argv] == [ADD, modify(2)]
+    assert not any("a,b=c" in part or part == "-x" for argv in ran for part in argv)
+
+
 # watcher.py: decisions -------------------------------------------------------------------
 
 NOW = datetime(2026, 11, 1, 12, 0)
@@ -420,34 +447,69 @@ def test_orphans(live, others, listed, want):
 # watcher.py: one cycle against fake Slurm commands ---------------------------------------
 
 
+def job_json(job_id, state="RUNNING", user="alice", name="gpuhub-server", comment="", nodes="gpu-node1",
+             gres=("gpu:a100:2(IDX:1-2)",), reason="None", start=0):  # fmt: skip
+    """One job as Slurm 22.05's ``squeue --json`` shows it."""
+    running = state in jobs.RUNNING_STATES
+    return {
+        "job_id": int(job_id), "job_state": state, "user_name": user, "name": name, "comment": comment,
+        "nodes": nodes if state not in jobs.PENDING_STATES else "", "start_time": start,
+        "state_reason": reason, "gres_detail": list(gres) if running else [],
+    }  # fmt: skip
+
+
+FAKE_SQUEUE = r"""
+import json, os, re, sys
+d = sys.argv[0].rsplit("/", 1)[0]
+if os.path.exists(d + "/down"):
+    sys.exit(1)
+data = json.load(open(d + "/jobs.json"))
+if "--json" in sys.argv:
+    if not data["json"]:
+        sys.exit("squeue: unrecognized option '--json'\nTry \"squeue --help\" for more information")
+    print(json.dumps({"meta": {}, "errors": data["errors"], "jobs": data["jobs"]}))
+    sys.exit()
+names = sys.argv[sys.argv.index("--name") + 1].split(",")
+keys = dict(i="job_id", T="job_state", r="state_reason", N="nodes", u="user_name", j="name", k="comment")
+def field(job, code):
+    if code == "S":
+        return "N/A"
+    value = str(job.get(keys[code]) or "")
+    return value or ("(null)" if code in "Nk" else "")
+for job in data["jobs"]:
+    if job["name"] in names:
+        print(re.sub("%([iTrNujSk])", lambda m: field(job, m.group(1)), os.environ["SQUEUE_FORMAT"]))
+"""
+
+
+def write_jobs(d, *listed, json_ok=True, errors=()):
+    """What the fake squeue lists next: as JSON, or (``json_ok=False``) only as text."""
+    (d / "jobs.json").write_text(json.dumps({"jobs": list(listed), "json": json_ok, "errors": list(errors)}))
+
+
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    """squeue prints squeue.txt (exit 1 while `down` exists); with --json it lists every job
-    id from 1 to 99 on gpu-node1:1-2; scancel appends its arguments to scancel.log."""
+    """squeue lists jobs.json's jobs (``write_jobs``), as JSON or in the text form its
+    SQUEUE_FORMAT asks for, and exits 1 while `down` exists; scancel appends its arguments
+    to scancel.log. The watcher runs scancel with no prefix."""
     q = shlex.quote
-    listing = {
-        "jobs": [
-            {"job_id": i, "nodes": "gpu-node1", "gres_detail": ["gpu:a100:2(IDX:1-2)"]} for i in range(1, 100)
-        ]
-    }
-    (tmp_path / "squeue.json").write_text(json.dumps(listing))
-    bodies = {
-        "squeue": f"[ -e {q(str(tmp_path / 'down'))} ] && exit 1\n"
-        f'case " $* " in *" --json "*) cat {q(str(tmp_path / "squeue.json"))};; '
-        f"*) cat {q(str(tmp_path / 'squeue.txt'))};; esac",
-        "scancel": f'echo "$@" >> {q(str(tmp_path / "scancel.log"))}',
-    }
-    for name, body in bodies.items():
-        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+    (tmp_path / "squeue").write_text(f"#!{sys.executable}\n{FAKE_SQUEUE}")
+    (tmp_path / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {q(str(tmp_path / "scancel.log"))}\n')
+    for name in ("squeue", "scancel"):
         (tmp_path / name).chmod(0o755)
-    (tmp_path / "squeue.txt").write_text("")
+    write_jobs(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     led = Ledger(f"sqlite:///{tmp_path}/l.sqlite", config_rules=LimitRules(default=Limit(max_gpus=4)))
     led.sync_inventory([Gpu("gpu-node1", i, "a100") for i in range(4)])
-    watcher = SlurmWatcher(lambda: led)
+    watcher = SlurmWatcher(lambda: led, exec_prefix="")
     monkeypatch.setattr(watcher, "start", lambda: None)  # cycles run only when a test awaits one
     yield tmp_path, led, watcher
     led.close()
+
+
+def cancelled(d):
+    log = d / "scancel.log"
+    return log.read_text().splitlines() if log.exists() else []
 
 
 def queued(led, job_id, count=2):
@@ -462,7 +524,7 @@ def labels(info):
 async def test_watcher_records_the_gpus_of_a_started_job(fake):
     d, led, watcher = fake
     a = queued(led, "7")
-    (d / "squeue.txt").write_text("7|RUNNING|None|gpu-node1|alice|gpuhub-server|N/A|\n")
+    write_jobs(d, job_json(7, comment=f"gpuhub:{a.id}"))
     assert await watcher.cycle() is True
     got = led.get(a.id)
     assert (got.state, labels(got), got.backend_job_id) == ("running", ["gpu-node1:1", "gpu-node1:2"], "7")
@@ -473,7 +535,7 @@ async def test_watcher_keeps_its_state_through_an_outage_then_releases_what_is_g
     d, led, watcher = fake
     a = queued(led, "7")
     watcher.track("7")
-    (d / "squeue.txt").write_text("7|PENDING|Resources||alice|gpuhub-server|N/A|\n")
+    write_jobs(d, job_json(7, "PENDING", reason="Resources", comment=f"gpuhub:{a.id}"))
     assert await watcher.cycle() is True
     before = dict(watcher.jobs)
     assert watcher.job("7") == ("known", before["7"]) and before["7"].pending
@@ -485,7 +547,7 @@ async def test_watcher_keeps_its_state_through_an_outage_then_releases_what_is_g
         assert led.get(a.id).state == "starting"
         assert watcher.job("7")[0] == "known" and watcher.job("8") == ("unknown", None)
     (d / "down").unlink()
-    (d / "squeue.txt").write_text("")
+    write_jobs(d)
     assert await watcher.cycle() is True
     assert watcher.failures == 0 and watcher.jobs == {}
     got = led.get(a.id)
@@ -499,13 +561,14 @@ async def test_watcher_cancels_a_job_whose_allocation_was_released(fake):
     for job_id in ("9", "10", "11"):
         led.release(queued(led, job_id, 1).id, "lease expired")
     live = queued(led, "12", 1)
-    (d / "squeue.txt").write_text(
-        "9|RUNNING|None|gpu-node1|alice|gpuhub-engines|N/A|\n"
-        "10|COMPLETED|None|gpu-node1|alice|gpuhub-engines|N/A|\n"
-        "12|PENDING|Priority||alice|gpuhub-server|N/A|\n"
+    write_jobs(
+        d,
+        job_json(9, name="gpuhub-engines", comment="gpuhub:1"),
+        job_json(10, "COMPLETED", name="gpuhub-engines", comment="gpuhub:2"),
+        job_json(12, "PENDING", reason="Priority", comment=f"gpuhub:{live.id}"),
     )
     assert await watcher.cycle() is True
-    assert (d / "scancel.log").read_text() == "9\n"
+    assert cancelled(d) == ["--user=alice --name=gpuhub-engines 9"] and list(watcher.cancelled) == ["9"]
     assert led.get(live.id).state == "starting"
 
 
@@ -513,13 +576,14 @@ async def test_watcher_attaches_a_job_found_by_its_tag_and_cancels_one_over_its_
     d, led, watcher = fake
     lost = led.allocate("alice", [], 2, deferred=True, backend="slurm")  # sbatch's answer was lost
     small = queued(led, "21", count=1)
-    (d / "squeue.txt").write_text(
-        f"20|PENDING|Resources||alice|gpuhub-server|N/A|gpuhub:{lost.id}\n"
-        "21|RUNNING|None|gpu-node1|alice|gpuhub-engines|N/A|\n"  # squeue --json: 2 GPUs, 1 admitted
+    write_jobs(
+        d,
+        job_json(20, "PENDING", reason="Resources", comment=f"gpuhub:{lost.id}"),
+        job_json(21, name="gpuhub-engines", comment=f"gpuhub:{small.id}"),  # 2 GPUs, 1 admitted
     )
     assert await watcher.cycle() is True
     assert led.get(lost.id).backend_job_id == "20" and led.get(lost.id).state == "starting"
-    assert (d / "scancel.log").read_text() == "21\n"
+    assert cancelled(d) == ["--user=alice --name=gpuhub-engines 21"]
     got = led.get(small.id)
     assert got.state == "released" and "holds 2 GPUs, 1 were admitted" in got.end_reason
     assert led.gpu_table() and not any(st.holder for st in led.gpu_table())

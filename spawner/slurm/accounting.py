@@ -8,6 +8,11 @@ does not know yet is added first (``sacctmgr add user``). Needs slurmdbd with
 Who writes: the spawner before each submission (for its user, whose groups it knows),
 ``gpuhub limits set/unset`` and the broker's limit API (for every user the change touches).
 GPU-hours quotas stay gpuhub's own (Slurm's ``GrpTRESMins`` counts differently).
+
+Names reach ``sacctmgr`` as arguments (no shell), where ``,`` separates a list, ``=`` sets a
+field and a leading ``-`` reads as an option: a user or account name with such a character
+(or a space, a quote, a control character; :func:`spawner.values.parse_name`) is refused
+with :class:`~.jobs.SlurmError` naming it, and never reaches ``sacctmgr``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from traitlets import Bool, Float, Unicode
 from traitlets.config import LoggingConfigurable
 
 from ..policy import EffectiveLimit
+from ..values import BadValue, parse_name
 from .jobs import SlurmError
 
 UNLIMITED = -1
@@ -49,6 +55,17 @@ def parse_associations(text: str) -> dict[str, Association]:
     return out
 
 
+def sacctmgr_name(name, what: str = "user") -> str:
+    """``name`` when ``sacctmgr`` reads it as one name; else :class:`SlurmError` saying why."""
+    try:
+        parse_name(name, f"Slurm {what} name")
+    except BadValue as e:
+        raise SlurmError(f"not written to Slurm's accounting: {e}") from None
+    if name.startswith("-"):
+        raise SlurmError(f"not written to Slurm's accounting: Slurm {what} name {name!r} starts with '-'")
+    return name
+
+
 def wanted_gpus(eff: EffectiveLimit) -> int:
     return UNLIMITED if eff.limit.max_gpus is None else eff.limit.max_gpus
 
@@ -56,7 +73,11 @@ def wanted_gpus(eff: EffectiveLimit) -> int:
 def plan(
     limits: Mapping[str, EffectiveLimit], current: Mapping[str, Association], account: str
 ) -> list[list[str]]:
-    """The ``sacctmgr`` commands that make Slurm match ``limits`` (pure)."""
+    """The ``sacctmgr`` commands that make Slurm match ``limits`` (pure). A user or account
+    name that ``sacctmgr`` would misread is a :class:`SlurmError` (no command is planned)."""
+    sacctmgr_name(account, "account")
+    for user in limits:
+        sacctmgr_name(user)
     commands = []
     for user, eff in sorted(limits.items()):
         want = wanted_gpus(eff)
@@ -138,8 +159,19 @@ class SlurmAccounting(LoggingConfigurable):
         Returns the commands run."""
         if not self.enabled:
             return []
-        commands = plan(ledger.effective_limits(users), self.associations(), self.account)
+        sacctmgr_name(self.account, "account")
+        limits = ledger.effective_limits(users)
+        refused = {}
+        for user in list(limits):
+            try:
+                sacctmgr_name(user)
+            except SlurmError as e:
+                refused[user] = str(e)
+                del limits[user]
+        commands = plan(limits, self.associations(), self.account) if limits else []
         for argv in commands:
             self.log.info("gpuhub: %s", " ".join(argv))
             self._run(argv)
+        if refused:  # the others' limits are written; these names never reach sacctmgr
+            raise SlurmError("; ".join(refused[u] for u in sorted(refused)))
         return commands

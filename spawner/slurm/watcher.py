@@ -1,13 +1,22 @@
 """One watcher per hub process for every gpuhub job in Slurm.
 
 Each cycle reads the ledger's live Slurm allocations, then asks Slurm about every gpuhub
-job in one ``squeue`` call, then acts:
+job in one ``squeue --json`` call (filtered to gpuhub's job names here: Slurm 22.05 ignores
+filters with ``--json``), then acts:
 
-- a job that started gets the GPUs Slurm gave it written to the ledger (from
-  ``scontrol -d show job``: never assumed);
+- a job that started gets the GPUs Slurm gave it written to the ledger (its ``gres_detail``:
+  never assumed, never read from text a job's comment could imitate);
 - a job that ended, or that Slurm no longer lists, has its allocation released;
 - a job whose allocation was already released (a burst's lease ran out, a stop whose
-  ``scancel`` failed) is cancelled, so nothing gpuhub started is orphaned.
+  ``scancel`` failed) is cancelled, so nothing gpuhub started is orphaned. Before any
+  ``scancel`` the job is read again and must still be the allocation's user's, with one of
+  gpuhub's names and that allocation's tag; it is cancelled as its owner (the spawner's
+  ``exec_prefix``, ``sudo -E -u OWNER``), so Slurm itself refuses anyone else's job.
+
+A job gpuhub cannot read (a field missing or odd, an id listed twice, or in the text
+fallback of a Slurm without ``--json``, a name or comment holding a newline) is logged and
+skipped: its last known state stands and nothing is decided about it; the others' cycle
+goes on.
 
 The ledger is read *before* ``squeue`` runs: a job id in that read was submitted before
 the query began, so a job missing from a successful answer has really left Slurm.
@@ -22,12 +31,16 @@ own ``squeue``.
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
+import os
+import shlex
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from traitlets import Float, List, Unicode
+from traitlets import Float, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from ..ledger import AllocationInfo
@@ -74,7 +87,7 @@ def reconcile(
             actions.append(
                 Action("release", a, job.job_id, f"Slurm job {job.job_id} ended ({job.state.lower()})")
             )
-        elif job.running and len(a.gpus) < a.gpu_count:
+        elif job.running and len(a.gpus) < a.gpu_count and job.user == a.user:
             actions.append(Action("record", a, job.job_id))
     return actions
 
@@ -187,6 +200,18 @@ class SlurmWatcher(LoggingConfigurable):
         these only. ``c.SlurmWatcher.job_names = ["gpuhub-server", "gpuhub-engines"]``""",
     ).tag(config=True)
 
+    exec_prefix = Unicode(
+        help="""How the watcher runs ``scancel`` as a job's owner (``{username}``: the owner), so
+        that Slurm refuses any job not theirs. Default: the spawner's ``exec_prefix``
+        (``c.GpuSlurmSpawner.exec_prefix``, batchspawner's ``sudo -E -u {username}``); ``""``
+        runs ``scancel`` as the hub's own user (still with ``--user`` and ``--name`` filters).
+        ``c.SlurmWatcher.exec_prefix = "sudo -E -u {username}"``""",
+    ).tag(config=True)
+
+    @default("exec_prefix")
+    def _default_exec_prefix(self):
+        return spawner_exec_prefix(self.config)
+
     def __init__(self, ledger_factory, resync=None, **kw):
         super().__init__(**kw)
         self._ledger_factory = ledger_factory
@@ -196,6 +221,14 @@ class SlurmWatcher(LoggingConfigurable):
         self._positions_at = 0.0
         self.last_ok = 0.0  # monotonic start of the last successful query
         self.failures = 0
+        self.cycles = 0  # cycles finished (successful or not): tests wait on this
+        self.last_cycle_ok = False
+        self.unreadable: frozenset[str] = frozenset()  # jobs of the last answer that were skipped
+        self.cancelled: collections.deque = collections.deque(maxlen=100)  # job ids scancel ran for
+        # (job id, why it was not cancelled), once each
+        self.refused: collections.deque = collections.deque(maxlen=100)
+        self._json: bool | None = None  # squeue --json works (None: not tried yet)
+        self._problems: tuple[str, ...] = ()
         self._tracked: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._updated = asyncio.Event()
@@ -252,11 +285,15 @@ class SlurmWatcher(LoggingConfigurable):
     async def _loop(self) -> None:
         interval = self.min_interval
         while True:
+            ok = False
             try:
                 changed = await self.cycle()
+                ok = self.failures == 0
             except Exception:
                 self.log.exception("gpuhub Slurm watcher: cycle failed")
                 changed = False
+            self.last_cycle_ok = ok
+            self.cycles += 1
             self._updated.set()
             interval = self.min_interval if changed or self._waiters else min(self.max_interval, interval * 2)
             self._wake.clear()
@@ -271,8 +308,7 @@ class SlurmWatcher(LoggingConfigurable):
         live = await asyncio.to_thread(lambda: [a for a in ledger.active(backend="slurm")])
         started = time.monotonic()
         try:
-            out = await run_command(jobs.squeue_argv(self.job_names), self.command_timeout)
-            listed = jobs.parse_squeue(out)
+            listing = await self.read_jobs()
         except jobs.SlurmError as e:
             self.failures += 1
             self.log.warning("gpuhub Slurm watcher: squeue failed (%s); keeping the last known state", e)
@@ -280,10 +316,15 @@ class SlurmWatcher(LoggingConfigurable):
         if self.failures:
             self.log.info("gpuhub Slurm watcher: squeue answers again after %d failure(s)", self.failures)
         self.failures = 0
-        changed = listed != self.jobs
-        self.jobs, self.last_ok = listed, started
+        self._log_problems(listing)
+        listed, unreadable = listing.jobs, listing.unreadable
+        # a skipped job keeps its last known state, for spawners and for the ledger alike
+        known = {**{j: self.jobs[j] for j in unreadable if j in self.jobs}, **listed}
+        changed = known != self.jobs
+        self.jobs, self.unreadable, self.last_ok = known, unreadable, started
         await self._queue_positions(listed)
         now = ledger.clock()
+        live = [a for a in live if a.backend_job_id is None or a.backend_job_id not in unreadable]
         actions = reconcile(live, listed, now)
         live_ids, live_jobs = {a.id for a in live}, {a.backend_job_id for a in live}
         others = await asyncio.to_thread(
@@ -303,6 +344,70 @@ class SlurmWatcher(LoggingConfigurable):
                     e,
                 )
         return changed
+
+    async def read_jobs(self) -> jobs.Listing:
+        """gpuhub's jobs as Slurm lists them now: ``squeue --json``, or, only where this
+        squeue has no JSON (found out once), the text form with a token of its own."""
+        if self._json is not False:
+            try:
+                out = await run_command(jobs.squeue_json_argv(), self.command_timeout)
+            except jobs.SlurmError as e:
+                if self._json is not None or not jobs.json_unsupported(str(e)):
+                    raise
+                self._json = False
+                self.log.warning(
+                    "gpuhub Slurm watcher: this squeue has no --json (%s); reading its text form, "
+                    "where a job whose name or comment holds a newline is skipped",
+                    e,
+                )
+            else:
+                self._json = True
+                return jobs.parse_squeue_json(out, self.job_names)
+        fmt = jobs.TextFormat.new()
+        out = await run_command(
+            jobs.squeue_text_argv(self.job_names),
+            self.command_timeout,
+            env=jobs.squeue_text_env(fmt, dict(os.environ)),
+        )
+        return jobs.parse_squeue_text(out, fmt, self.job_names)
+
+    def _log_problems(self, listing: jobs.Listing) -> None:
+        """Each skipped job once while it stays the same (not at every cycle)."""
+        if listing.problems != self._problems:
+            for problem in listing.problems:
+                if problem not in self._problems:
+                    self.log.warning("gpuhub Slurm watcher: %s", problem)
+        self._problems = listing.problems
+
+    def cancel_prefix(self, user: str) -> list[str]:
+        return [part.format(username=user) for part in shlex.split(self.exec_prefix)]
+
+    async def cancel(self, allocation: AllocationInfo, job_id: str, reason: str) -> bool:
+        """``scancel`` job ``job_id`` of ``allocation``, after reading it again: only when it is
+        still the allocation user's gpuhub job with that allocation's tag (else nothing is
+        cancelled and the log says why), and as that user. True when scancel ran."""
+        job_id = str(job_id)
+        try:
+            listing = await self.read_jobs()
+        except jobs.SlurmError as e:
+            why = f"Slurm could not be asked again ({e})"
+        else:
+            why = jobs.cancel_refusal(listing, job_id, allocation.user, allocation.id, self.job_names)
+        if why is not None:
+            once = (job_id, why) not in self.refused  # a warning once, then at each cycle in debug
+            if once:
+                self.refused.append((job_id, why))
+            self.log.log(
+                logging.WARNING if once else logging.DEBUG,
+                "gpuhub: not cancelling Slurm job %s (allocation %s of %s: %s): %s",
+                job_id, allocation.id, allocation.user, reason, why,
+            )  # fmt: skip
+            return False
+        job = listing.jobs[job_id]
+        self.log.info("gpuhub: cancelling Slurm job %s of %s: %s", job_id, job.user, reason)
+        self.cancelled.append(job_id)
+        await run_command(jobs.scancel_argv(self.cancel_prefix(job.user), job), self.command_timeout)
+        return True
 
     async def _queue_positions(self, listed: dict[str, jobs.JobInfo]) -> None:
         """One more query, only while a gpuhub job waits: its place in its partition's queue."""
@@ -335,13 +440,15 @@ class SlurmWatcher(LoggingConfigurable):
             if await asyncio.to_thread(ledger.release, a.id, action.reason):
                 self.log.info("gpuhub: released allocation %s of %s: %s", a.id, a.user, action.reason)
         elif action.kind == "record":
-            out = await run_command(jobs.job_detail_argv(action.job_id), self.command_timeout)
-            gpus = jobs.parse_job_gpus_json(out, action.job_id)
+            if self._json:  # this cycle's listing has the job's gres_detail already
+                gpus = list(self.jobs[action.job_id].gpus)
+            else:
+                out = await run_command(jobs.job_detail_argv(action.job_id), self.command_timeout)
+                gpus = jobs.parse_job_gpus_json(out, action.job_id)
             if len(gpus) > a.gpu_count:  # more than was admitted: over the user's limit
                 reason = f"Slurm job {action.job_id} holds {len(gpus)} GPUs, {a.gpu_count} were admitted"
-                self.log.warning("gpuhub: cancelling job %s of %s: %s", action.job_id, a.user, reason)
-                await run_command(["scancel", str(action.job_id)], self.command_timeout)
-                await asyncio.to_thread(ledger.release, a.id, reason)
+                if await self.cancel(a, action.job_id, reason):
+                    await asyncio.to_thread(ledger.release, a.id, reason)
                 return
             if len(gpus) < a.gpu_count:
                 raise jobs.SlurmError(f"job {action.job_id} shows {len(gpus)} GPUs, {a.gpu_count} asked for")
@@ -372,8 +479,19 @@ class SlurmWatcher(LoggingConfigurable):
                 action.reason,
             )
         elif action.kind == "cancel":
-            self.log.info("gpuhub: cancelling Slurm job %s: %s", action.job_id, action.reason)
-            await run_command(["scancel", str(action.job_id)], self.command_timeout)
+            await self.cancel(a, action.job_id, action.reason)
+
+
+BATCHSPAWNER_EXEC_PREFIX = "sudo -E -u {username}"
+
+
+def spawner_exec_prefix(config) -> str:
+    """The ``exec_prefix`` the Slurm spawner submits jobs with, from the hub's config (the
+    most specific section first), else batchspawner's default."""
+    for section in ("GpuSlurmSpawner", "SlurmSpawner", "BatchSpawnerBase"):
+        if section in config and "exec_prefix" in config[section]:
+            return str(config[section]["exec_prefix"])
+    return BATCHSPAWNER_EXEC_PREFIX
 
 
 _WATCHERS: dict[tuple[int, str], SlurmWatcher] = {}
