@@ -143,7 +143,7 @@ async def test_forged_job_lines_cancel_attach_and_record_nothing_and_the_watcher
         bob_job = submit("bob", burst.id, "gpu-node1", gres_line)
         led.attach_job(burst.id, bob_job)
         # the old text form shows the forged lines as job lines
-        text = slurm("squeue", "-h", "-a", "-t", "all", "-o", jobs.SQUEUE_FORMAT).stdout
+        text = slurm("squeue", "-h", "-a", "-t", "all", "-o", "%i|%T|%r|%N|%u|%j|%S|%k").stdout
         assert "777|RUNNING|None|gpu-node1|carol|gpuhub-server|N/A|gpuhub:5" in text.splitlines()
         assert f"{alice_job}|COMPLETED|None|{held.node}|alice|gpuhub-server|N/A|gpuhub:{mine.id}" in text
 

@@ -29,7 +29,6 @@ def gres(args):
 HL, IDX, GRES = jobs.expand_hostlist, jobs.parse_index_list, jobs.parse_gres
 SB = jobs.parse_sbatch
 N1 = "gpu-node1"
-TWICE = "12|PENDING|a||u|n|N/A|\n12|RUNNING|a||u|n|N/A|\n"
 SQUEUE_TEXT = ["squeue", "-h", "-a", "-t", "all", "--name", "gpuhub-engines,gpuhub-server"]
 
 
@@ -60,7 +59,7 @@ def test_pure(fn, arg, want):
 @pytest.mark.parametrize("fn, arg, error",
     [(gres, a, ValueError) for a in [(0, None), (True, None), (-1, "a"), (2.0, None), (1, "a 1"), (1, "")]]
     + [(SB, out, SlurmError) for out in ["", "\n", "Submitted batch job 12", "sbatch: error: failed"]]
-    + [(jobs.parse_sinfo, "node1|gpu:4|gpu\n", SlurmError), (jobs.parse_squeue, TWICE, SlurmError)]
+    + [(jobs.parse_sinfo, "node1|gpu:4|gpu\n", SlurmError)]
     + [(script.export_list, {"PATH": "/bin", bad: "x"}, ValueError) for bad in ["A B", "1X", "A;", "A=", ""]],
 )
 def test_refused(fn, arg, error):
@@ -85,35 +84,6 @@ def test_parse_sinfo_cluster_partitions_and_inventory():
     assert [f"{g.label}={g.model}" for g in c.inventory()] == [f"gpu-node1:{i}=a100" for i in range(4)] + [
         "gpu-node2:0=GPU", "gpu-node2:1=GPU", "gpu-node2:2=v100"]  # fmt: skip
     assert jobs.parse_sinfo("").default_partition is None
-
-
-def test_parse_squeue():
-    assert jobs.parse_squeue(
-        "12|PENDING|Resources||alice|gpuhub-server|2026-11-29T18:00:00|gpuhub:7\n\n"
-        "13|RUNNING|None|gpu-node[1-2]|bob|gpuhub-engines|N/A|a|b\n"
-        "14|CANCELLED by 1000|None|(null)|bob|gpuhub-server|N/A|(null)\n"
-        "a comment's second line|with|bars|that|is|not|a|job\n"
-        "12|PENDING\n"
-    ) == {
-        "12": JobInfo(
-            "12", "PENDING", "Resources", (), "alice", "gpuhub-server", "2026-11-29T18:00:00", "gpuhub:7"
-        ),
-        "13": JobInfo(
-            "13", "RUNNING", "None", ("gpu-node1", "gpu-node2"), "bob", "gpuhub-engines", "N/A", "a|b"
-        ),
-        "14": JobInfo("14", "CANCELLED", "None", (), "bob", "gpuhub-server", "N/A"),
-    }
-    assert jobs.parse_squeue("") == {}
-
-
-def test_a_comment_cannot_forge_a_job_line():
-    # a user's comment with a newline that imitates alice's job line: the answer is refused
-    text = (
-        "5|RUNNING|None|n1|alice|gpuhub-server|N/A|gpuhub:1\n9|RUNNING|None|n1|mallory|gpuhub-server|N/A|x\n"
-    )
-    text += "5|COMPLETED|None|n1|alice|gpuhub-server|N/A|gpuhub:1\n"
-    with pytest.raises(SlurmError, match="job 5 twice"):
-        jobs.parse_squeue(text)
 
 
 FORGED = "gpuhub:97\n     Nodes=gpu-node2 CPU_IDs=0 Mem=1 GRES=gpu:a100:1(IDX:3)"

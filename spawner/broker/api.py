@@ -152,14 +152,12 @@ class JobHandler(APIHandler):
             return self.fail(400, str(e), "bad_request")
         if not a.active:
             return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
-        from ..slurm.jobs import SQUEUE_FORMAT, SlurmError, parse_squeue
+        from ..slurm.jobs import SlurmError, parse_squeue_json, squeue_json_argv
         from ..slurm.watcher import run_command
 
-        try:
-            out = await run_command(
-                ["squeue", "-h", "-a", "-t", "all", "-j", job_id, "-o", SQUEUE_FORMAT], 20
-            )
-            job = parse_squeue(out).get(job_id)
+        try:  # from Slurm's JSON, never from text a job's comment could imitate
+            out = await run_command(squeue_json_argv(), 20)
+            job = parse_squeue_json(out, {"gpuhub-engines"}).jobs.get(job_id)
         except SlurmError:
             job = None
         if (

@@ -1,7 +1,7 @@
 """The Slurm backend: GPU servers and ``%%distributed`` engines as Slurm jobs.
 
-- :mod:`.jobs`: pure parsing of what Slurm prints (``sinfo``, ``squeue``,
-  ``scontrol -d show job``) and the argument lists of the commands gpuhub runs.
+- :mod:`.jobs`: pure parsing of what Slurm prints (``sinfo``, ``squeue --json``)
+  and the argument lists of the commands gpuhub runs.
 - :mod:`.script`: the batch scripts, rendered from one template (admins may override it).
 - :mod:`.watcher`: one poller per hub process for every gpuhub job, with back-off; the
   ledger is reconciled from its answers.

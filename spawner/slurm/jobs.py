@@ -32,11 +32,9 @@ from datetime import datetime
 
 from ..policy import Gpu
 
-SQUEUE_FORMAT = "%i|%T|%r|%N|%u|%j|%S|%k"  # the comment (user text) last
 SINFO_FORMAT = "%N|%G|%P|%T"
 # waiting for resources (or held): no GPUs yet
 TAG = re.compile(r"gpuhub:([1-9][0-9]{0,17})", re.ASCII)
-JOB_LINE = re.compile(r"[0-9]{1,18}\|[A-Z_]+(?: by [0-9]+)?\|", re.ASCII)
 
 PENDING_STATES = frozenset(
     {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD",
@@ -247,35 +245,6 @@ def queue_positions(text: str, wanted) -> dict[str, tuple[int, int, str]]:
             if job_id in wanted and job_id not in out:
                 out[job_id] = (i + 1, len(queue), partition)
     return out
-
-
-def parse_squeue(text: str) -> dict[str, JobInfo]:
-    """Jobs by id from ``squeue -o SQUEUE_FORMAT`` (for one ``-j`` job: the broker's check of
-    an engines job; the watcher reads ``parse_squeue_json``). A comment is the user's own
-    text: lines that are not job lines (a comment with a newline) are skipped, and an answer
-    naming a job twice (a forged line) is refused with :class:`SlurmError` rather than trusted."""
-    jobs: dict[str, JobInfo] = {}
-    for line in text.splitlines():
-        if not JOB_LINE.match(line):
-            continue
-        fields = line.split("|", 7)
-        if len(fields) < 8:
-            continue
-        job_id, state, reason, nodes, user, name, start = (f.strip() for f in fields[:7])
-        if job_id in jobs:
-            raise SlurmError(f"squeue named job {job_id} twice (a job comment imitating a job line?)")
-        comment = fields[7].strip()
-        jobs[job_id] = JobInfo(
-            job_id=job_id,
-            state=state.split()[0] if state else "UNKNOWN",
-            reason=reason,
-            nodes=tuple(expand_hostlist(nodes)) if nodes and nodes != "(null)" else (),
-            user=user,
-            name=name,
-            start_time=start,
-            comment="" if comment == "(null)" else comment,
-        )
-    return jobs
 
 
 _GRES_IDX = re.compile(r"gpu(?::[^:(,\s]+)*:\d+\(IDX:([0-9,\-]+)\)", re.ASCII)

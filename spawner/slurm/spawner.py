@@ -5,7 +5,7 @@
 - ``start()``: the ledger admits the count within the user's limit *before* ``sbatch``
   (the job may then wait in Slurm's queue: a request never exceeds the limit, but may
   exceed what is free now); the job id is recorded as soon as ``sbatch`` answers; once
-  the job runs, the GPUs Slurm gave it (``scontrol -d show job``) are written to the
+  the job runs, the GPUs Slurm gave it (``squeue --json``, per node) are written to the
   ledger. While pending, the spawn page shows Slurm's state and reason.
 - Job state comes from the process's one :class:`~.watcher.SlurmWatcher`, never from an
   ``squeue`` per spawner; a failed query keeps the last known state.
