@@ -18,6 +18,8 @@ import pytest
 from .hubtools import REPO, Hub, process_environ, wait_for
 
 SCRIPT = REPO / "scripts" / "slurm-cluster"
+# the cluster's state directory (root-owned, 0755; scripts/slurm-cluster refuses any other)
+STATE_DIR = Path(os.environ.get("GPUHUB_SLURM_DIR", "/var/lib/gpuhub-slurm"))
 USERS = ("alice", "bob", "carol", "dave")
 VENV_BIN = Path(sys.executable).parent
 
@@ -75,8 +77,9 @@ def cancel_all_jobs() -> None:
 
 
 # GPU use on the test cluster's fake GPUs: the servers on the Slurm nodes read this file
-# (world-readable: they run as the test users) and report it, as they would NVML
-UTIL_FILE = Path("/var/tmp/gpuhub-slurm-test-utilization.json")
+# (world-readable: they run as the test users) and report it, as they would NVML. Written by
+# root, so it lives in the root-owned state directory, not in a world-writable one.
+UTIL_FILE = STATE_DIR / "test-utilization.json"
 
 SLURM_HUB_CONFIG = f"""
 c.JupyterHub.spawner_class = "gpu-slurm"

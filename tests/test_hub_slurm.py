@@ -25,7 +25,7 @@ from .hubtools import wait_for, xsrf_from
 from .slurmtools import UTIL_FILE, job_state, slurm
 
 pytestmark = pytest.mark.hub
-STATE = Path(os.environ.get("GPUHUB_SLURM_DIR", "/var/tmp/gpuhub-slurm"))
+STATE = slurmtools.STATE_DIR
 
 
 @pytest.fixture(scope="module")
