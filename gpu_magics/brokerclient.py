@@ -49,8 +49,22 @@ class BrokerClient:
     def me(self) -> dict:
         return self._call("GET", "me")
 
-    def request(self, gpus: int, nodes: int | None, gpus_per_node: int | None, lease_seconds: float) -> dict:
-        body = {"gpus": gpus, "nodes": nodes, "gpus_per_node": gpus_per_node, "lease_seconds": lease_seconds}
+    def request(
+        self,
+        gpus: int,
+        nodes: int | None,
+        gpus_per_node: int | None,
+        lease_seconds: float,
+        node: str | None = None,
+    ) -> dict:
+        """A burst; ``node``: every GPU on that node (beside the server's own GPUs there)."""
+        body = {
+            "gpus": gpus,
+            "nodes": nodes,
+            "gpus_per_node": gpus_per_node,
+            "lease_seconds": lease_seconds,
+            "node": node,
+        }
         return self._call("POST", "allocations", {k: v for k, v in body.items() if v is not None})
 
     def attach_job(self, allocation_id: int, job_id: str) -> dict:

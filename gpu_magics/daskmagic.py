@@ -29,11 +29,10 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from traitlets import Float
 
 from .arguments import COUNT
-from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
+from .burst import Burst
 from .daskprivate import WORKER_CONFIG, Private
 from .gpustats import nvml_problem
 from .ranks import Slot, choose_slots
-from .reporter import start_burst_reporter
 from .session import server_gpus
 
 USAGE = (
@@ -134,33 +133,21 @@ class DaskMagics(Magics):
         super().__init__(shell=shell, **kw)
         self.cluster = self.client = self.private = None
         self.kind, self.name, self.labels = "", "", ()
-        self.burst: dict | None = None
-        self.lease: LeaseKeeper | None = None
-        self.broker: BrokerClient | None = None
+        self.burst: Burst | None = None
         self.lock = threading.RLock()
-        self._unwatch = threading.Event()
         atexit.register(self.shutdown)  # kernel exit: no orphaned workers, burst GPUs back
 
     def _acquire_burst(self, n: int, held: int) -> list[Slot]:
-        client = BrokerClient.from_env()
-        if client is None:
-            raise UsageError(
-                f"%dask_cuda --gpus {n} needs {n} GPUs; this server holds {held} and no gpuhub broker is "
-                f"configured (GPUHUB_BROKER_URL). Ask for at most {held}, or start the server with more."
-            )
-        try:
-            alloc = client.request(n, 1, None, self.lease_seconds)  # the workers run here: one node
-        except BrokerError as e:
-            raise UsageError(f"gpuhub refused {n} GPUs for %dask_cuda: {e.message}") from None
-        self.broker, self.burst = client, alloc
+        """A burst of ``n`` GPUs on one node (the workers run here), watched for the hub ending it."""
         self._last_busy = time.monotonic()
-        self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print, activity=self._idle_seconds)
-        self._unwatch = threading.Event()
-        threading.Thread(target=self._watch_lease, args=(self.lease, self._unwatch), daemon=True).start()
-        slots = [Slot(g["node"], g["index"]) for g in alloc["gpus"]]
+        burst = Burst.request(
+            "%dask_cuda", n, lease_seconds=self.lease_seconds, nodes=1, held=held, activity=self._idle_seconds
+        )
+        self.burst = burst
+        burst.watch(self._burst_lost, min(5.0, self.lease_seconds / 3))
         # the workers' GPUs are on this machine: this kernel reports their use (idle reclaim)
-        start_burst_reporter(alloc["id"], [s.label for s in slots])
-        return slots
+        burst.report_here()
+        return burst.slots
 
     def _idle_seconds(self) -> float | None:
         """Seconds since the cluster last had tasks (0 while it has some): the broker's idle
@@ -177,27 +164,17 @@ class DaskMagics(Magics):
             return 0.0
         return time.monotonic() - self._last_busy
 
-    def _watch_lease(self, lease: LeaseKeeper, stop: threading.Event) -> None:
-        while not stop.wait(min(5.0, self.lease_seconds / 3)):
-            if lease.lost and self.lease is lease:
-                why = getattr(lease, "reason", "")  # the broker's end reason, where it says one
-                print(
-                    f"gpuhub: the hub released the burst GPUs of %dask_cuda{f' ({why})' if why else ''}; "
-                    "closing the Dask cluster."
-                )
-                self.shutdown()
-                return
+    def _burst_lost(self, burst: Burst) -> None:
+        if self.burst is not burst:
+            return
+        why = f" ({burst.reason})" if burst.reason else ""
+        print(f"gpuhub: the hub released the burst GPUs of %dask_cuda{why}; closing the Dask cluster.")
+        self.shutdown()
 
     def _release_burst(self) -> None:
-        self._unwatch.set()
-        if self.lease:
-            self.lease.stop()
-        if self.burst and self.broker:
-            try:
-                self.broker.release(self.burst["id"])
-            except BrokerError as e:
-                print(f"gpuhub: could not release allocation {self.burst['id']}: {e}")
-        self.burst = self.lease = self.broker = None
+        if self.burst is not None:
+            self.burst.release()  # once; says so when the broker could not be told
+        self.burst = None
 
     def start(self, req: DaskRequest) -> None:
         with self.lock:
@@ -243,7 +220,7 @@ class DaskMagics(Magics):
         where = "worker" + "s" * (req.workers > 1)
         where = f"{where} on GPUs {', '.join(labels)}" if labels else f"CPU {where} (no GPUs)"
         if self.burst:
-            where += f" (burst allocation #{self.burst['id']})"
+            where += f" (burst allocation #{self.burst.id})"
         print(
             f"Dask cluster up: {req.workers} {where}; dashboard {client.dashboard_link or 'none'}; "
             f"the Client is `{req.name}`."
@@ -281,9 +258,8 @@ class DaskMagics(Magics):
                 f"client: {self.name}",
             ]
             if self.burst:
-                lost = " (lost: the hub released it)" if self.lease and self.lease.lost else ""
-                expires = self.lease.expires if self.lease else self.burst.get("lease_expires")
-                lines.append(f"burst allocation #{self.burst['id']}: lease until {expires}{lost}")
+                lost = " (lost: the hub released it)" if self.burst.lost else ""
+                lines.append(f"burst allocation #{self.burst.id}: lease until {self.burst.expires}{lost}")
             return "\n".join(lines)
 
     @magic_arguments.magic_arguments()

@@ -199,6 +199,23 @@ def test_concurrent_burst_requests_never_over_allocate(hub, tokens, ledger):
     assert sorted(held.values()) == sorted(["bob"] * bob_got + ["alice"] * alice_got)
 
 
+def test_a_burst_can_be_asked_for_on_one_named_node(hub, tokens, ledger):
+    """What a kernel asks for beside its server's GPUs: every GPU on the server's node."""
+    [node] = {st.gpu.node for st in ledger.gpu_table()}
+    r = checked(hub.broker("POST", "allocations", tokens["bob"], json={"gpus": 2, "node": node}))
+    assert r.status_code == 201, r.text
+    assert {g["node"] for g in r.json()["gpus"]} == {node} and len(r.json()["gpus"]) == 2
+    before = snapshot(ledger)
+    bad = checked(hub.broker("POST", "allocations", tokens["alice"], json={"gpus": 1, "node": "nowhere"}))
+    assert bad.status_code == 400 and "There is no node 'nowhere' with GPUs here." in bad.json()["message"]
+    split = checked(
+        hub.broker("POST", "allocations", tokens["alice"], json={"gpus": 2, "nodes": 2, "node": node})
+    )
+    assert split.status_code == 400 and "'nodes' must then be 1" in split.json()["message"]
+    assert snapshot(ledger) == before
+    checked(hub.broker("DELETE", f"allocations/{r.json()['id']}", tokens["bob"]))
+
+
 @pytest.mark.parametrize(
     "raw, words",
     [

@@ -49,6 +49,7 @@ def test_has_scope_filters():
         ({"gpus": 2}, BurstRequest(2)),
         ({"gpus": 4, "nodes": 2, "gpus_per_node": 2}, BurstRequest(4, 2, 2)),
         ({"gpus": 1, "gpu_model": "", "lease_seconds": 60}, BurstRequest(1, lease_seconds=60.0)),
+        ({"gpus": 1, "nodes": 1, "node": "gpu1"}, BurstRequest(1, 1, node="gpu1")),  # beside a server's
     ],
 )
 def test_parse_burst_request(body, expected):
@@ -62,6 +63,12 @@ def test_parse_burst_request(body, expected):
         ({"gpus": 4, "nodes": 3, "gpus_per_node": 1}, "must equal 'gpus'"),
         ({"gpus": 1, "lease_seconds": 7200}, "'lease_seconds' must be a number from 10 to 3600 seconds"),
         ({"gpus": 1, "nodes": 0}, "'nodes' must be a whole number from 1 to 4096; got 0"),
+        (
+            {"gpus": 2, "nodes": 2, "node": "gpu1"},
+            "'node' puts every GPU on one node; 'nodes' must then be 1",
+        ),
+        ({"gpus": 1, "node": 7}, "'node' must be a name"),
+        ({"gpus": 1, "node": " "}, "'node' must be a node's name"),
     ],
 )
 def test_parse_burst_request_refuses(body, words):

@@ -17,6 +17,7 @@ import pytest
 from IPython.core.error import UsageError
 from jupyter_client import KernelManager
 
+from gpu_magics import burst as burstmod
 from gpu_magics import daskmagic
 from gpu_magics.brokerclient import BrokerError
 from gpu_magics.daskmagic import DaskMagics, DaskRequest, make_devices, parse_request, plan_dask
@@ -141,8 +142,8 @@ class FakeBroker:
     def __init__(self, refuse: str | None = None, lost: bool = False):
         self.refuse, self.lost, self.calls = refuse, lost, []
 
-    def request(self, gpus, nodes, gpus_per_node, lease_seconds):
-        self.calls.append(("request", gpus, nodes, gpus_per_node))
+    def request(self, gpus, nodes, gpus_per_node, lease_seconds, node=None):
+        self.calls.append(("request", gpus, nodes, gpus_per_node) + ((node,) if node else ()))
         if self.refuse:
             raise BrokerError(403, self.refuse, "limit", 1)
         gpus_ = [{"node": "n1", "index": i} for i in (4, 6, 7)[:gpus]]
@@ -182,7 +183,7 @@ def magics(no_server_gpus):
 def broker(monkeypatch):
     def install(**kw) -> FakeBroker:
         fake = FakeBroker(**kw)
-        monkeypatch.setattr(daskmagic.BrokerClient, "from_env", classmethod(lambda cls, environ=None: fake))
+        monkeypatch.setattr(burstmod.BrokerClient, "from_env", classmethod(lambda cls, environ=None: fake))
         return fake
 
     return install
@@ -224,7 +225,7 @@ def test_on_slurm_a_burst_is_refused_without_asking_the_broker(magics, broker, c
 
 
 def test_without_a_broker_more_gpus_than_held_are_refused(magics, cuda_cluster, monkeypatch):
-    monkeypatch.setattr(daskmagic.BrokerClient, "from_env", classmethod(lambda cls, environ=None: None))
+    monkeypatch.setattr(burstmod.BrokerClient, "from_env", classmethod(lambda cls, environ=None: None))
     with pytest.raises(UsageError, match="holds 0 and no gpuhub broker is configured"):
         magics.dask_cuda("--gpus 1")
     assert cuda_cluster == []
@@ -257,7 +258,7 @@ def test_a_burst_is_kept_alive_and_released_at_shutdown(magics, broker, cuda_clu
     status = capsys.readouterr().out
     assert "dask-cuda LocalCUDACluster: 2 workers" in status and "GPUs: n1:4, n1:6" in status
     assert "burst allocation #7: lease until 2030-01-01T00:05:00Z" in status
-    keeper = magics.lease
+    keeper = magics.burst.lease
     magics.dask_cuda("shutdown")
     assert "Dask cluster closed and burst GPUs released." in capsys.readouterr().out
     assert fake.made("release") == [("release", 7)] and magics.burst is None

@@ -59,6 +59,21 @@ class AllocationsHandler(APIHandler):
         except schemas.BadRequest as e:
             metrics.refusals.labels(reason="bad_request").inc()
             return self.fail(400, str(e), "bad_request")
+        if req.node is not None and self.broker.backend == "slurm":
+            # Slurm's scheduler places a burst's job; the ledger cannot promise a node for it
+            metrics.refusals.labels(reason="bad_request").inc()
+            return self.fail(
+                400,
+                "'node' is for the local backend; on Slurm, leave it out (Slurm places the job).",
+                "bad_request",
+            )
+        if req.node is not None:
+            table = await self.broker.run(self.broker.ledger.gpu_table)
+            if req.node not in {st.gpu.node for st in table if st.present}:
+                metrics.refusals.labels(reason="bad_request").inc()
+                return self.fail(
+                    400, f"There is no node {values.show(req.node)} with GPUs here.", "bad_request"
+                )
         groups = await self.broker.groups_of(caller.name)
         started = time.perf_counter()
         try:
@@ -74,6 +89,7 @@ class AllocationsHandler(APIHandler):
                 backend=self.broker.backend,
                 lease_seconds=req.lease_seconds or cfg.lease_seconds,
                 deferred=self.broker.backend == "slurm",
+                on_nodes=None if req.node is None else [req.node],
             )
         except policy.Refusal as e:
             metrics.refusals.labels(reason=e.reason).inc()

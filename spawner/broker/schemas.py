@@ -86,23 +86,37 @@ class BurstRequest:
     gpus_per_node: int | None = None
     gpu_model: str | None = None
     lease_seconds: float | None = None
+    node: str | None = None  # every GPU on this node (a kernel adding GPUs beside its server's)
 
 
 def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest:
-    _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds"))
+    _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds", "node"))
     model = body.get("gpu_model")
     if model is not None:
         try:
             model = values.parse_label(model, "'gpu_model'")
         except values.BadValue as e:
             raise BadRequest(e.message) from None
+    node = body.get("node")
+    if node is not None:
+        try:
+            node = values.parse_label(node, "'node'")
+        except values.BadValue as e:
+            raise BadRequest(e.message) from None
+        if not node.strip():
+            raise BadRequest("'node' must be a node's name, e.g. \"gpu1\", or absent for any node.")
     req = BurstRequest(
         gpus=_int(body, "gpus", lo=1, hi=MAX_COUNT, required=True),
         nodes=_int(body, "nodes", lo=1, hi=MAX_COUNT),
         gpus_per_node=_int(body, "gpus_per_node", lo=1, hi=MAX_COUNT),
         gpu_model=model or None,
         lease_seconds=_number(body, "lease_seconds", lo=10, hi=max_lease_seconds, unit="seconds"),
+        node=node,
     )
+    if req.node is not None and (req.nodes or 1) != 1:
+        raise BadRequest(
+            f"'node' puts every GPU on one node; 'nodes' must then be 1 or absent, not {req.nodes}."
+        )
     if req.gpus_per_node and req.gpus % req.gpus_per_node:
         raise BadRequest(f"'gpus' ({req.gpus}) must be a multiple of 'gpus_per_node' ({req.gpus_per_node}).")
     if req.gpus_per_node and req.nodes and req.nodes * req.gpus_per_node != req.gpus:

@@ -1,0 +1,177 @@
+"""A burst allocation of the gpuhub broker, from request to release: one object for every magic.
+
+``%%distributed`` and ``%dask_cuda`` take extra GPUs the same way: ask the broker (within the
+user's limit; a refusal becomes a ``UsageError`` with the broker's own message), renew the lease
+every third of it while the GPUs are used (:class:`~gpu_magics.brokerclient.LeaseKeeper`, which
+also tells the broker how long the user's code has been idle), notice when the hub ended it
+(``lost`` and ``reason``), and give it back once (``release``, which says so when the broker
+could not be told). A Slurm burst holds no GPUs until its job runs: ``attach_job`` tells the
+broker which job that is, and ``size`` is the count it was admitted for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+from IPython.core.error import UsageError
+
+from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
+from .ranks import Slot
+
+
+def burst_size(allocation: Mapping) -> int:
+    """GPUs an allocation was admitted for (a Slurm burst holds none until its job runs)."""
+    return allocation.get("gpu_count") or len(allocation.get("gpus") or ())
+
+
+class Burst:
+    """One live burst allocation: its lease renewed until :meth:`release`."""
+
+    def __init__(
+        self,
+        client: BrokerClient,
+        allocation: dict,
+        lease_seconds: float,
+        *,
+        activity: Callable[[], float | None] | None = None,
+        log: Callable[[str], None] | None = print,
+    ):
+        self.client = client
+        self.allocation = allocation  # the broker's JSON, kept up to date (attach_job)
+        self.lease = LeaseKeeper(client, allocation, lease_seconds, log=log, activity=activity)
+        self.log = log
+        self.released = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._reporting = False
+
+    @classmethod
+    def request(
+        cls,
+        magic: str,
+        gpus: int,
+        *,
+        lease_seconds: float,
+        nodes: int | None = 1,
+        gpus_per_node: int | None = None,
+        node: str | None = None,
+        held: int = 0,
+        wanted: int | None = None,
+        activity: Callable[[], float | None] | None = None,
+        log: Callable[[str], None] | None = print,
+    ) -> Burst:
+        """Ask the broker for ``gpus`` GPUs (``node``: all on that node, beside the server's own).
+
+        ``magic`` names the caller in messages (``%%distributed``); ``held`` is how many GPUs the
+        server holds itself, ``wanted`` the total the user asked for (default: ``gpus``). Raises a
+        UsageError, with the broker's reason, when there is no broker or it refuses; then
+        nothing is held. A refusal keeps the broker's answer as the error's ``refusal``.
+        """
+        wanted = gpus if wanted is None else wanted
+        client = BrokerClient.from_env()
+        if client is None:
+            raise UsageError(
+                f"{magic} --gpus {wanted} needs {wanted} GPUs; this server holds {held} and no gpuhub "
+                f"broker is configured (GPUHUB_BROKER_URL). Ask for at most {held} GPUs, or start "
+                "the server with more."
+            )
+        try:
+            if node is None:
+                alloc = client.request(gpus, nodes, gpus_per_node, lease_seconds)
+            else:
+                alloc = client.request(gpus, nodes, gpus_per_node, lease_seconds, node=node)
+        except BrokerError as e:
+            raise refused(magic, gpus, wanted, held, e) from None
+        return cls(client, alloc, lease_seconds, activity=activity, log=log)
+
+    # what it holds ----------------------------------------------------------------------
+
+    @property
+    def id(self) -> int:
+        return self.allocation["id"]
+
+    @property
+    def size(self) -> int:
+        return burst_size(self.allocation)
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [Slot(g["node"], g["index"]) for g in self.allocation.get("gpus") or ()]
+
+    @property
+    def lost(self) -> bool:
+        """The hub ended it (lease expired, reclaimed, released by an admin)."""
+        return bool(self.lease.lost)
+
+    @property
+    def reason(self) -> str:
+        return self.lease.reason or ("released by the hub" if self.lost else "")
+
+    @property
+    def expires(self) -> str | None:
+        return self.lease.expires or self.allocation.get("lease_expires")
+
+    # its life -----------------------------------------------------------------------------
+
+    def attach_job(self, job_id: str) -> None:
+        """Tell the broker which Slurm job runs this burst's engines."""
+        self.allocation.update(self.client.attach_job(self.id, job_id))
+
+    def report_here(self, labels: list[str] | None = None) -> None:
+        """Report this burst's GPUs' use from this process (their users run on this machine)."""
+        from .reporter import start_burst_reporter
+
+        if self._reporting:
+            return
+        self._reporting = True
+        start_burst_reporter(self.id, labels if labels is not None else [s.label for s in self.slots])
+
+    def watch(self, on_lost: Callable[[Burst], None], interval: float) -> None:
+        """Call ``on_lost(self)`` once, from a daemon thread, if the hub ends the burst before
+        :meth:`release`."""
+
+        def run():
+            while not self.released:
+                if self.lost:
+                    if not self.released:
+                        on_lost(self)
+                    return
+                self._done.wait(interval)
+
+        threading.Thread(target=run, daemon=True, name="gpuhub-burst-watch").start()
+
+    def release(self) -> bool:
+        """Stop renewing and give the GPUs back; idempotent. True if this call released it.
+        A broker that cannot be told is reported (``log``); the lease then runs out."""
+        with self._lock:
+            if self.released:
+                return False
+            self.released = True
+        self._done.set()
+        self.lease.stop()
+        try:
+            self.client.release(self.id)
+        except BrokerError as e:
+            if self.log:
+                self.log(
+                    f"gpuhub: could not release allocation {self.id}: {e}; its lease ends it "
+                    f"by {self.expires or 'its expiry'}."
+                )
+        return True
+
+
+def refused(magic: str, gpus: int, wanted: int, held: int, e: BrokerError) -> UsageError:
+    """The broker's refusal as the user reads it; ``e`` stays on it as ``.refusal``."""
+    if held and wanted > gpus:
+        text = (
+            f"gpuhub refused {gpus} more GPUs for {magic} --gpus {wanted} (beside this server's "
+            f"{held}): {e.message}"
+        )
+    else:
+        text = f"gpuhub refused {gpus} GPUs for {magic}: {e.message}" + (
+            f" Own server GPUs: {held}." if held else ""
+        )
+    err = UsageError(text)
+    err.refusal = e
+    return err
