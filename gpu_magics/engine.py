@@ -16,6 +16,7 @@ import time
 from datetime import timedelta
 
 from .procs import alive
+from .recovery import init_group, start_freer
 
 
 def _watch(kernel_pid: int, interval: float = 1.0) -> None:
@@ -111,12 +112,9 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
     if cuda:
         torch.cuda.set_device(0)  # the one GPU CUDA_VISIBLE_DEVICES leaves visible
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dist.init_process_group(
-        backend,
-        store=_store(rendezvous, env, timeout_s),
-        rank=int(env["RANK"]),
-        world_size=int(env["WORLD_SIZE"]),
-        timeout=timedelta(seconds=timeout_s),
+    freer = start_freer()  # SIGUSR1 (blocked since the engine started) frees a stuck collective
+    init_group(
+        backend, _store(rendezvous, env, timeout_s), int(env["RANK"]), int(env["WORLD_SIZE"]), timeout_s
     )
 
     from IPython import get_ipython
@@ -139,4 +137,5 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
         "gpu": env.get("GPUHUB_RANK_GPU", ""),
         "cpus": sorted(os.sched_getaffinity(0)),
         "pinned": pinned,
+        "freer": freer,  # SIGUSR1 gets this rank out of a stuck collective
     }

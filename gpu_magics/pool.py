@@ -5,9 +5,12 @@ kernel). Each is set up once (``engine.setup_rank``: its GPU, torchrun's variabl
 process group) and then runs cell after cell, so imports, variables and models persist.
 
 Running a cell streams every rank's output as it arrives, prefixed by rank. When a rank
-fails, the others get ``grace`` seconds to finish, then SIGINT, then SIGKILL; a pool that
-lost a rank, had a rank killed, or saw a distributed error is marked broken and rebuilt
-before the next cell. A kernel interrupt is passed to every rank the same way.
+fails, the others get ``grace`` seconds to finish, then SIGINT; an interrupt of the kernel
+sends SIGINT to every rank. A rank still running after that is stuck in a collective and is
+freed by SIGUSR1 (``recovery``), without losing its process; only a rank that still does not
+stop is killed. Then the process group is kept where it is still consistent, or replaced in
+the same processes. Only a lost process (killed, died) breaks the pool: its next cell starts
+fresh engines.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from traitlets.config import Config
+
 from .procs import alive
 from .ranks import RankSpec
 from .reaper import kill_trees
+from .recovery import FREE_SIGNAL
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+ENGINE_CMD = [sys.executable, "-m", "gpu_magics.enginemain"]  # ipyparallel's engine, SIGUSR1 blocked
 HEARTBEAT_MS = 500
 
 
@@ -49,18 +56,70 @@ class CellOutcome:
     broken: bool = False
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)  # ranks freed from a stuck collective
 
     @property
     def failed(self) -> list[RankOutcome]:
         return [r for r in self.ranks if r.status != "ok"]
 
 
-def is_distributed_error(ename: str, evalue: str) -> bool:
-    """Errors that leave the process group unusable (a peer gone, a collective timed out)."""
-    text = f"{ename} {evalue}".lower()
-    return ename.startswith("Dist") or any(
-        k in text for k in ("gloo", "nccl", "connection closed by peer", "timed out", "connection reset")
+FREE_AFTER = 2.0  # s after SIGINT: a rank still running is stuck in a collective, and freed
+KILL_AFTER = 5.0  # s after freeing: a rank still running is killed (its state is lost)
+
+
+def next_step(elapsed: float, taken: frozenset[str]) -> str | None:
+    """What to do next to the ranks still running ``elapsed`` seconds after their stop began
+    (a failure's grace period over, or an interrupt), given the steps ``taken``."""
+    if "interrupt" not in taken:
+        return "interrupt"
+    if elapsed >= FREE_AFTER and "free" not in taken:
+        return "free"
+    if elapsed >= FREE_AFTER + KILL_AFTER and "kill" not in taken:
+        return "kill"
+    if elapsed >= FREE_AFTER + KILL_AFTER + 5:
+        return "give up"
+    return None
+
+
+def keep_group(states: list[dict]) -> bool:
+    """The process group goes on only where every rank has it, has run as many collectives as
+    every other, and none was freed from one (``recovery.group_state``)."""
+    return (
+        bool(states)
+        and all(st["initialized"] and not st["freed"] for st in states)
+        and len({st["seq"] for st in states}) == 1
     )
+
+
+@dataclass
+class _Escalation:
+    started: float | None = None
+    taken: frozenset[str] = frozenset()
+    freed: set[int] = field(default_factory=set)
+    killed: bool = False
+
+    def start(self, at: float) -> None:
+        if self.started is None:
+            self.started = at
+
+    def step(self, now: float, running: list[int], pool: EnginePool) -> str | None:
+        if self.started is None or now < self.started or not running:
+            return None
+        action = next_step(now - self.started, self.taken)
+        if action is None:
+            return None
+        self.taken |= {action}
+        if action == "interrupt":
+            pool.signal(signal.SIGINT, running)
+        elif action == "free":
+            stuck = [r for r in running if pool.can_free(r)]
+            if stuck:
+                pool.signal(FREE_SIGNAL, stuck)
+            self.freed |= set(stuck)
+        elif action == "kill":
+            pool.kill(running)
+            self.killed = True
+        return action
 
 
 class EnginePool:
@@ -98,8 +157,10 @@ class EnginePool:
         from .engine import setup_rank
 
         n = self.size
+        config = Config()
+        config.LocalEngineSetLauncher.engine_cmd = ENGINE_CMD
         if self.launcher is None:
-            self.cluster = ipp.Cluster(n=0, controller_ip="127.0.0.1", log=_quiet_log())
+            self.cluster = ipp.Cluster(n=0, controller_ip="127.0.0.1", log=_quiet_log(), config=config)
         else:  # engines on Slurm nodes connect to this node
             self.cluster = ipp.Cluster(
                 n=0, controller_ip="0.0.0.0", controller_location=self.launcher.location, log=_quiet_log()
@@ -219,12 +280,17 @@ class EnginePool:
     def run(
         self, code: str, *, output: str = "all", grace: float = 10.0, ranks: list[int] | None = None
     ) -> CellOutcome:
+        """Run ``code`` on the ranks. After a rank fails, the others get ``grace`` seconds, then
+        SIGINT; after an interrupt every rank gets SIGINT. A rank still running ``FREE_AFTER``
+        seconds later is stuck (in a collective): SIGUSR1 frees it (``recovery``); only one
+        still running ``KILL_AFTER`` seconds after that is killed, and only a lost process costs
+        state. A failed or interrupted cell then settles the process group (``settle``)."""
         targets = ranks if ranks is not None else list(range(self.size))
         view = self.client[[self.engine_ids[r] for r in targets]]
         ar = view.execute(code, silent=False, block=False)
         stream = _Streamer(targets, show=lambda rank, name: output == "all" or rank == 0 or name == "stderr")
-        failed_at = None
-        signalled = killed = interrupted = False
+        stop = _Escalation()
+        interrupted = False
         try:
             while True:
                 ar.wait(0.1)
@@ -232,54 +298,86 @@ class EnginePool:
                 done = [md["status"] is not None for md in ar.metadata]
                 if all(done):
                     break
-                errors = [i for i, md in enumerate(ar.metadata) if done[i] and md["status"] != "ok"]
-                if errors and failed_at is None:
-                    failed_at = time.monotonic()
                 if not alive(self.controller_pid):
                     self.kill(targets)  # no controller, no replies: nothing left to wait for
-                    killed = True
+                    stop.killed = True
                     break
-                if failed_at is not None:
-                    waited = time.monotonic() - failed_at
-                    running = [targets[i] for i, d in enumerate(done) if not d]
-                    if waited > grace and not signalled:
-                        self.signal(signal.SIGINT, running)
-                        signalled = True
-                    elif waited > grace + 5 and not killed:
-                        self.kill(running)
-                        killed = True
-                    elif waited > grace + 10:
-                        break  # the controller will notice the dead engines; do not wait for it
+                if stop.started is None and any(
+                    d and md["status"] != "ok" for d, md in zip(done, ar.metadata, strict=True)
+                ):
+                    stop.start(time.monotonic() + grace)  # the others get the grace period
+                running = [targets[i] for i, d in enumerate(done) if not d]
+                if stop.step(time.monotonic(), running, self) == "give up":
+                    break  # the controller will notice the dead engines; do not wait for it
         except KeyboardInterrupt:
             interrupted = True
             try:
-                self.signal(signal.SIGINT, targets)
-                deadline = time.monotonic() + 5
-                while not ar.ready() and time.monotonic() < deadline:
+                stop.start(time.monotonic())
+                while not ar.ready():
                     ar.wait(0.1)
+                    running = [targets[i] for i, md in enumerate(ar.metadata) if md["status"] is None]
+                    if stop.step(time.monotonic(), running, self) == "give up":
+                        break
             finally:  # a second Ctrl-C lands here too: never leave ranks running unmarked
                 if not ar.ready():
                     self.kill(targets)
-                    killed = True
-                    self.broken = True
+                    stop.killed = True
         ar.wait(1)  # let the last replies of ranks that did finish arrive
         if ar.ready():
             # a reply can overtake the output printed just before it: wait for the output too
             ar.wait_for_output(timeout=5)
         stream.feed(ar.metadata)
         stream.close()
-        outcome = self._outcome(targets, ar.metadata, killed)
+        outcome = self._outcome(targets, ar.metadata, stop.killed)
         outcome.interrupted = interrupted
-        # a killed or lost rank, an interrupt, or a distributed error leaves the group unusable
-        self.broken = (
-            killed
-            or signalled  # a rank stopped mid-way may still have collectives in flight
-            or interrupted
-            or any(r.status in ("died", "killed") for r in outcome.ranks)
-            or any(r.status == "error" and is_distributed_error(r.ename, r.evalue) for r in outcome.ranks)
-        )
+        outcome.freed = sorted(stop.freed)
+        # only a lost process (killed, died) costs the pool; anything else keeps every rank
+        self.broken = stop.killed or any(r.status in ("died", "killed") for r in outcome.ranks)
+        if not self.broken and (interrupted or outcome.failed or stop.freed):
+            outcome.notes += self.settle()
         outcome.broken = self.broken
         return outcome
+
+    def settle(self, timeout: float = 60) -> list[str]:
+        """After a failed or interrupted cell: keep the process group where every rank has run
+        the same collectives and none was freed from one, else replace it in the same processes
+        (a fresh rendezvous) and re-bind the DDP modules to it. Notes for the cell."""
+        from .recovery import ddp_names, group_state, replace_group
+
+        try:
+            states = [self.client[eid].apply_async(group_state).get(timeout) for eid in self.engine_ids]
+        except Exception as e:  # an engine that cannot answer cannot go on
+            self.broken = True
+            return [f"The ranks did not answer after the cell ({e}); the next cell starts fresh engines."]
+        if keep_group(states):
+            return []
+        try:
+            names = [self.client[eid].apply_async(ddp_names).get(timeout) for eid in self.engine_ids]
+            common = sorted(set.intersection(*map(set, names)))
+            old = self.rendezvous
+            _, rendezvous = self._open_rendezvous([spec.env() for spec in self.specs], timeout)
+            env = {"MASTER_PORT": str(rendezvous["port"])} if rendezvous["kind"] == "tcp" else {}
+            replies = [
+                self.client[eid].apply_async(replace_group, rendezvous, env, self.timeout_s, common)
+                for eid in self.engine_ids
+            ]
+            self.client.wait(replies, timeout=timeout)
+            for ar in replies:
+                ar.get(0)
+        except Exception as e:
+            self.broken = True
+            return [
+                f"The process group could not be replaced ({type(e).__name__}: {e}); "
+                "the next cell starts fresh engines."
+            ]
+        self._remove_rendezvous(old)
+        notes = ["The process group was replaced in the same processes (a fresh rendezvous)."]
+        if common:
+            notes.append(f"Re-bound to the new group (DistributedDataParallel): {', '.join(common)}.")
+        odd = sorted(set.union(*map(set, names)) - set(common))
+        if odd:
+            notes.append(f"Not re-bound (not a DDP module on every rank): {', '.join(odd)}; wrap them again.")
+        return notes
 
     def _outcome(self, targets: list[int], metadata: list[dict], killed: bool) -> CellOutcome:
         ranks = []
@@ -321,6 +419,14 @@ class EnginePool:
             except (ProcessLookupError, IndexError):
                 pass
 
+    def can_free(self, rank: int) -> bool:
+        """Whether SIGUSR1 frees this rank from a stuck collective (``recovery.start_freer``)."""
+        return rank < len(self.infos) and bool(self.infos[rank].get("freer"))
+
+    def _remove_rendezvous(self, rendezvous: dict) -> None:
+        if rendezvous.get("kind") == "file" and not getattr(self, "_remote", False):
+            shutil.rmtree(os.path.dirname(rendezvous["path"]), ignore_errors=True)
+
     def kill(self, ranks: list[int] | None = None) -> None:
         self.signal(signal.SIGKILL, ranks)
 
@@ -346,8 +452,7 @@ class EnginePool:
             if self.launcher is not None:
                 local = [*local, *self.launcher.local_pids]
             kill_trees([pid for pid in (self.controller_pid, *local) if pid])
-            if self.rendezvous.get("kind") == "file" and not getattr(self, "_remote", False):
-                shutil.rmtree(os.path.dirname(self.rendezvous["path"]), ignore_errors=True)
+            self._remove_rendezvous(self.rendezvous)
             if self.reaper is not None:
                 self.reaper.kill()
                 self.reaper.wait()

@@ -227,7 +227,7 @@ def engine_argv(cluster) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "ipyparallel.engine",
+        "gpu_magics.enginemain",  # ipyparallel's engine, SIGUSR1 kept for freeing a stuck rank
         f"--profile-dir={cluster.profile_dir}",
         f"--cluster-id={cluster.cluster_id}",
     ]

@@ -4,7 +4,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from gpu_magics.magics import parse_targets
-from gpu_magics.pool import _Streamer, is_distributed_error
+from gpu_magics.pool import _Streamer, keep_group, next_step
 from gpu_magics.ranks import Slot, choose_slots, make_rank_specs
 
 
@@ -72,17 +72,38 @@ def test_parse_targets_refuses(text):
 
 
 @pytest.mark.parametrize(
-    "ename, evalue, expected",
+    "elapsed, taken, step",
     [
-        ("DistBackendError", "x", True),
-        ("RuntimeError", "[gloo/transport/tcp/pair.cc] Connection closed by peer", True),
-        ("RuntimeError", "Timed out waiting 10000ms", True),
-        ("ValueError", "boom", False),
-        ("KeyboardInterrupt", "", False),
+        (0.0, set(), "interrupt"),
+        (1.9, {"interrupt"}, None),
+        (2.0, {"interrupt"}, "free"),  # FREE_AFTER: still running means stuck in a collective
+        (6.9, {"interrupt", "free"}, None),
+        (7.0, {"interrupt", "free"}, "kill"),  # FREE_AFTER + KILL_AFTER
+        (9.0, {"interrupt"}, "free"),  # one step at a time, in order
+        (11.9, {"interrupt", "free", "kill"}, None),
+        (12.0, {"interrupt", "free", "kill"}, "give up"),
     ],
 )
-def test_is_distributed_error(ename, evalue, expected):
-    assert is_distributed_error(ename, evalue) is expected
+def test_next_step(elapsed, taken, step):
+    assert next_step(elapsed, frozenset(taken)) == step
+
+
+def _st(seq, freed=0, initialized=True):
+    return {"seq": seq, "freed": freed, "initialized": initialized}
+
+
+@pytest.mark.parametrize(
+    "states, keep",
+    [
+        ([_st(4), _st(4)], True),
+        ([_st(4), _st(5)], False),  # one rank ran a collective the other did not join
+        ([_st(4), _st(4, freed=1)], False),  # a rank was freed from a collective
+        ([_st(4), _st(-1, initialized=False)], False),
+        ([], False),
+    ],
+)
+def test_keep_group(states, keep):
+    assert keep_group(states) is keep
 
 
 def test_streamer_prefixes_whole_lines(capsys):

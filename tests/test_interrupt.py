@@ -1,0 +1,196 @@
+"""`%%distributed` keeps the researcher's work across an interrupt and an error: the same
+engine processes, every variable, and a DDP model that trains on in the next cell with
+identical parameters on every rank. Real kernel, real ipyparallel engines, gloo on CPU, GPUs
+from a real hub's broker."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from jupyter_client import KernelManager
+
+from .hubtools import Hub
+
+pytestmark = pytest.mark.hub
+
+DEFINE = """%%distributed --gpus {n} --timeout 120
+import os, time
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(rank)
+X = torch.randn(64, 8, generator=g)
+y = X.sum(dim=1, keepdim=True)
+steps = 0
+def step():
+    global steps
+    opt.zero_grad()
+    ((model(X) - y) ** 2).mean().backward()
+    opt.step()
+    steps += 1
+print("defined", os.getpid())
+"""
+
+TRAIN_FOREVER = """%%distributed --gpus {n} --timeout 120
+for _ in range(100000):
+    step()
+    if steps == 3:
+        print("training")
+    time.sleep(0.01)
+"""
+
+# rank 0 waits in a collective that rank 1 never reaches: it sleeps first
+ASYMMETRIC = """%%distributed --gpus {n} --timeout 120
+print("waiting")
+if rank == 1:
+    time.sleep(600)
+t = torch.ones(1)
+dist.all_reduce(t)
+"""
+
+CHECK = """%%distributed --gpus {n} --timeout 120
+before = steps
+step()
+checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+gathered = [None] * world_size
+dist.all_gather_object(gathered, (os.getpid(), round(checksum, 12), steps - before, type(model).__name__))
+gathered
+"""
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("interrupt"), extra_config='c.GpuHub.user_limits = {"alice": 4}').start()
+    h.wait_for_broker()
+    yield h
+    h.stop()
+
+
+class Kernel:
+    """A real "Python 3 (GPUs)" kernel of alice's, driven cell by cell."""
+
+    def __init__(self, hub: Hub, tmp_path):
+        env = dict(os.environ)
+        env.update(
+            JUPYTERHUB_API_TOKEN=hub.user_token("alice"),
+            GPUHUB_BROKER_URL=f"http://127.0.0.1:{hub.broker_port}/services/gpuhub/api/v1/",
+            IPYTHONDIR=str(tmp_path / "ipython"),
+        )
+        for var in ("GPUHUB_GPUS", "GPUHUB_ALLOCATION_ID", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"):
+            env.pop(var, None)
+        self.km = KernelManager(kernel_name="python3-gpus")
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def run(self, code: str, *, interrupt_when: str | None = None, timeout: float = 240) -> dict:
+        """Run a cell; with ``interrupt_when``, interrupt the kernel once that text has been
+        shown. Returns the reply's content, the text shown, and how long the interrupt took."""
+        msg_id = self.kc.execute(code)
+        shown, result, interrupted_at, deadline = [], None, None, time.monotonic() + timeout
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=max(1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            c, kind = msg["content"], msg["msg_type"]
+            if kind == "stream":
+                shown.append(c["text"])
+            elif kind in ("execute_result", "display_data", "update_display_data"):
+                shown.append(c["data"].get("text/plain", ""))
+                if kind == "execute_result":
+                    result = c["data"].get("text/plain")
+            elif kind == "error":
+                shown.append("\n".join(c["traceback"]))
+            elif kind == "status" and c["execution_state"] == "idle":
+                break
+            if interrupt_when and interrupted_at is None and interrupt_when in "".join(shown):
+                interrupted_at = time.monotonic()
+                self.km.interrupt_kernel()
+        reply = self.kc.get_shell_msg(timeout=30)["content"]
+        took = time.monotonic() - interrupted_at if interrupted_at else None
+        return {
+            "status": reply["status"],
+            "ename": reply.get("ename"),
+            "text": "".join(shown),
+            "result": result,
+            "took": took,
+        }
+
+    def result(self, code: str):
+        import ast
+
+        out = self.run(code)
+        assert out["status"] == "ok" and out["result"], out["text"]
+        return ast.literal_eval(out["result"])
+
+    def close(self):
+        self.run("%distributed shutdown")  # the burst back now, not at its lease's end
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(hub, tmp_path):
+    k = Kernel(hub, tmp_path)
+    yield k
+    k.close()
+
+
+def pids_and_model(kernel, n):
+    gathered = kernel.result(CHECK.format(n=n))
+    assert len(gathered) == n
+    assert len({checksum for _, checksum, _, _ in gathered}) == 1, gathered  # identical parameters
+    assert all(stepped == 1 and kind == "DistributedDataParallel" for _, _, stepped, kind in gathered)
+    return [pid for pid, _, _, _ in gathered]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_an_interrupt_mid_training_keeps_every_rank_and_its_model(kernel, n):
+    defined = kernel.run(DEFINE.format(n=n))
+    assert defined["status"] == "ok", defined["text"]
+    before = pids_and_model(kernel, n)
+    out = kernel.run(TRAIN_FOREVER.format(n=n), interrupt_when="training")
+    assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
+    assert "gpu_magics" not in out["text"] and "magics.py" not in out["text"]  # the ranks' report only
+    for rank in range(n):
+        assert f"rank {rank} (" in out["text"]
+    assert "died" not in out["text"] and "killed" not in out["text"]
+    assert "Every rank's variables are kept, in the same processes." in out["text"]
+    assert out["took"] < 30, out  # seconds, not the collective's timeout (120 s)
+    assert pids_and_model(kernel, n) == before  # same processes; DDP trains on, ranks identical
+
+
+def test_a_rank_stuck_in_a_collective_is_freed_and_the_group_replaced(kernel):
+    n = 2
+    defined = kernel.run(DEFINE.format(n=n))
+    assert defined["status"] == "ok", defined["text"]
+    before = pids_and_model(kernel, n)
+    out = kernel.run(ASYMMETRIC.format(n=n), interrupt_when="waiting")
+    assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
+    text = out["text"]
+    assert "rank 0 (" in text and "was waiting in a collective the other ranks did not reach" in text
+    assert "rank 1 (" in text and "was interrupted" in text
+    assert "The process group was replaced in the same processes" in text
+    assert "Re-bound to the new group (DistributedDataParallel): model." in text
+    assert out["took"] < 30, out  # the collective's timeout is 120 s
+    assert pids_and_model(kernel, n) == before
+
+
+def test_an_error_on_one_rank_keeps_every_process_and_its_state(kernel):
+    n = 2
+    defined = kernel.run(DEFINE.format(n=n))
+    assert defined["status"] == "ok", defined["text"]
+    before = pids_and_model(kernel, n)
+    failing = f"%%distributed --gpus {n} --timeout 120\nif rank == 1:\n    raise ValueError('bad batch')\n"
+    failing += "t = torch.ones(1)\ndist.all_reduce(t)\n"
+    out = kernel.run(failing)
+    assert out["status"] == "error", out["text"]
+    assert "rank 1 (" in out["text"] and "raised ValueError: bad batch" in out["text"]
+    assert "rank 0 (" in out["text"] and "died" not in out["text"] and "killed" not in out["text"]
+    assert "Every rank's variables are kept" in out["text"]
+    assert pids_and_model(kernel, n) == before
