@@ -1,0 +1,330 @@
+"""Pure and in-process parts of ``%distributed save/restore``: names, files, kinds, messages, and
+the engine-side functions run here on a namespace dict (the real kernel: test_checkpoint.py)."""
+
+import errno
+import os
+import socket
+import subprocess
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from torch import nn
+
+from gpu_magics import checkpoint as cp
+
+
+@pytest.mark.parametrize(
+    "names, expected",
+    [(["model"], ["model"]), (["model", "opt", "model"], ["model", "opt"]), (["_x1"], ["_x1"])],
+)
+def test_check_names(names, expected):
+    assert cp.check_names(names, "save") == expected
+
+
+@pytest.mark.parametrize("names", [[], ["../x"], ["a/b"], ["class"], ["1a"], [""], ["model", "a.b"]])
+def test_check_names_refuses(names):
+    with pytest.raises(UsageError, match="save"):
+        cp.check_names(names, "save")
+
+
+def test_files_and_directories(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cp.resolve_dir(None) == str(tmp_path / ".local/share/gpuhub/checkpoints")
+    assert cp.resolve_dir("~/ck") == str(tmp_path / "ck")
+    monkeypatch.chdir(tmp_path)
+    assert cp.resolve_dir("rel") == str(tmp_path / "rel")
+    assert cp.checkpoint_path("/d", "model") == "/d/model.pt"
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (5 * 2**20, "5.0 MiB"),
+        (3 * 2**40, "3.0 TiB"),
+    ],
+)
+def test_human_size(n, text):
+    assert cp.human_size(n) == text
+
+
+def _objects():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.Adam(model.parameters())
+    return [
+        (model, "module"),
+        (nn.Sequential(nn.Linear(2, 2)), "module"),
+        (opt, "optimizer"),
+        (torch.optim.lr_scheduler.StepLR(opt, 1), "scheduler"),
+        (torch.optim.lr_scheduler.ReduceLROnPlateau(opt), "scheduler"),
+        (torch.ones(2), "tensor"),
+        (nn.Parameter(torch.ones(2)), "tensor"),
+        ({"epoch": 3}, "value"),
+        ([1, 2], "value"),
+        (lambda x: x, "value"),  # a value: found unsaveable when pickled
+    ]
+
+
+def test_kind_of():
+    for obj, kind in _objects():
+        assert cp.kind_of(obj) == kind, obj
+
+
+@pytest.mark.parametrize(
+    "err, expected",
+    [
+        (errno.ENOSPC, "no space left for /d/model.pt"),
+        (errno.EDQUOT, "free some space, or choose a directory with room: --dir DIR"),
+        (errno.EACCES, "cannot write to /d"),
+        (errno.EROFS, "choose a directory of your own that every rank reaches"),
+        (errno.ENOTDIR, "/d is not a directory"),
+        (errno.EIO, "could not write /d/model.pt"),
+    ],
+)
+def test_os_error_messages(err, expected):
+    text = cp.os_error_message("save", err, os.strerror(err), "/d", "model")
+    assert expected in text and "Nothing was written" in text
+
+
+def test_missing_message():
+    text = cp.missing_message("save", {"opt": [1], "x": [0, 1]}, 2)
+    assert text == (
+        "save: 'opt' is not defined on rank 1; 'x' is not defined on any rank. Nothing was written: "
+        "define them on every rank (a %%distributed cell without --targets), or leave them out."
+    )
+    assert "ranks 1, 2" in cp.missing_message("save", {"opt": [2, 1]}, 4)
+
+
+def test_restore_problem_message():
+    text = cp.restore_problem_message({("model", "is not defined: re-run"): [1], ("opt", "bad"): [0, 1]}, 2)
+    assert text == "restore: 'model' (on rank 1): is not defined: re-run\n  'opt': bad\nNothing was restored."
+
+
+# the engine side, on a plain namespace -------------------------------------------------------
+
+
+def _trained(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 4)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return {"model": model, "opt": opt, "sched": sched, "w": torch.randn(3), "meta": {"epoch": 2}}
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor):
+            if not torch.equal(x, y):
+                return False
+        elif isinstance(x, dict):
+            if not _same_state(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _listing(d):
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def test_save_and_restore_are_bit_identical(tmp_path):
+    saved = _trained(0)
+    d = str(tmp_path / "ck")
+    result = cp.engine_save(list(saved), d, {"saved": 1.0, "rank": 0, "world_size": 1}, ns=saved)
+    assert result["ok"], result
+    assert _listing(d) == ["meta.pt", "model.pt", "opt.pt", "sched.pt", "w.pt"]  # no temporary file
+    assert {f["name"]: f["kind"] for f in result["files"]} == {
+        "model": "module",
+        "opt": "optimizer",
+        "sched": "scheduler",
+        "w": "tensor",
+        "meta": "value",
+    }
+    assert all(f["bytes"] == os.path.getsize(f["path"]) for f in result["files"])
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    assert all(os.stat(f["path"]).st_mode & 0o077 == 0 for f in result["files"])
+
+    fresh = _trained(1)  # the definitions re-run: other values
+    fresh.pop("w"), fresh.pop("meta")
+    assert not _same_state(fresh["model"].state_dict(), saved["model"].state_dict())
+    prepared = cp.engine_prepare_restore("t", list(saved), d, ns=fresh)
+    assert prepared["ok"], prepared
+    assert cp.engine_apply_restore("t", ns=fresh) == {
+        "model": "load_state_dict",
+        "opt": "load_state_dict",
+        "sched": "load_state_dict",
+        "w": "assigned",
+        "meta": "assigned",
+    }
+    for name in ("model", "opt", "sched"):
+        assert _same_state(fresh[name].state_dict(), saved[name].state_dict()), name
+    assert torch.equal(fresh["w"], saved["w"]) and fresh["meta"] == {"epoch": 2}
+
+
+def test_a_ddp_checkpoint_fits_a_plain_module_and_back(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ddp = DDP(nn.Linear(3, 2))
+        assert cp.kind_of(ddp) == "ddp"
+        d = str(tmp_path / "ck")
+        assert cp.engine_save(["ddp"], d, {}, ns={"ddp": ddp})["ok"]
+        plain = {"ddp": nn.Linear(3, 2)}
+        assert cp.engine_prepare_restore("t", ["ddp"], d, ns=plain)["ok"]
+        cp.engine_apply_restore("t", ns=plain)
+        assert _same_state(plain["ddp"].state_dict(), ddp.module.state_dict())  # no "module." prefix
+        assert cp.engine_save(["ddp"], d, {}, ns=plain)["ok"]
+        torch.manual_seed(1)
+        again = {"ddp": DDP(nn.Linear(3, 2))}
+        assert cp.engine_prepare_restore("t", ["ddp"], d, ns=again)["ok"]
+        cp.engine_apply_restore("t", ns=again)
+        assert _same_state(again["ddp"].module.state_dict(), ddp.module.state_dict())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "bad, type_name",
+    [
+        (lambda: 1, "function"),
+        ((i for i in range(3)), "generator"),
+        (None, "_io.BufferedReader"),  # an open file
+        ({"f": lambda: 1}, "dict"),
+    ],
+)
+def test_an_unsaveable_object_writes_nothing(tmp_path, bad, type_name):
+    if bad is None:
+        bad = open(__file__, "rb")
+    d = str(tmp_path)
+    ns = {"model": nn.Linear(2, 2), "bad": bad}
+    try:
+        result = cp.engine_save(["model", "bad"], d, {}, ns=ns)
+    finally:
+        if hasattr(bad, "close"):
+            bad.close()
+    assert result["ok"] is False and result["error"] == "unsaveable" and result["name"] == "bad"
+    assert result["type"] == type_name
+    assert _listing(d) == []  # not even model.pt: all or nothing
+    text = cp.unsaveable_message("save", result["name"], result["type"], result["detail"])
+    assert text.startswith(f"save: cannot save 'bad' (a {type_name}): ")
+    assert "Nothing was written" in text and "re-running the cell that defines it" in text
+
+
+def test_a_failed_write_keeps_its_errno_and_leaves_nothing(tmp_path, monkeypatch):
+    def full(self, data):
+        self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise self.error
+
+    monkeypatch.setattr(cp._Recorder, "write", full)
+    old = str(tmp_path / "model.pt")
+    with open(old, "wb") as f:
+        f.write(b"the last checkpoint")
+    result = cp.engine_save(["model"], str(tmp_path), {}, ns={"model": nn.Linear(2, 2)})
+    assert result == {
+        "ok": False,
+        "error": "os",
+        "errno": errno.ENOSPC,
+        "strerror": os.strerror(errno.ENOSPC),
+        "name": "model",
+    }
+    assert _listing(tmp_path) == ["model.pt"]
+    with open(old, "rb") as f:
+        assert f.read() == b"the last checkpoint"  # the previous checkpoint is untouched
+
+
+def test_a_directory_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("")
+    result = cp.engine_save(["x"], str(tmp_path / "f"), {}, ns={"x": 1})
+    assert (
+        result["ok"] is False and result["errno"] in (errno.ENOTDIR, errno.EEXIST) and result["name"] is None
+    )
+
+
+def test_stale_temporary_files_of_dead_writers_go(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f".model.pt.{host}.{dead.pid}.abc_12.tmp"
+    live = tmp_path / f".model.pt.{host}.{os.getppid()}.abc_13.tmp"
+    other = tmp_path / f".model.pt.otherhost.{dead.pid}.abc_14.tmp"
+    for p in (stale, live, other):
+        p.write_bytes(b"x")
+    assert cp.engine_save(["x"], str(tmp_path), {}, ns={"x": 1})["ok"]
+    assert _listing(tmp_path) == sorted([live.name, other.name, "x.pt"])
+
+
+def _problems(d, names, ns):
+    answer = cp.engine_prepare_restore("t", names, d, ns=ns)
+    assert answer["ok"] is False
+    return {p["name"]: (p["problem"], p["text"]) for p in answer["problems"]}
+
+
+def test_restore_refuses_what_does_not_fit_and_changes_nothing(tmp_path):
+    saved = _trained(0)
+    d = str(tmp_path)
+    assert cp.engine_save(["model", "opt", "sched"], d, {}, ns=saved)["ok"]
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")
+    torch.save({"a": 1}, str(tmp_path / "other.pt"))
+    wrong = nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 1))
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
+    ns = {"model": wrong, "sched": 3}
+    problems = _problems(d, ["model", "opt", "sched", "gone", "junk", "other"], ns)
+    assert problems["model"][0] == "target" and "does not fit this module" in problems["model"][1]
+    assert "0.weight saved (8, 4), here (9, 4)" in problems["model"][1]
+    assert problems["opt"] == (
+        "target",
+        "is not defined: re-run the cell that defines the optimizer first, then restore",
+    )
+    assert problems["sched"][0] == "target" and "is a int, not an LR scheduler" in problems["sched"][1]
+    assert problems["gone"] == ("missing", f"no checkpoint {d}/gone.pt")
+    assert problems["junk"][0] == "unreadable"
+    assert problems["other"] == ("foreign", f"{d}/other.pt is not a gpuhub checkpoint")
+    assert _same_state(wrong.state_dict(), before)
+    # another optimizer class over the same model: refused, not silently mixed
+    other_opt = {"opt": torch.optim.SGD(saved["model"].parameters(), lr=0.1)}
+    [(kind, text)] = _problems(d, ["opt"], other_opt).values()
+    assert kind == "target" and "the checkpoint is of a torch.optim.adam.Adam" in text
+
+
+def test_a_pickled_value_loads_only_from_a_private_file(tmp_path):
+    class Point:  # not a type torch's safe loader knows
+        pass
+
+    import pickle
+
+    d = str(tmp_path)
+    torch.save(
+        {
+            "format": cp.FORMAT,
+            "version": 1,
+            "name": "p",
+            "kind": "value",
+            "type": "x",
+            "state": pickle.dumps(1),
+        },
+        str(tmp_path / "ok.pt"),
+    )
+    assert cp.engine_prepare_restore("t", ["ok"], d, ns={})["ok"]  # bytes: the safe loader
+    assert cp.engine_save(["p"], d, {}, ns={"p": Point()})["ok"] is False  # a local class: unpicklable
+    assert cp.engine_save(["p"], d, {}, ns={"p": socket.AddressFamily.AF_INET})["ok"]
+    assert cp.engine_prepare_restore("t", ["p"], d, ns={})["ok"]  # pickled, and only we can write it
+    os.chmod(tmp_path / "p.pt", 0o666)
+    [(kind, text)] = _problems(d, ["p"], {}).values()
+    assert kind == "unreadable" and "is not a file only you can write" in text
