@@ -4,9 +4,12 @@
                   [--timeout S] [--output all|rank0] [--targets 0,2-3]
     %distributed shutdown | status
 
-GPUs come from the server's own allocation when it holds enough; otherwise from a burst
-allocation of the gpuhub broker (within the user's limit), whose lease is renewed while the
-pool lives and released when the pool stops or has been idle for ``idle_seconds``.
+GPUs come from the server's own allocation first; beyond it, only the difference comes as a
+burst allocation of the gpuhub broker on the same node (within the user's limit), whose lease is
+renewed while the pool lives and released when the pool stops or has been idle for
+``idle_seconds`` (``burst.Burst``). A change that needs new engines is checked first (the
+broker asked, the engines' variables looked at): a refusal leaves the pool as it is, and a pool
+holding the user's variables is only replaced with ``--restart`` or autosave (``plan``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,18 @@ from IPython.display import display, update_display
 from traitlets import Float
 
 from .arguments import COUNT, SECONDS
-from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
+from .brokerclient import LeaseKeeper
+from .burst import Burst, burst_size
+from .plan import (
+    OTHER_SETTINGS,
+    describe_settings,
+    may_retry_after_release,
+    plan_gpus,
+    refuse_discard,
+    why_new_engines,
+)
 from .pool import CellOutcome, EnginePool
-from .ranks import Slot, choose_slots, make_rank_specs
+from .ranks import Slot, make_rank_specs
 from .session import server_gpus
 
 
@@ -59,7 +71,7 @@ def parse_targets(text: str, world: int) -> list[int]:
 
 def _burst_size(burst: dict) -> int:
     """GPUs a burst was admitted for (a Slurm burst holds none until its job runs)."""
-    return burst.get("gpu_count") or len(burst["gpus"])
+    return burst_size(burst)
 
 
 def free_port() -> int:
@@ -130,47 +142,57 @@ class DistributedMagics(Magics):
 
     # GPUs -----------------------------------------------------------------------------
 
-    def _acquire(self, gpus: int) -> list[Slot]:
+    _burst: Burst | None = None  # the burst the pool's engines use (its lifecycle)
+    _own: tuple[Slot, ...] = ()  # the server's own GPUs the pool's engines use
+
+    def _set_burst(self, burst: Burst | None) -> None:
+        """Make ``burst`` the pool's; ``self.burst``/``self.lease`` are its allocation and lease."""
+        self._burst = burst
+        self.burst = burst.allocation if burst is not None else None
+        self.lease = burst.lease if burst is not None else None
+
+    def _request_burst(self, n: int, held: int, wanted: int, **where) -> Burst:
+        return Burst.request(
+            "%%distributed",
+            n,
+            lease_seconds=self.lease_seconds,
+            held=held,
+            wanted=wanted,
+            activity=self._idle_seconds,
+            **where,
+        )
+
+    def _acquire(self, gpus: int, old: Burst | None = None) -> tuple[tuple[Slot, ...], Burst | None]:
+        """The GPUs of a local pool of ``gpus`` ranks: the server's own, and a burst of only
+        what they lack, on their node. ``old`` (the pool's burst) is kept where it is the size
+        needed; else a new burst is asked for while ``old`` is still held (the caller decides
+        what a refusal means). Raises UsageError with the broker's reason; nothing is taken."""
         own = server_gpus()
-        mine = choose_slots(own.gpus, gpus)
-        if mine and len({s.node for s in mine}) == 1:
-            return mine
-        client = BrokerClient.from_env()
-        if client is None:
-            held = len(own.gpus)
-            raise UsageError(
-                f"%%distributed --gpus {gpus} needs {gpus} GPUs; this server holds {held} and no gpuhub "
-                "broker is configured (GPUHUB_BROKER_URL). Ask for at most "
-                f"{held} GPUs, or start the server with more."
-            )
-        try:
-            # engines run on this machine: the burst must be on one node
-            alloc = client.request(gpus, 1, None, self.lease_seconds)
-        except BrokerError as e:
-            extra = f" Own server GPUs: {len(own.gpus)}." if own.gpus else ""
-            raise UsageError(f"gpuhub refused {gpus} GPUs for %%distributed: {e.message}{extra}") from None
-        self.burst = alloc
-        self.lease = LeaseKeeper(client, alloc, self.lease_seconds, log=print, activity=self._idle_seconds)
-        return [Slot(g["node"], g["index"]) for g in alloc["gpus"]]
+        plan = plan_gpus(own.gpus, gpus)
+        if not plan.burst:
+            return plan.own, None
+        if (
+            old is not None
+            and not old.lost
+            and old.size == plan.burst
+            and (plan.node is None or {s.node for s in old.slots} == {plan.node})
+        ):
+            return plan.own, old
+        # engines run on this machine: the burst on one node, the server's own when it has GPUs
+        burst = self._request_burst(plan.burst, len(plan.own), gpus, nodes=1, node=plan.node)
+        return plan.own, burst
 
     def _release_burst(self) -> None:
-        if self.lease:
-            self.lease.stop()
-            self.lease = None
-        if self.burst:
-            client = BrokerClient.from_env()
-            if client:
-                try:
-                    client.release(self.burst["id"])
-                except BrokerError as e:
-                    print(f"gpuhub: could not release allocation {self.burst['id']}: {e}")
-            self.burst = None
+        if self._burst is not None:
+            self._burst.release()  # says so when the broker could not be told
+        self._set_burst(None)
 
     # pool -----------------------------------------------------------------------------
 
-    def _slurm_pool(self, args, timeout: float) -> EnginePool:
-        """Engines as Slurm tasks: a step of this server's job when it holds the GPUs, else a
-        burst job of their own (admitted by the broker, placed by Slurm over ``--nodes``)."""
+    def _slurm_launcher(self, args):
+        """(launcher, GPUs of a burst job or 0): a step of this server's job when it holds the
+        GPUs, else a burst job of their own (admitted by the broker, placed by Slurm over
+        ``--nodes``). Checked before anything is stopped."""
         from .slurmengines import SlurmLauncher, plan_launch
 
         own = len([g for g in os.environ.get("SLURM_JOB_GPUS", "").split(",") if g.strip()])
@@ -186,60 +208,144 @@ class DistributedMagics(Magics):
             os.environ.get("SLURM_JOB_PARTITION", ""),
             os.environ.get("GPUHUB_SLURM_ACCOUNT", ""),
         )
-        if mode == "job":
-            client = BrokerClient.from_env()
-            if client is None:
-                raise UsageError(
-                    f"%%distributed --gpus {args.gpus} needs a burst job, and no gpuhub broker is "
-                    f"configured (GPUHUB_BROKER_URL). This server's job holds {own} GPUs."
-                )
-            try:
-                alloc = client.request(args.gpus, nodes, per_node, self.lease_seconds)
-            except BrokerError as e:
-                raise UsageError(
-                    f"gpuhub refused {args.gpus} GPUs for %%distributed: {e.message} Own server GPUs: {own}."
-                ) from None
-            self.burst = alloc
-            self.lease = LeaseKeeper(
-                client, alloc, self.lease_seconds, log=print, activity=self._idle_seconds
-            )
-            launcher.allocation_id = alloc["id"]
-            launcher.on_submitted = lambda job_id: alloc.update(client.attach_job(alloc["id"], job_id))
+        return launcher, own
+
+    def _slurm_pool(self, args, timeout: float, launcher) -> EnginePool:
+        """Engines as Slurm tasks; a burst job is tagged with the pool's burst (``self._burst``)."""
+        if launcher.mode == "job":
+            burst = self._burst
+            launcher.allocation_id = burst.id
+            launcher.on_submitted = burst.attach_job
         return EnginePool([], args.backend, timeout, launcher=launcher, n=args.gpus)
+
+    def _new_gpus(self, args, on_slurm: bool, old: Burst | None):
+        """(own slots, burst or None, Slurm launcher or None) for a new pool, asked for while
+        the current pool still runs: a refusal leaves it as it is."""
+        if not on_slurm:
+            own, burst = self._acquire(args.gpus, old)
+            return own, burst, None
+        launcher, own = self._slurm_launcher(args)
+        if launcher.mode != "job":
+            return (), None, launcher
+        # a Slurm burst's job ends with its engines: a new pool asks anew
+        burst = self._request_burst(
+            args.gpus, own, args.gpus, nodes=launcher.nodes, gpus_per_node=launcher.per_node
+        )
+        return (), burst, launcher
+
+    def _user_names(self) -> list[str] | None:
+        """The names the user's cells defined on any rank of the pool (None: no answer)."""
+        from .rankns import user_names
+
+        try:
+            per_rank = self.pool.view.apply_async(user_names).get(timeout=15)
+        except Exception:
+            return None
+        return sorted({name for names in per_rank for name in names})
+
+    def _autosave_on(self, args) -> bool:
+        return bool(getattr(args, "autosave", None) or getattr(self, "autosave", None))
+
+    def _replace_pool(self, why: str | None, autosave: bool, release: bool) -> None:
+        """Stop the current pool (saved first where autosave is on) so that new engines can
+        start; ``release``: its burst goes too."""
+        if self.pool is not None:
+            save = getattr(self, "_save_before_stop", None) if autosave else None
+            if save is not None:
+                try:
+                    save("resize")
+                except Exception as e:
+                    if why == OTHER_SETTINGS:
+                        raise  # the pool still works: nothing is stopped unsaved
+                    print(f"gpuhub: could not save before restarting the engines: {e}", file=sys.stderr)
+            print(f"gpuhub: restarting the engines ({why}).")
+            self._stop_pool(release=release)
+        elif release:
+            self._release_burst()
 
     def _ensure_pool(self, args) -> EnginePool:
         timeout = args.timeout or self.timeout
         shape = (args.gpus, args.nodes, args.gpus_per_node)
         on_slurm = os.environ.get("GPUHUB_BACKEND") == "slurm"
         key = (shape, args.backend, timeout)
+        restart = bool(getattr(args, "restart", False))
         with self.lock:
-            lost = self._lease_lost()
-            if self.pool is not None and (self.key != key or self.pool.broken or lost):
-                why = (
-                    "lost its burst allocation"
-                    if lost
-                    else "was left broken by the last cell"
-                    if self.pool.broken
-                    else "had other settings"
-                )
-                print(f"gpuhub: restarting the engines (the pool {why}).")
-                # the GPUs stay ours unless the number of ranks changed
-                self._stop_pool(release=lost or self.key[0] != shape)
-            if self.burst is not None and (
-                (on_slurm and self.pool is None) or _burst_size(self.burst) != args.gpus or self._lease_lost()
-            ):
-                # a Slurm burst's job ends with its engines: a new pool asks anew
-                self._release_burst()
+            why = why_new_engines(
+                has_pool=self.pool is not None,
+                same_settings=self.key == key,
+                broken=bool(self.pool is not None and self.pool.broken),
+                lease_lost=self._lease_lost(),
+                restart=restart,
+            )
+            resized = False
+            if self.pool is None or why is not None:
+                autosave = self._autosave_on(args)
+                if why == OTHER_SETTINGS and not autosave:
+                    (gpus, nodes, per_node), backend, old_timeout = self.key
+                    message = refuse_discard(
+                        why,
+                        self._user_names(),
+                        restart=restart,
+                        autosave=autosave,
+                        current=describe_settings(gpus, backend, old_timeout, nodes, per_node),
+                        asked=describe_settings(
+                            args.gpus, args.backend, timeout, args.nodes, args.gpus_per_node
+                        ),
+                    )
+                    if message:
+                        raise UsageError(message)
+                old = self._burst
+                if old is not None and (old.lost or (on_slurm and self.pool is None)):
+                    self._release_burst()  # gone, or a Slurm job's that ended with its engines
+                    old = None
+                cleared = False
+                try:
+                    own, burst, launcher = self._new_gpus(args, on_slurm, old if not on_slurm else None)
+                except UsageError as e:
+                    refusal = getattr(e, "refusal", None)
+                    need = args.gpus if on_slurm else plan_gpus(server_gpus().gpus, args.gpus).burst
+                    if (
+                        refusal is None
+                        or old is None
+                        or not may_retry_after_release(refusal.reason, refusal.fits, old.size, need)
+                    ):
+                        raise  # nothing was stopped: the pool, its processes and its state stay
+                    # only the pool's own burst stands in the way: the pool goes (its user agreed,
+                    # or holds nothing), then its GPUs are asked for again
+                    self._replace_pool(why, autosave, release=True)
+                    cleared = True
+                    try:
+                        own, burst, launcher = self._new_gpus(args, on_slurm, None)
+                    except UsageError as again:
+                        raise UsageError(
+                            f"{again} (The pool's engines were stopped and its burst released "
+                            "first, to make room for this one.)"
+                        ) from None
+                if not cleared:
+                    try:
+                        self._replace_pool(why, autosave, release=burst is not old)
+                    except BaseException:
+                        if burst is not None and burst is not old:
+                            burst.release()  # the save failed: the old pool stays as it was
+                        raise
+                resized = why is not None and autosave  # saved: the new pool gets it back
+                self._set_burst(burst)
+                self._own = tuple(own)
+                slots = self._current_slots()
             if self.pool is None:
                 try:
                     if on_slurm:
-                        pool = self._slurm_pool(args, timeout)
+                        pool = self._slurm_pool(args, timeout, launcher)
                     else:
-                        slots = self._current_slots() if self.burst else self._acquire(args.gpus)
                         pool = EnginePool(
                             make_rank_specs(slots, "127.0.0.1", free_port()), args.backend, timeout
                         )
-                    pool.report_allocation = self.burst["id"] if self.burst else 0
+                    # a burst's engines report their own GPUs; beside the server's own GPUs
+                    # (which the server reports) this kernel reports the burst's
+                    mixed = bool(self._own) and self._burst is not None
+                    pool.report_allocation = self.burst["id"] if self.burst and not mixed else 0
+                    if mixed:
+                        self._burst.report_here()
                     handle = display(f"Starting engines: 0 of {pool.size} up", display_id=True)
 
                     def progress(up, n):
@@ -260,15 +366,19 @@ class DistributedMagics(Magics):
                 )
                 self.pool, self.key = pool, key
                 self._arm_idle_timer()
+                restore = getattr(self, "_restore_after_resize", None) if resized else None
+                if restore is not None:
+                    restore()
             self.busy += 1  # under the lock: the idle timer cannot slip in before the cell runs
             self._touch()
             return self.pool
 
     def _lease_lost(self) -> bool:
-        return bool(self.lease and self.lease.lost)
+        return bool(self._burst is not None and self._burst.lost)
 
     def _current_slots(self) -> list[Slot]:
-        return [Slot(g["node"], g["index"]) for g in self.burst["gpus"]]
+        """The pool's GPUs: the server's own it uses, then its burst's."""
+        return [*self._own, *(self._burst.slots if self._burst is not None else ())]
 
     def _stop_pool(self, release: bool = True) -> None:
         if self.pool is not None:
@@ -332,6 +442,11 @@ class DistributedMagics(Magics):
         "--output", choices=["all", "rank0"], default="all", help="whose output to show"
     )
     @magic_arguments.argument("--targets", help="run on these ranks only, e.g. 0 or 0,2-3")
+    @magic_arguments.argument(
+        "--restart",
+        action="store_true",
+        help="start fresh engines, discarding the pool's variables (needed to change a pool that holds them)",
+    )
     @line_cell_magic
     def distributed(self, line: str, cell: str | None = None):
         """Run the cell on one warm engine per GPU, with torch.distributed initialised."""
