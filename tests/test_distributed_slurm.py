@@ -101,7 +101,7 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         # 2. a server without GPUs: --gpus 8 --nodes 2 is a burst job over both nodes
         assert hub.spawn("alice", {"gpus": 0}).status_code in (201, 202)
         hub.wait_ready("alice", timeout=120)
-        kc, _ = kernel_of(hub, "alice")
+        kc, kid = kernel_of(hub, "alice")
         status, out = run(kc, DDP.format(args="--gpus 8 --nodes 2"), timeout=300)
         assert status == "ok", out
         ranks = ranks_of(out)
@@ -127,6 +127,31 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         status, out = run(kc, "%%distributed --gpus 8 --nodes 2\nprint('again', os.environ['SLURM_JOB_ID'])")
         assert status == "ok" and out.count(f"again {job}") == 8, out
         assert ledger.get(burst.id).state == "running"  # the burst stays with its warm pool
+
+        # an interrupt while rank 5 (on the second node) sleeps and the others wait in a collective
+        # for it: every rank is stopped, the waiting ones freed, and the same processes go on
+        pids = "%%distributed --gpus 8 --nodes 2\nimport os\nprint('pid', os.getpid())"
+        status, out = run(kc, pids)
+        before = sorted(re.findall(r"\[rank (\d+)\] pid (\d+)", out))
+        assert status == "ok" and len(before) == 8, out
+        kc.execute(
+            "%%distributed --gpus 8 --nodes 2\nimport time\nprint('waiting', flush=True)\n"
+            "if rank == 5:\n    time.sleep(600)\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+        )
+        wait_for(
+            lambda: "waiting" in (kc.get_iopub_msg(timeout=30)["content"].get("text") or ""), 60, "the cell"
+        )
+        r = hub.api_url_request("POST", f"/user/alice/api/kernels/{kid}/interrupt")
+        assert r.status_code == 204, r.text
+        reply = kc.get_shell_msg(timeout=60)  # seconds, not the collective's timeout
+        assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+        status, out = run(
+            kc,
+            "%%distributed --gpus 8 --nodes 2\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())",
+        )
+        assert status == "ok" and out.count("sum 8.0") == 8, out
+        status, out = run(kc, pids)
+        assert sorted(re.findall(r"\[rank (\d+)\] pid (\d+)", out)) == before, out
         assert job_state(job) == "RUNNING"
         status, out = run(kc, "%gpus")
         assert f"burst allocation #{burst.id}: 8 GPUs (Slurm job {job})" in out, out
