@@ -1,5 +1,10 @@
 """End to end through the hub: a server with 1 GPU runs `%%distributed --gpus 2` in its own
-kernel (started by the server, as the notebook UI does), which takes a burst from the broker."""
+kernel (started by the server, as the notebook UI does): its own GPU and a burst of 1 from the
+broker. A 2-GPU server of a user with a limit of 3 resizes its pool: 2 own + 1 burst, a refused
+resize that changes nothing, a resize that would discard variables refused, then --restart."""
+
+import ast
+import re
 
 import pytest
 
@@ -9,6 +14,19 @@ from .hubtools import Hub, wait_for
 from .kerneltools import run_cell as run
 
 pytestmark = pytest.mark.hub
+
+# every rank's (rank, GPU, pid), printed by rank 0
+GPUS = """%%distributed {args}
+import os
+got = [None] * world_size
+dist.all_gather_object(got, (rank, os.environ["GPUHUB_RANK_GPU"], os.getpid()))
+if rank == 0:
+    print("RESULT", got)
+"""
+
+
+def result(out: str):
+    return ast.literal_eval(re.search(r"\[rank 0\] RESULT (.*)", out).group(1))
 
 
 def test_a_server_with_one_gpu_runs_distributed_on_two(tmp_path):
@@ -24,15 +42,20 @@ def test_a_server_with_one_gpu_runs_distributed_on_two(tmp_path):
         # the server starts the kernel, as JupyterLab would
         kc = hub.server_kernel("alice")
 
-        status, out = run(kc, "%%distributed --gpus 2\nimport os\n(rank, os.environ['CUDA_VISIBLE_DEVICES'])")
+        status, out = run(kc, GPUS.format(args="--gpus 2"))
         assert status == "ok", out
-        assert "2 engines up" in out and "(0," in out
+        assert "2 engines up" in out
+        # the server's own GPU and one burst GPU beside it, on the same node
         [burst] = [a for a in ledger.active(user="alice") if a.purpose == "distributed"]
-        assert len(burst.gpus) == 2 and not set(burst.gpus) & set(server_alloc.gpus)
+        assert len(burst.gpus) == 1 and not set(burst.gpus) & set(server_alloc.gpus)
+        assert {g.node for g in burst.gpus} == {g.node for g in server_alloc.gpus}
+        assert [gpu for _, gpu, _ in result(out)] == sorted(
+            g.label for g in [*server_alloc.gpus, *burst.gpus]
+        )
 
         status, out = run(kc, "%gpus")
         assert f"Server allocation #{server_alloc.id}: 1 GPU(s)" in out
-        assert f"burst allocation #{burst.id}: 2 GPUs" in out and "rank 1: GPU" in out
+        assert f"burst allocation #{burst.id}: 1 GPUs" in out and "rank 1: GPU" in out
 
         status, out = run(kc, "%distributed shutdown")
         assert "burst GPUs released" in out
@@ -41,6 +64,68 @@ def test_a_server_with_one_gpu_runs_distributed_on_two(tmp_path):
         kc.stop_channels()
         hub.stop_server("alice")
         assert ledger.active() == []
+    finally:
+        hub.stop()
+        ledger.close()
+
+
+def test_resizing_takes_only_the_difference_and_never_loses_work_silently(tmp_path):
+    hub = Hub(tmp_path, extra_config='c.GpuHub.user_limits = {"alice": 3}').start()
+    ledger = Ledger(hub.ledger_url)
+    try:
+        hub.wait_for_broker()
+        assert hub.spawn("alice", {"gpus": 2}).status_code in (201, 202)
+        hub.wait_ready("alice")
+        [server] = ledger.active(user="alice")
+        own = sorted(g.label for g in server.gpus)
+        kc = hub.server_kernel("alice")
+
+        def bursts():
+            return [a for a in ledger.active(user="alice") if a.purpose == "distributed"]
+
+        # --gpus 3 on 2 own GPUs with a limit of 3: the 2 and a burst of 1 on their node
+        status, out = run(kc, GPUS.format(args="--gpus 3") + "model = rank * 10\n")
+        assert status == "ok", out
+        [burst] = bursts()
+        assert burst.gpu_count == 1 and len(burst.gpus) == 1
+        assert {g.node for g in burst.gpus} == {g.node for g in server.gpus}
+        ranks = result(out)
+        assert [gpu for _, gpu, _ in ranks] == sorted([*own, burst.gpus[0].label])
+        assert [gpu for _, gpu, _ in ranks[:2]] == own  # ranks 0 and 1 on the server's own
+        pids = [pid for _, _, pid in ranks]
+
+        def unchanged():
+            status, out = run(kc, GPUS.format(args="--gpus 3") + "print('model', rank, model)\n")
+            assert status == "ok", out
+            assert [pid for _, _, pid in result(out)] == pids  # the same processes
+            assert all(f"[rank {r}] model {r} {r * 10}" in out for r in range(3)), out
+            assert [(a.id, a.gpu_count) for a in bursts()] == [(burst.id, 1)]
+
+        # beyond the limit (even with --restart): refused before anything is stopped
+        status, out = run(kc, "%%distributed --gpus 5 --restart\n1")
+        assert status == "error"
+        assert "gpuhub refused 3 more GPUs for %%distributed --gpus 5 (beside this server's 2)" in out, out
+        assert "restarting the engines" not in out
+        unchanged()
+
+        # another size while the engines hold a variable, without --restart: refused
+        status, out = run(kc, "%%distributed --gpus 2\n1")
+        assert status == "error"
+        assert "the pool holds your variables (got, model)" in out, out
+        assert "--restart to discard them" in out and "--autosave NAME... to carry them over" in out
+        unchanged()
+
+        # with --restart it goes ahead: fresh engines on the server's own GPUs, the burst back
+        status, out = run(kc, GPUS.format(args="--gpus 2 --restart") + "print('fresh', 'model' in dir())\n")
+        assert status == "ok", out
+        assert "restarting the engines (the cell asked for --restart)" in out
+        fresh = result(out)
+        assert [gpu for _, gpu, _ in fresh] == own and not {pid for _, _, pid in fresh} & set(pids)
+        assert "[rank 0] fresh False" in out
+        assert bursts() == [] and ledger.get(burst.id).state == "released"
+        run(kc, "%distributed shutdown")
+        kc.stop_channels()
+        hub.stop_server("alice")
     finally:
         hub.stop()
         ledger.close()
