@@ -63,7 +63,7 @@ class CellOutcome:
         return [r for r in self.ranks if r.status != "ok"]
 
 
-FREE_AFTER = 2.0  # s after SIGINT: a rank still running is stuck in a collective, and freed
+FREE_AFTER = 1.0  # s after SIGINT: a rank still running is stuck in a collective, and freed
 KILL_AFTER = 5.0  # s after freeing: a rank still running is killed (its state is lost)
 
 

@@ -75,13 +75,13 @@ def test_parse_targets_refuses(text):
     "elapsed, taken, step",
     [
         (0.0, set(), "interrupt"),
-        (1.9, {"interrupt"}, None),
-        (2.0, {"interrupt"}, "free"),  # FREE_AFTER: still running means stuck in a collective
-        (6.9, {"interrupt", "free"}, None),
-        (7.0, {"interrupt", "free"}, "kill"),  # FREE_AFTER + KILL_AFTER
+        (0.9, {"interrupt"}, None),
+        (1.0, {"interrupt"}, "free"),  # FREE_AFTER: still running means stuck in a collective
+        (5.9, {"interrupt", "free"}, None),
+        (6.0, {"interrupt", "free"}, "kill"),  # FREE_AFTER + KILL_AFTER
         (9.0, {"interrupt"}, "free"),  # one step at a time, in order
-        (11.9, {"interrupt", "free", "kill"}, None),
-        (12.0, {"interrupt", "free", "kill"}, "give up"),
+        (10.9, {"interrupt", "free", "kill"}, None),
+        (11.0, {"interrupt", "free", "kill"}, "give up"),
     ],
 )
 def test_next_step(elapsed, taken, step):
