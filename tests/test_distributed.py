@@ -160,14 +160,16 @@ def _last_burst(ledger, user):
 
 
 def test_a_failing_rank_is_named_and_the_next_cell_works(hub, kernel_env):
-    fail = """%%distributed --gpus 2
+    # one pool's settings throughout (ALLREDUCE's): the engines hold x, and a pool holding
+    # variables is not replaced by a cell with other settings without --restart
+    fail = """%%distributed --gpus 2 --timeout 20
 x = 1
 if rank == 1:
     raise ValueError("boom on purpose")
 """
-    rank0 = "%%distributed --gpus 2 --output rank0\nprint('hi', rank)"
-    only1 = "%%distributed --gpus 2 --targets 1\nprint('only', rank)"
-    bad = "%%distributed --gpus 2 --targets 2\n1"
+    rank0 = "%%distributed --gpus 2 --timeout 20 --output rank0\nprint('hi', rank)"
+    only1 = "%%distributed --gpus 2 --timeout 20 --targets 1\nprint('only', rank)"
+    bad = "%%distributed --gpus 2 --timeout 20 --targets 2\n1"
     failed, after, quiet, targeted, bad_targets = run_notebook(
         [fail, ALLREDUCE, rank0, only1, bad], kernel_env()
     )
