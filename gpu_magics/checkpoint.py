@@ -425,12 +425,15 @@ def _load(path: str):
 _PENDING: dict[str, dict] = {}  # loaded checkpoints between engine_prepare_restore and apply
 
 
-def engine_prepare_restore(token: str, names: list[str], directory: str, ns: dict | None = None) -> dict:
+def engine_prepare_restore(
+    token: str, names: list[str], directory: str, ns: dict | None = None, skip_undefined: bool = False
+) -> dict:
     """Load every name's checkpoint and check it fits this rank's object; keep them for
-    ``engine_apply_restore``. ``{"ok": True, "records": {name: {kind, type, saved}}}`` or
-    ``{"ok": False, "problems": [{name, problem, text}]}``."""
+    ``engine_apply_restore``. ``{"ok": True, "records": {name: {kind, type, saved}}, "skipped":
+    [...]}`` or ``{"ok": False, "problems": [{name, problem, text}]}``. ``skip_undefined``: a
+    state-dict kind whose object is not defined here is skipped, not a problem."""
     ns = _user_ns(ns)
-    problems, loaded = [], {}
+    problems, loaded, skipped = [], {}, []
     for name in names:
         path = checkpoint_path(directory, name)
         try:
@@ -447,6 +450,9 @@ def engine_prepare_restore(token: str, names: list[str], directory: str, ns: dic
             )
             continue
         if record["kind"] in STATEFUL:
+            if skip_undefined and name not in ns:
+                skipped.append({"name": name, "kind": record["kind"], "type": record["type"]})
+                continue
             why = fits(record["kind"], record["type"], record["state"], ns.get(name, _MISSING))
             if why:
                 problems.append({"name": name, "problem": "target", "text": why})
@@ -459,6 +465,7 @@ def engine_prepare_restore(token: str, names: list[str], directory: str, ns: dic
     return {
         "ok": True,
         "records": {n: {k: r.get(k) for k in ("kind", "type", "saved", "rank")} for n, r in loaded.items()},
+        "skipped": skipped,
     }
 
 
@@ -521,9 +528,10 @@ class Restored:
     ranks: int
     records: dict[str, dict]
     ways: dict[str, str]
+    skipped: list[dict] = field(default_factory=list)  # state-dict kinds not defined yet
 
     def text(self) -> str:
-        lines = [f"gpuhub: restored into {self.ranks} ranks from {self.directory}:"]
+        lines = [f"gpuhub: restored into {self.ranks} ranks from {self.directory}:"] if self.records else []
         for name, rec in self.records.items():
             way = "load_state_dict" if self.ways[name] == "load_state_dict" else "assigned"
             saved = (
@@ -532,6 +540,13 @@ class Restored:
             lines.append(
                 f"  {name}: {KINDS[rec['kind']]} ({rec['type']}), {way}; "
                 f"saved {saved} from rank {rec.get('rank', 0)}"
+            )
+        if self.skipped:
+            names = " ".join(s["name"] for s in self.skipped)
+            which = ", ".join(f"{s['name']} ({KINDS[s['kind']]})" for s in self.skipped)
+            lines.append(
+                f"gpuhub: not restored yet: {which}: re-run the cells that define them, then "
+                f"%distributed restore {names} --dir {self.directory}"
             )
         return "\n".join(lines)
 
@@ -624,13 +639,14 @@ class Checkpointer:
             return unsaveable_message(what, result["name"], result["type"], result["detail"])
         return os_error_message(what, result["errno"], result["strerror"], directory, result["name"])
 
-    def restore(self, names: list[str], directory: str) -> Restored:
-        """Load every name into every rank, or nothing anywhere."""
+    def restore(self, names: list[str], directory: str, skip_undefined: bool = False) -> Restored:
+        """Load every name into every rank, or nothing anywhere (``skip_undefined``: leave out
+        the state-dict kinds whose objects no rank defines yet)."""
         world = self.pool.size
         ranks = list(range(world))
         token = uuid.uuid4().hex
         prepared, errors = self._call(
-            ranks, self.save_timeout, engine_prepare_restore, token, names, directory
+            ranks, self.save_timeout, engine_prepare_restore, token, names, directory, None, skip_undefined
         )
         failed = {r: a for r, a in prepared.items() if not a["ok"]}
         if errors or failed:
@@ -652,7 +668,7 @@ class Checkpointer:
                 f"restore: {said}. The other ranks were restored: run the restore again, or restart "
                 "the engines (%distributed shutdown) if a rank is gone."
             )
-        return Restored(directory, world, prepared[0]["records"], ways[0])
+        return Restored(directory, world, prepared[0]["records"], ways[0], prepared[0]["skipped"])
 
 
 def list_checkpoints(directory: str) -> list[str]:
@@ -699,8 +715,8 @@ class CheckpointCommands:
     autosave: list[str] = []
     autosave_dir: str = ""
     last_autosave: tuple[list[str], str] | None = None  # the last autosave that wrote: names, dir
-    _autosaved: tuple | None = None  # (pool id, last_used, why) of the last autosave
-    _exit_hook = False
+    _autosaved: tuple | None = None  # (pool, last_used, why) of the last autosave
+    _exit_hook = None  # the pool the kernel-exit autosave was registered after
 
     def _checkpoint_command(self, command: str, names: list[str], directory: str | None) -> None:
         """``%distributed save|restore NAME... [--dir D]``."""
@@ -741,13 +757,20 @@ class CheckpointCommands:
                 "(idle stop, reclaim, shutdown, resize, kernel exit)."
             )
         self.autosave, self.autosave_dir = names, where
-        if self.pool is not None and not self._exit_hook:
-            # after ipyparallel's own exit hook (registered when the first pool started), so
-            # that this one runs first, while the engines still live
-            import atexit
+        self._hook_exit()
 
-            atexit.register(self._autosave_at_exit)
-            self._exit_hook = True
+    def _hook_exit(self) -> None:
+        """(Re)register the kernel-exit autosave after the pool's start: ipyparallel registers
+        its own exit hook (which stops the engines) each time a cluster starts, and exit hooks
+        run last registered first, so this one must come after it to save while the engines
+        still live."""
+        if self.pool is None or not self.autosave or self._exit_hook is self.pool:
+            return
+        import atexit
+
+        atexit.unregister(self._autosave_at_exit)
+        atexit.register(self._autosave_at_exit)
+        self._exit_hook = self.pool
 
     def _autosave_text(self) -> str | None:
         if not self.autosave:
@@ -759,7 +782,7 @@ class CheckpointCommands:
             return why
         if self._lease_lost():
             return "reclaim"
-        if self._autosaved and self._autosaved[0] == id(self.pool) and self._autosaved[2] == "resize":
+        if self._autosaved and self._autosaved[0] is self.pool and self._autosaved[2] == "resize":
             return "resize"  # the resize saved first, then stops the pool
         return "restart"
 
@@ -770,7 +793,7 @@ class CheckpointCommands:
         pool, names = self.pool, list(self.autosave)
         if pool is None or not names or pool.client is None:
             return
-        if self._autosaved and self._autosaved[:2] == (id(pool), self.last_used):
+        if self._autosaved and self._autosaved[0] is pool and self._autosaved[1] == self.last_used:
             return
         before = WHY.get(why, why)
         if pool.broken:
@@ -780,7 +803,7 @@ class CheckpointCommands:
                 "kept as they were."
             )
         saved = Checkpointer(pool).save(names, self.autosave_dir, autosave=True)
-        self._autosaved = (id(pool), self.last_used, why)
+        self._autosaved = (pool, self.last_used, why)
         self.last_autosave = ([f["name"] for f in saved.files], self.autosave_dir)
         say(saved.text(before))
 
@@ -792,6 +815,29 @@ class CheckpointCommands:
         except BaseException as e:  # an interrupt too: the engines are stopped regardless
             say(f"gpuhub: {e} The engines are stopped anyway.", err=True)
         return why
+
+    def _restore_after_resize(self) -> None:
+        """The new pool of a resize gets back what the old one autosaved: tensors and values
+        now; modules, optimizers and schedulers once the user's cells define them again (said,
+        and left out of autosave until then, so that fresh objects never overwrite them)."""
+        if not self.last_autosave or self.pool is None:
+            return
+        names, where = self.last_autosave
+        try:
+            restored = Checkpointer(self.pool).restore(names, where, skip_undefined=True)
+        except Exception as e:
+            say(f"gpuhub: could not restore {', '.join(names)} into the new engines: {e}", err=True)
+            self.autosave = []
+            return
+        if restored.text():
+            say(restored.text())
+        later = {s["name"] for s in restored.skipped}
+        if later and self.autosave:
+            self.autosave = [n for n in self.autosave if n not in later]
+            say(
+                f"gpuhub: autosave is off for {', '.join(sorted(later))} until they are restored: "
+                "give --autosave again after the restore."
+            )
 
     def _forget_autosave(self, why: str) -> None:
         if why != "resize":

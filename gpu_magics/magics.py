@@ -2,7 +2,7 @@
 
     %%distributed --gpus 4 [--nodes M] [--gpus-per-node K] [--backend gloo|nccl]
                   [--timeout S] [--output all|rank0] [--targets 0,2-3]
-    %distributed shutdown | status
+    %distributed shutdown | status | save NAME... [--dir D] | restore NAME... [--dir D]
 
 GPUs come from the server's own allocation first; beyond it, only the difference comes as a
 burst allocation of the gpuhub broker on the same node (within the user's limit), whose lease is
@@ -29,6 +29,7 @@ from traitlets import Float
 from .arguments import COUNT, SECONDS
 from .brokerclient import LeaseKeeper
 from .burst import Burst, burst_size
+from .checkpoint import DEFAULT_DIR, CheckpointCommands, check_names
 from .plan import (
     OTHER_SETTINGS,
     describe_settings,
@@ -102,7 +103,7 @@ def report(outcome: CellOutcome, pool: EnginePool) -> str:
 
 
 @magics_class
-class DistributedMagics(Magics):
+class DistributedMagics(CheckpointCommands, Magics):
     idle_seconds = Float(
         1800.0,
         help="Stop the pool and release burst GPUs after this many idle seconds. "
@@ -380,11 +381,13 @@ class DistributedMagics(Magics):
         """The pool's GPUs: the server's own it uses, then its burst's."""
         return [*self._own, *(self._burst.slots if self._burst is not None else ())]
 
-    def _stop_pool(self, release: bool = True) -> None:
+    def _stop_pool(self, release: bool = True, why: str | None = None) -> None:
         if self.pool is not None:
+            why = self._save_then_forget(why)  # autosave first; a failed save never keeps them
             self.pool.stop()
             self.pool = None
             self.key = None
+            self._forget_autosave(why)
         if release:
             self._release_burst()
 
@@ -405,24 +408,27 @@ class DistributedMagics(Magics):
             if self._lease_lost() and not self.busy:
                 why = self.lease.reason or "released by the hub"
                 print(f"gpuhub: the burst allocation was ended ({why}); stopping the engines.")
-                self._stop_pool()
+                self._stop_pool(why="reclaim")
                 return
             if not self.busy and time.monotonic() - self.last_used >= self.idle_seconds:
                 print(f"gpuhub: the engines were idle for {self.idle_seconds:.0f} s; stopping them.")
-                self._stop_pool()
+                self._stop_pool(why="idle")
                 return
         self._arm_idle_timer()
 
-    def shutdown(self) -> None:
+    def shutdown(self, why: str = "exit") -> None:
         with self.lock:
             if self._idle_timer:
                 self._idle_timer.cancel()
-            self._stop_pool()
+            self._stop_pool(why=why)
 
     # the magic ------------------------------------------------------------------------
 
     @magic_arguments.magic_arguments()
-    @magic_arguments.argument("command", nargs="?", choices=["shutdown", "status"], help="line form only")
+    @magic_arguments.argument(
+        "command", nargs="?", choices=["shutdown", "status", "save", "restore"], help="line form only"
+    )
+    @magic_arguments.argument("names", nargs="*", metavar="NAME", help="save/restore: the ranks' variables")
     @magic_arguments.argument("--gpus", type=COUNT("--gpus"), help="ranks: one engine per GPU")
     @magic_arguments.argument(
         "--nodes", type=COUNT("--nodes"), help="nodes to spread over (default: as few as fit)"
@@ -447,6 +453,14 @@ class DistributedMagics(Magics):
         action="store_true",
         help="start fresh engines, discarding the pool's variables (needed to change a pool that holds them)",
     )
+    @magic_arguments.argument(
+        "--autosave",
+        nargs="*",
+        metavar="NAME",
+        help="save these variables before the pool's engines stop (idle, reclaim, shutdown, resize, "
+        "kernel exit); --autosave alone: off",
+    )
+    @magic_arguments.argument("--dir", help=f"checkpoints' directory (default {DEFAULT_DIR})")
     @line_cell_magic
     def distributed(self, line: str, cell: str | None = None):
         """Run the cell on one warm engine per GPU, with torch.distributed initialised."""
@@ -458,9 +472,16 @@ class DistributedMagics(Magics):
                 "[--timeout S] [--output all|rank0] [--targets 0,2-3]"
             ) from None
         if cell is None:
+            if args.autosave is not None:
+                raise UsageError("--autosave goes on a cell: %%distributed --gpus N --autosave NAME...")
+            if args.command in ("save", "restore"):
+                self._checkpoint_command(args.command, args.names, args.dir)
+                return None
+            if args.names or args.dir is not None:
+                raise UsageError("NAME... and --dir go with %distributed save|restore NAME... [--dir D]")
             if args.command == "shutdown":
                 had = self.pool is not None or self.burst is not None
-                self.shutdown()
+                self.shutdown("shutdown")
                 print(
                     "gpuhub: engines stopped and burst GPUs released." if had else "gpuhub: no pool to stop."
                 )
@@ -468,9 +489,17 @@ class DistributedMagics(Magics):
             if args.command == "status":
                 print(self.describe())
                 return None
-            raise UsageError("line form: %distributed shutdown | %distributed status")
+            raise UsageError(
+                "line form: %distributed shutdown | status | save NAME... [--dir D] "
+                "| restore NAME... [--dir D]"
+            )
         if args.command:
             raise UsageError(f"{args.command!r} is a line command: %distributed {args.command}")
+        if args.dir is not None and not args.autosave:
+            raise UsageError("--dir goes with --autosave NAME... (or %distributed save|restore NAME...)")
+        if args.autosave:
+            check_names(args.autosave, "--autosave")
+        self._set_autosave(args.autosave, args.dir)  # a pool replaced below is saved under these
         if args.gpus is None:
             own = len(server_gpus().gpus)
             if not own:
@@ -483,6 +512,8 @@ class DistributedMagics(Magics):
                 "%%distributed needs the Slurm backend)"
             )
         pool = self._ensure_pool(args)  # marks the pool busy
+        self._set_autosave(args.autosave, args.dir, quiet=True)  # remembered for this pool
+        self._hook_exit()  # a new pool: the kernel-exit autosave goes after its own exit hook
         try:
             targets = parse_targets(args.targets, pool.size) if args.targets else None
             grace = min(args.timeout or self.timeout, 30)
@@ -516,6 +547,8 @@ class DistributedMagics(Magics):
                 + (f" (Slurm job {self.burst['backend_job_id']})" if self.burst.get("backend_job_id") else "")
                 + f", lease until {expires}"
             )
+        if self._autosave_text():
+            lines.append(self._autosave_text())
         return "\n".join(lines)
 
 

@@ -328,3 +328,96 @@ def test_a_pickled_value_loads_only_from_a_private_file(tmp_path):
     os.chmod(tmp_path / "p.pt", 0o666)
     [(kind, text)] = _problems(d, ["p"], {}).values()
     assert kind == "unreadable" and "is not a file only you can write" in text
+
+
+def test_restore_can_leave_undefined_state_dicts_for_later(tmp_path):
+    saved = _trained(0)
+    d = str(tmp_path)
+    assert cp.engine_save(["model", "w"], d, {}, ns=saved)["ok"]
+    ns = {}
+    answer = cp.engine_prepare_restore("t", ["model", "w"], d, ns=ns, skip_undefined=True)
+    assert answer["ok"] and list(answer["records"]) == ["w"]
+    assert answer["skipped"] == [
+        {"name": "model", "kind": "module", "type": "torch.nn.modules.container.Sequential"}
+    ]
+    assert cp.engine_apply_restore("t", ns=ns) == {"w": "assigned"}
+    text = cp.Restored(d, 2, answer["records"], {"w": "assigned"}, answer["skipped"]).text()
+    assert text.startswith(
+        f"gpuhub: restored into 2 ranks from {d}:\n  w: tensor (torch.Tensor), assigned; saved "
+    )
+    assert text.endswith(
+        f"gpuhub: not restored yet: model (module): re-run the cells that define them, then "
+        f"%distributed restore model --dir {d}"
+    )
+
+
+class _Pool:
+    def __init__(self, broken=False):
+        self.broken = broken
+        self.client = object()
+        self.size = 2
+
+
+class _Magics(cp.CheckpointCommands):
+    """The parts of DistributedMagics the mixin uses."""
+
+    def __init__(self, pool):
+        import threading
+
+        self.pool, self.lock, self.busy, self.last_used = pool, threading.RLock(), 0, 1.0
+
+    def _lease_lost(self):
+        return False
+
+    def _touch(self):
+        self.last_used += 1
+
+
+def test_a_failed_autosave_is_reported_and_the_stop_goes_on(capsys, monkeypatch):
+    m = _Magics(_Pool(broken=True))
+    m._set_autosave(["model"], "/ck")
+    assert m._autosave_text() == "autosave: model to /ck"
+    with pytest.raises(UsageError, match="autosave skipped before the idle stop: the last cell lost a rank"):
+        m._save_before_stop("idle")
+    assert m._save_then_forget("idle") == "idle"  # reported, not raised
+    assert "The engines are stopped anyway." in capsys.readouterr().err
+
+    def boom(self, names, directory, autosave=False):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cp.Checkpointer, "save", boom)
+    m.pool = _Pool()
+    assert m._save_then_forget(None) == "restart"  # even an interrupt never stops the stop
+    m._forget_autosave("restart")
+    assert m.autosave == [] and m._autosave_text() is None
+
+
+def test_autosave_saves_once_until_a_cell_runs_and_a_resize_keeps_it(capsys, monkeypatch):
+    calls = []
+
+    def save(self, names, directory, autosave=False):
+        calls.append((names, directory, autosave))
+        return cp.Saved(
+            directory,
+            0,
+            [{"name": "m", "path": f"{directory}/m.pt", "bytes": 10, "kind": "module", "type": "T"}],
+        )
+
+    monkeypatch.setattr(cp.Checkpointer, "save", save)
+    m = _Magics(_Pool())
+    m._set_autosave(["m"], "/ck")
+    m._save_before_stop("resize")
+    m._save_before_stop("resize")
+    assert calls == [(["m"], "/ck", True)]
+    assert (
+        "gpuhub: autosaved before the resize from rank 0 to /ck (10 B):\n  m.pt        10 B  module (T)"
+        in capsys.readouterr().out
+    )
+    assert m._stop_reason(None) == "resize"  # the resize saved, then stops the pool
+    m._forget_autosave("resize")
+    assert m.autosave == ["m"] and m.last_autosave == (["m"], "/ck")
+    m._touch()  # a cell ran
+    m._save_before_stop("shutdown")
+    assert len(calls) == 2
+    m._set_autosave([], None)
+    assert m.autosave == [] and "gpuhub: autosave off." in capsys.readouterr().out
