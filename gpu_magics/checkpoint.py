@@ -717,6 +717,7 @@ class CheckpointCommands:
     last_autosave: tuple[list[str], str] | None = None  # the last autosave that wrote: names, dir
     _autosaved: tuple | None = None  # (pool, last_used, why) of the last autosave
     _exit_hook = None  # the pool the kernel-exit autosave was registered after
+    _pending: frozenset | set = frozenset()  # names a resize could not restore yet: not autosaved
 
     def _checkpoint_command(self, command: str, names: list[str], directory: str | None) -> None:
         """``%distributed save|restore NAME... [--dir D]``."""
@@ -735,6 +736,7 @@ class CheckpointCommands:
                 text = checkpointer.save(names, where).text()
             else:
                 text = checkpointer.restore(names, where).text()
+            self._pending = self._pending - set(names)  # restored (or saved on purpose): autosaved again
         finally:
             with self.lock:
                 self.busy -= 1
@@ -790,8 +792,10 @@ class CheckpointCommands:
         """Save the autosave names of the pool before its processes end (``why``: a key of
         ``WHY``). Raises UsageError when it could not (the callers that stop anyway report it);
         saves once however often it is called while no cell ran."""
-        pool, names = self.pool, list(self.autosave)
-        if pool is None or not names or pool.client is None:
+        pool, names = self.pool, [n for n in self.autosave if n not in self._pending]
+        if self.autosave and not names:
+            say(f"gpuhub: not autosaved: {', '.join(self.autosave)} not restored since the resize.", err=True)
+        if pool is None or not names or getattr(pool, "client", None) is None:
             return
         if self._autosaved and self._autosaved[0] is pool and self._autosaved[1] == self.last_used:
             return
@@ -806,6 +810,9 @@ class CheckpointCommands:
         self._autosaved = (pool, self.last_used, why)
         self.last_autosave = ([f["name"] for f in saved.files], self.autosave_dir)
         say(saved.text(before))
+        if self._pending & set(self.autosave):
+            later = ", ".join(sorted(self._pending & set(self.autosave)))
+            say(f"  not saved: {later} (not restored since the resize: the checkpoints are kept)")
 
     def _save_then_forget(self, why: str | None) -> str:
         """For ``_stop_pool``: the autosave, never failing the stop; answers the reason."""
@@ -819,7 +826,8 @@ class CheckpointCommands:
     def _restore_after_resize(self) -> None:
         """The new pool of a resize gets back what the old one autosaved: tensors and values
         now; modules, optimizers and schedulers once the user's cells define them again (said,
-        and left out of autosave until then, so that fresh objects never overwrite them)."""
+        and left out of autosave until they are restored, so that fresh objects never
+        overwrite their checkpoints)."""
         if not self.last_autosave or self.pool is None:
             return
         names, where = self.last_autosave
@@ -827,21 +835,18 @@ class CheckpointCommands:
             restored = Checkpointer(self.pool).restore(names, where, skip_undefined=True)
         except Exception as e:
             say(f"gpuhub: could not restore {', '.join(names)} into the new engines: {e}", err=True)
-            self.autosave = []
+            self._pending = set(names)
             return
         if restored.text():
             say(restored.text())
-        later = {s["name"] for s in restored.skipped}
-        if later and self.autosave:
-            self.autosave = [n for n in self.autosave if n not in later]
-            say(
-                f"gpuhub: autosave is off for {', '.join(sorted(later))} until they are restored: "
-                "give --autosave again after the restore."
-            )
+        self._pending = {s["name"] for s in restored.skipped}
+        if self._pending & set(self.autosave):
+            say(f"gpuhub: autosave leaves out {', '.join(sorted(self._pending))} until they are restored.")
 
     def _forget_autosave(self, why: str) -> None:
         if why != "resize":
             self.autosave = []
+            self._pending = set()
 
     def _autosave_at_exit(self) -> None:
         try:

@@ -359,3 +359,36 @@ if rank == 0:
     # nothing half-written anywhere, not even a temporary file
     assert not d.exists() or os.listdir(d) == []
     assert os.listdir(full) == [] and os.listdir(ro) == []
+
+
+def test_a_resize_with_autosave_carries_the_objects_over(kernel_env, tmp_path):
+    d = tmp_path / "resize"
+    kernel_env["GPUHUB_GPUS"] = "t:0,t:1,t:2"
+    three = lambda code: code.replace("--gpus 2", "--gpus 3")  # noqa: E731
+    cells = run_notebook(
+        [
+            DEFINE.format(seed=0, extra=f"--autosave model w --dir {d}") + "w = torch.arange(4.0) + 0.5\n",
+            TRAIN.format(steps=2, extra=""),
+            PRINTS,
+            three('%%distributed --gpus 2 --timeout 30\nprint("W", w.tolist(), "model" in dir())'),  # 3
+            three(DEFINE.format(seed=1, extra="")),  # the definitions re-run on 3 ranks
+            "%distributed status",  # 5
+            f"%distributed restore model --dir {d}",
+            three(PRINTS),  # 7
+            "%distributed status",
+        ],
+        kernel_env,
+        timeout=180,
+    )
+    for i, c in enumerate(cells):
+        assert c.error is None, (i, c)
+    trained = digests(cells[2].stdout)[0][0]  # the model's
+    resize = cells[3].stdout + cells[3].stderr
+    assert f"gpuhub: autosaved before the resize from rank 0 to {d}" in resize, resize
+    assert f"gpuhub: restored into 3 ranks from {d}:\n  w: tensor (torch.Tensor), assigned" in resize
+    assert "gpuhub: not restored yet: model (DDP module): re-run the cells that define them" in resize
+    assert "autosave leaves out model until they are restored" in resize
+    assert cells[3].rank_lines() == {r: ["W [0.5, 1.5, 2.5, 3.5] False"] for r in range(3)}
+    assert "autosave: model, w" in cells[5].stdout
+    assert "restored into 3 ranks" in cells[6].stdout
+    assert [m for m, _, _ in digests(cells[7].stdout)] == [trained] * 3  # every rank, bit for bit

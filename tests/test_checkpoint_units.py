@@ -421,3 +421,37 @@ def test_autosave_saves_once_until_a_cell_runs_and_a_resize_keeps_it(capsys, mon
     assert len(calls) == 2
     m._set_autosave([], None)
     assert m.autosave == [] and "gpuhub: autosave off." in capsys.readouterr().out
+
+
+def test_names_a_resize_could_not_restore_are_not_autosaved_until_restored(capsys, monkeypatch):
+    calls = []
+
+    def save(self, names, directory, autosave=False):
+        calls.append(names)
+        return cp.Saved(
+            directory,
+            0,
+            [
+                {"name": n, "path": f"{directory}/{n}.pt", "bytes": 1, "kind": "value", "type": "int"}
+                for n in names
+            ],
+        )
+
+    monkeypatch.setattr(cp.Checkpointer, "save", save)
+    m = _Magics(_Pool())
+    m._set_autosave(["model", "w"], "/ck")
+    m._pending = {"model"}
+    m._save_before_stop("idle")
+    assert calls == [["w"]]
+    assert (
+        "not saved: model (not restored since the resize: the checkpoints are kept)"
+        in capsys.readouterr().out
+    )
+    m._touch()
+    m.autosave = ["model"]
+    m._save_before_stop("idle")
+    assert (
+        calls == [["w"]] and "not autosaved: model not restored since the resize" in capsys.readouterr().err
+    )
+    m._forget_autosave("idle")
+    assert m._pending == set() and m.autosave == []
