@@ -75,6 +75,11 @@ def _burst_size(burst: dict) -> int:
     return burst_size(burst)
 
 
+def _text(line: str) -> dict:
+    """A status line shown as plain text (a str passed to display() shows as its repr)."""
+    return {"text/plain": line}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,6 +87,7 @@ def free_port() -> int:
 
 
 def report(outcome: CellOutcome, pool: EnginePool) -> str:
+    """What happened to each rank that did not finish, and to the pool: plain lines."""
     lines = []
     for r in outcome.failed:
         info = pool.infos[r.rank] if r.rank < len(pool.infos) else {}
@@ -89,17 +95,52 @@ def report(outcome: CellOutcome, pool: EnginePool) -> str:
         where = f"node {slot.node}, GPU {slot.label}, pid {info.get('pid', '?')}"
         if r.status == "died":
             lines.append(f"rank {r.rank} ({where}) died: its engine process ended during the cell.")
+        elif r.status == "gone":
+            lines.append(
+                f"rank {r.rank} ({where}) is gone: its engine process ended before the cell; nothing ran."
+            )
         elif r.status == "killed":
-            lines.append(f"rank {r.rank} ({where}) did not finish after the others failed; it was stopped.")
+            lines.append(f"rank {r.rank} ({where}) did not stop when asked and freed; it was killed.")
+        elif r.rank in outcome.freed:
+            lines.append(
+                f"rank {r.rank} ({where}) was waiting in a collective the other ranks did not reach; "
+                "it was freed from it."
+            )
         elif r.status == "interrupted":
             lines.append(f"rank {r.rank} ({where}) was interrupted.")
         else:
             lines.append(f"rank {r.rank} ({where}) raised {r.ename}: {r.evalue}")
             if r.traceback:
                 lines += ["    " + t for t in r.traceback.splitlines()]
+    lines += outcome.notes
     if outcome.broken:
-        lines.append("The pool lost its process group; the next %%distributed cell starts fresh engines.")
+        lost = [r.rank for r in outcome.ranks if r.status in ("died", "killed", "gone")]
+        which = ", ".join(map(str, lost)) or "a rank"
+        lines.append(
+            f"Lost: the process of rank {which} and its variables. A process group cannot go on "
+            "without a rank, so the next %%distributed cell starts fresh engines on every rank: "
+            "re-run the cells that define your objects, then %distributed restore NAME... what "
+            "you saved."
+        )
+    elif outcome.failed or outcome.interrupted:
+        lines.append("Every rank's variables are kept, in the same processes.")
     return "\n".join(lines)
+
+
+class DistributedInterrupt(KeyboardInterrupt):
+    """The kernel's interrupt, shown as the ranks' report rather than the magic's frames."""
+
+    def __init__(self, report: str):
+        super().__init__(report)
+        self.report = report
+
+    def _render_traceback_(self):
+        return ["KeyboardInterrupt: the cell was interrupted on every rank.", *self.report.splitlines()]
+
+
+DistributedInterrupt.__name__ = DistributedInterrupt.__qualname__ = (
+    "KeyboardInterrupt"  # as notebooks name it
+)
 
 
 @magics_class
@@ -347,10 +388,14 @@ class DistributedMagics(CheckpointCommands, Magics):
                     pool.report_allocation = self.burst["id"] if self.burst and not mixed else 0
                     if mixed:
                         self._burst.report_here()
-                    handle = display(f"Starting engines: 0 of {pool.size} up", display_id=True)
+                    handle = display(
+                        _text(f"Starting engines: 0 of {pool.size} up"), raw=True, display_id=True
+                    )
 
                     def progress(up, n):
-                        update_display(f"Starting engines: {up} of {n} up", display_id=handle.display_id)
+                        update_display(
+                            _text(f"Starting engines: {up} of {n} up"), raw=True, display_id=handle.display_id
+                        )
 
                     try:
                         pool.start(progress)
@@ -361,8 +406,11 @@ class DistributedMagics(CheckpointCommands, Magics):
                     self._release_burst()  # nothing may keep GPUs that no engine uses
                     raise
                 update_display(
-                    f"{pool.size} engines up: "
-                    + ", ".join(f"rank {s.rank} on {s.slot.label}" for s in pool.specs),
+                    _text(
+                        f"{pool.size} engines up: "
+                        + ", ".join(f"rank {s.rank} on {s.slot.label}" for s in pool.specs)
+                    ),
+                    raw=True,
                     display_id=handle.display_id,
                 )
                 self.pool, self.key = pool, key
@@ -523,10 +571,11 @@ class DistributedMagics(CheckpointCommands, Magics):
                 self.busy -= 1
                 self._touch()
         if outcome.interrupted:
-            print(report(outcome, pool), file=sys.stderr)
-            raise KeyboardInterrupt
+            raise DistributedInterrupt(report(outcome, pool)) from None
         if outcome.failed:
-            raise DistributedError(report(outcome, pool))
+            raise DistributedError(report(outcome, pool)) from None
+        if outcome.notes:
+            print("\n".join(outcome.notes), file=sys.stderr)
         if outcome.result:
             return RankResult(outcome.result)
         return None

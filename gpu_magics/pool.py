@@ -28,15 +28,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from traitlets.config import Config
-
+from .launchers import LocalLauncher
 from .procs import alive
 from .ranks import RankSpec
 from .reaper import kill_trees
 from .recovery import FREE_SIGNAL
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-ENGINE_CMD = [sys.executable, "-m", "gpu_magics.enginemain"]  # ipyparallel's engine, SIGUSR1 blocked
 HEARTBEAT_MS = 500
 
 
@@ -127,7 +125,9 @@ class EnginePool:
         self, specs: list[RankSpec], backend: str | None, timeout_s: float, launcher=None, n: int = 0
     ):
         self.specs = specs
-        self.launcher = launcher  # a SlurmLauncher: engines as Slurm tasks, ranks from where they land
+        # where the engines run (launchers.LocalLauncher, slurmengines.SlurmLauncher)
+        self.launcher = launcher if launcher is not None else LocalLauncher(specs)
+        self._remote = False  # ranks on other machines than the kernel's (set by the launcher)
         self.n = n or len(specs)
         self.backend = backend
         self.timeout_s = timeout_s
@@ -157,26 +157,14 @@ class EnginePool:
         from .engine import setup_rank
 
         n = self.size
-        config = Config()
-        config.LocalEngineSetLauncher.engine_cmd = ENGINE_CMD
-        if self.launcher is None:
-            self.cluster = ipp.Cluster(n=0, controller_ip="127.0.0.1", log=_quiet_log(), config=config)
-        else:  # engines on Slurm nodes connect to this node
-            self.cluster = ipp.Cluster(
-                n=0, controller_ip="0.0.0.0", controller_location=self.launcher.location, log=_quiet_log()
-            )
+        self.cluster = ipp.Cluster(n=0, log=_quiet_log(), **self.launcher.cluster_options())
         # detect a dead engine in ~1.5 s rather than ~10 s
         self.cluster.controller_args = [f"--HeartMonitor.period={HEARTBEAT_MS}"]
         self.cluster.start_controller_sync()
         self.controller_pid = self.cluster.controller.pid
         self._start_reaper([self.controller_pid])  # from now on a killed kernel leaves nothing
-        if self.launcher is None:
-            self.cluster.start_engines_sync(n=n)
-        else:
-            from .slurmengines import engine_argv
-
-            self.launcher.start(engine_argv(self.cluster))
-            self._start_reaper([self.controller_pid, *self.launcher.local_pids])
+        self.launcher.launch(self.cluster, n)
+        self._start_reaper([self.controller_pid, *self.launcher.local_pids])
         self.client = self.cluster.connect_client_sync()
         deadline = time.monotonic() + timeout
         up = -1
@@ -190,10 +178,7 @@ class EnginePool:
             time.sleep(0.1)
         progress(n, n)
         self.engine_ids = sorted(self.client.ids)[:n]
-        envs = [spec.env() for spec in self.specs]
-        kernel_pid = os.getpid()
-        if self.launcher is not None:
-            envs, kernel_pid = self._slurm_ranks(timeout)
+        envs, kernel_pid = self.launcher.ranks(self, timeout)  # and the engines' rank order
         if self.report_allocation:  # a burst's engines report their GPUs' use themselves
             envs = [dict(env, GPUHUB_REPORT_ALLOCATION=str(self.report_allocation)) for env in envs]
         envs, rendezvous = self._open_rendezvous(envs, timeout)
@@ -217,8 +202,8 @@ class EnginePool:
             )
         self.infos = [ar.get() for ar in setups]
         self.view = self.client[self.engine_ids]
-        mine = [] if getattr(self, "_remote", False) else self.pids  # only pids of this machine
-        self._start_reaper([self.controller_pid, *mine, *(self.launcher.local_pids if self.launcher else [])])
+        mine = [] if self._remote else self.pids  # only pids of this machine
+        self._start_reaper([self.controller_pid, *mine, *self.launcher.local_pids])
 
     def _open_rendezvous(self, envs: list[dict], timeout: float) -> tuple[list[dict], dict]:
         """The process group's meeting place, made by rank 0's engine (``engine.open_rendezvous``):
@@ -235,31 +220,6 @@ class EnginePool:
         if rendezvous["kind"] == "tcp":
             envs = [dict(env, MASTER_PORT=str(rendezvous["port"])) for env in envs]
         return envs, rendezvous
-
-    def _slurm_ranks(self, timeout: float) -> tuple[list[dict], int]:
-        """Ranks from where Slurm put each engine; a free port on rank 0's node."""
-        import socket
-
-        from .slurmengines import EngineFacts, assign_ranks, cuda_device, engine_facts
-
-        raw = {eid: self.client[eid].apply_async(engine_facts) for eid in self.engine_ids}
-        facts = {}
-        for eid, ar in raw.items():
-            d = ar.get(timeout=timeout)
-            facts[eid] = EngineFacts(
-                eid, d["node"], d["local_id"], tuple(d["gpus"]), tuple(d["cuda"]), d["host"], d["pid"]
-            )
-            self.launcher.step = self.launcher.step or d["step"]
-        first = assign_ranks(list(facts.values()), 0, "gpuhub")[0][0]
-        port = self.client[first].apply_async(_free_port).get(timeout=timeout)
-        pairs = assign_ranks(list(facts.values()), port, f"gpuhub-{self.launcher.job_id}")
-        self.engine_ids = [eid for eid, _ in pairs]
-        self.specs = [spec for _, spec in pairs]
-        envs = [dict(spec.env(), CUDA_VISIBLE_DEVICES=cuda_device(facts[eid])) for eid, spec in pairs]
-        here = socket.gethostname()
-        self._remote = any(f.host != here for f in facts.values())
-        self.multi_host = len({f.host for f in facts.values()}) > 1
-        return envs, 0 if self._remote else os.getpid()
 
     def _start_reaper(self, pids: list[int]) -> None:
         """(Re)start the reaper: a process of its own session that outlives a killed kernel
@@ -286,6 +246,10 @@ class EnginePool:
         still running ``KILL_AFTER`` seconds after that is killed, and only a lost process costs
         state. A failed or interrupted cell then settles the process group (``settle``)."""
         targets = ranks if ranks is not None else list(range(self.size))
+        gone = self._gone(targets)
+        if gone:  # killed between cells: the cell cannot run, the pool cannot go on
+            self.broken = True
+            return CellOutcome([RankOutcome(r, "gone", "EngineError", "gone") for r in gone], broken=True)
         view = self.client[[self.engine_ids[r] for r in targets]]
         ar = view.execute(code, silent=False, block=False)
         stream = _Streamer(targets, show=lambda rank, name: output == "all" or rank == 0 or name == "stderr")
@@ -337,6 +301,16 @@ class EnginePool:
             outcome.notes += self.settle()
         outcome.broken = self.broken
         return outcome
+
+    def _gone(self, ranks: list[int]) -> list[int]:
+        """Ranks whose engine the controller dropped, or whose process here has ended."""
+        self.client.spin()
+        known = set(self.client.ids)
+        return [
+            r
+            for r in ranks
+            if self.engine_ids[r] not in known or (not self._remote and not alive(self.infos[r]["pid"]))
+        ]
 
     def settle(self, timeout: float = 60) -> list[str]:
         """After a failed or interrupted cell: keep the process group where every rank has run
@@ -409,22 +383,14 @@ class EnginePool:
     # signals and shutdown ----------------------------------------------------------------
 
     def signal(self, sig: int, ranks: list[int] | None = None) -> None:
-        if self.launcher is not None and getattr(self, "_remote", False):
-            # pids on other machines mean nothing here: Slurm signals every engine task
-            self.launcher.signal(sig)
-            return
-        for r in ranks if ranks is not None else range(self.size):
-            try:
-                os.kill(self.infos[r]["pid"], sig)
-            except (ProcessLookupError, IndexError):
-                pass
+        self.launcher.signal(self, sig, ranks)
 
     def can_free(self, rank: int) -> bool:
         """Whether SIGUSR1 frees this rank from a stuck collective (``recovery.start_freer``)."""
         return rank < len(self.infos) and bool(self.infos[rank].get("freer"))
 
     def _remove_rendezvous(self, rendezvous: dict) -> None:
-        if rendezvous.get("kind") == "file" and not getattr(self, "_remote", False):
+        if rendezvous.get("kind") == "file" and not self._remote:
             shutil.rmtree(os.path.dirname(rendezvous["path"]), ignore_errors=True)
 
     def kill(self, ranks: list[int] | None = None) -> None:
@@ -442,15 +408,12 @@ class EnginePool:
                     self.client.close()
                 if self.cluster is not None:
                     self.cluster.stop_cluster_sync()
-                if self.launcher is not None:
-                    self.launcher.stop()
+                self.launcher.stop()
         except Exception as e:  # stopping must not fail the caller; the processes are ended below
             print(f"gpuhub: while stopping the engines: {e}", file=sys.stderr)
         finally:
             # whatever ipyparallel managed (at interpreter exit it often cannot), end them all
-            local = [] if getattr(self, "_remote", False) else self.pids
-            if self.launcher is not None:
-                local = [*local, *self.launcher.local_pids]
+            local = [*([] if self._remote else self.pids), *self.launcher.local_pids]
             kill_trees([pid for pid in (self.controller_pid, *local) if pid])
             self._remove_rendezvous(self.rendezvous)
             if self.reaper is not None:
@@ -458,15 +421,6 @@ class EnginePool:
                 self.reaper.wait()
             self.cluster = self.client = self.view = self.reaper = None
             self.infos = []  # these pids are not ours any more: never signal them again
-
-
-def _free_port() -> int:
-    """Runs on rank 0's engine: a port free on its node for the process group."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _quiet_log() -> logging.Logger:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .launchers import signal_pids
 from .ranks import RankSpec, Slot, make_rank_specs
 
 
@@ -189,8 +190,41 @@ class SlurmLauncher:
     def target(self) -> str:
         return f"{self.job_id}.{self.step}" if self.mode == "steps" and self.step else self.job_id
 
-    def signal(self, sig: int) -> None:
-        """Signal every engine task through Slurm (they may run on other nodes)."""
+    def cluster_options(self) -> dict:
+        # engines on Slurm nodes connect to this node
+        return {"controller_ip": "0.0.0.0", "controller_location": self.location}
+
+    def launch(self, cluster, n: int) -> None:
+        self.start(engine_argv(cluster))
+
+    def ranks(self, pool, timeout: float) -> tuple[list[dict], int]:
+        """Ranks from where Slurm put each engine (``assign_ranks``), a free port on rank 0's
+        node; sets the pool's engine order, its specs and whether ranks are remote."""
+        raw = {eid: pool.client[eid].apply_async(engine_facts) for eid in pool.engine_ids}
+        facts = {}
+        for eid, ar in raw.items():
+            d = ar.get(timeout=timeout)
+            facts[eid] = EngineFacts(
+                eid, d["node"], d["local_id"], tuple(d["gpus"]), tuple(d["cuda"]), d["host"], d["pid"]
+            )
+            self.step = self.step or d["step"]
+        first = assign_ranks(list(facts.values()), 0, "gpuhub")[0][0]
+        port = pool.client[first].apply_async(free_port).get(timeout=timeout)
+        pairs = assign_ranks(list(facts.values()), port, f"gpuhub-{self.job_id}")
+        pool.engine_ids = [eid for eid, _ in pairs]
+        pool.specs = [spec for _, spec in pairs]
+        here = socket.gethostname()
+        pool._remote = any(f.host != here for f in facts.values())
+        pool.multi_host = len({f.host for f in facts.values()}) > 1
+        envs = [dict(spec.env(), CUDA_VISIBLE_DEVICES=cuda_device(facts[eid])) for eid, spec in pairs]
+        return envs, 0 if pool._remote else os.getpid()
+
+    def signal(self, pool, sig: int, ranks: list[int] | None) -> None:
+        """By pid where the engines run here; else every engine task through Slurm (pids on
+        other machines mean nothing here)."""
+        if not pool._remote:
+            signal_pids(pool, sig, ranks)
+            return
         if self.job_id:
             name = signal.Signals(sig).name.removeprefix("SIG")
             flags = ["--full"] if self.mode == "job" else []
@@ -221,6 +255,13 @@ def job_env(environ) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))} | (
         {"SLURM_CONF": environ["SLURM_CONF"]} if "SLURM_CONF" in environ else {}
     )
+
+
+def free_port() -> int:
+    """Runs on rank 0's engine: a port free on its node for the process group."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def engine_argv(cluster) -> list[str]:

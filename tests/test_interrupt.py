@@ -111,7 +111,11 @@ class Kernel:
             if interrupt_when and interrupted_at is None and interrupt_when in "".join(shown):
                 interrupted_at = time.monotonic()
                 self.km.interrupt_kernel()
-        reply = self.kc.get_shell_msg(timeout=30)["content"]
+        while True:  # the reply to this cell (never one left over from another request)
+            msg = self.kc.get_shell_msg(timeout=30)
+            if msg["parent_header"].get("msg_id") == msg_id:
+                reply = msg["content"]
+                break
         took = time.monotonic() - interrupted_at if interrupted_at else None
         return {
             "status": reply["status"],
