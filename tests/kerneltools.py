@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+from contextlib import contextmanager
 
 import nbformat
 from nbclient import NotebookClient
@@ -77,3 +78,20 @@ def run_cell(kc, code: str, timeout: float = 180) -> tuple[str, str]:
 
     reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
     return reply["content"]["status"], "".join(out)
+
+
+@contextmanager
+def started_kernel(env: dict):
+    """A "Python 3 (GPUs)" kernel with ``env``: (manager, connected client), shut down after."""
+    from jupyter_client import KernelManager
+
+    km = KernelManager(kernel_name="python3-gpus")
+    km.start_kernel(env=env)
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -12,10 +12,11 @@ import subprocess
 
 import pytest
 import torch
-from jupyter_client import KernelManager
+
+from gpu_magics.procs import alive as _alive
 
 from .hubtools import wait_for
-from .kerneltools import run_cell, run_notebook
+from .kerneltools import run_cell, run_notebook, started_kernel
 
 DIGEST = '''
 import hashlib
@@ -98,22 +99,9 @@ def kernel_env(tmp_path):
     return env
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_save_kill_a_rank_restore_bit_identical(kernel_env, tmp_path):
     d = tmp_path / "ck"
-    km = KernelManager(kernel_name="python3-gpus")
-    km.start_kernel(env=kernel_env)
-    kc = km.client()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(timeout=60)
+    with started_kernel(kernel_env) as (_, kc):
 
         def cell(code, ok=True):
             status, text = run_cell(kc, code)
@@ -182,18 +170,10 @@ if rank == 0:
         cell(TRAIN.format(steps=1, extra=""))
         after = digests(cell(PRINTS))
         assert after[0] == after[1] and after[0] != before[0]
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def test_a_rank_killed_between_cells_is_named_and_the_pool_restarts(kernel_env):
-    km = KernelManager(kernel_name="python3-gpus")
-    km.start_kernel(env=kernel_env)
-    kc = km.client()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(timeout=60)
+    with started_kernel(kernel_env) as (_, kc):
         assert run_cell(kc, "%%distributed --gpus 2\nx = 1")[0] == "ok"
         pid = int(re.search(r"rank 1: GPU t:1, pid (\d+)", run_cell(kc, "%distributed status")[1]).group(1))
         os.kill(pid, signal.SIGKILL)
@@ -202,9 +182,6 @@ def test_a_rank_killed_between_cells_is_named_and_the_pool_restarts(kernel_env):
         assert status == "error" and "rank 1 (" in text and "is gone" in text and "Lost" in text, text
         status, text = run_cell(kc, "%%distributed --gpus 2\nrank")
         assert status == "ok" and "restarting the engines" in text, text
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
 
 
 def _load_digests(directory) -> tuple:

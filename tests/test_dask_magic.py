@@ -22,6 +22,7 @@ from gpu_magics import daskmagic
 from gpu_magics.brokerclient import BrokerError
 from gpu_magics.daskmagic import DaskMagics, DaskRequest, make_devices, parse_request, plan_dask
 from gpu_magics.gpustats import nvml_problem
+from gpu_magics.procs import alive as _alive
 from gpu_magics.ranks import Slot
 
 from .hubtools import wait_for
@@ -332,14 +333,6 @@ def _execute(kc, code: str) -> tuple[str, str]:
 
     kc.execute_interactive(code, timeout=60, output_hook=hook)
     return out["stdout"], out["stderr"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_cpu_cluster_runs_tasks_in_its_own_processes_and_shutdown_ends_them(tmp_path):

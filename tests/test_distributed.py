@@ -13,6 +13,8 @@ import time
 import pytest
 from jupyter_client import KernelManager
 
+from gpu_magics.procs import alive as _alive
+
 from .hubtools import Hub, wait_for
 from .kerneltools import run_notebook
 
@@ -292,11 +294,3 @@ def _pool_pids(kc) -> list[int]:
         output_hook=lambda m: outputs.append(m["content"].get("text", "")),
     )
     return [int(p) for p in "".join(outputs).strip(" []\n").split(",")]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
