@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from notebook_shell import magic_shell
+
 TRAIN = """
 import os, time, torch, torch.distributed as dist, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -47,17 +49,7 @@ def main() -> None:
     ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 20
     steps = 100
-    workdir = Path(tempfile.mkdtemp(prefix="gpuhub-bench-"))
-    os.environ.update(
-        IPYTHONDIR=str(workdir / "ipython"),
-        GPUHUB_GPUS=",".join(f"bench:{i}" for i in range(ranks)),
-        GPUHUB_ALLOCATION_ID="1",
-    )
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "gpu_magics")
-    magic = f"%%distributed --gpus {ranks} --output rank0\n"
+    shell, magic = magic_shell(ranks)
     assert shell.run_cell(magic + "1").success  # start the pool
     magics = shell.magics_manager.registry["DistributedMagics"]
     view = magics.pool.view
@@ -79,7 +71,7 @@ def main() -> None:
     out = _capture(shell, magic + code)
     warm_first = _value(out, "first-step") - t
     warm_rate = _value(out, "steps/s")
-    script = workdir / "train.py"
+    script = Path(tempfile.mkdtemp(prefix="gpuhub-bench-")) / "train.py"
     script.write_text(code)
     torchrun = Path(sys.executable).with_name("torchrun")
     t = time.time()

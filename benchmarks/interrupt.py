@@ -15,14 +15,13 @@ Runs in an IPython shell in this process, on the CPU (gloo), with simulated serv
 needed). Prints medians and their ratio.
 """
 
-import os
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
+
+from notebook_shell import magic_shell
 
 DEFINE = """
 import time, torch.nn as nn
@@ -41,17 +40,7 @@ FIRST = "step()\nif rank == 0:\n    print('first-step', time.time(), flush=True)
 def main() -> None:
     ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-    workdir = Path(tempfile.mkdtemp(prefix="gpuhub-bench-"))
-    os.environ.update(
-        IPYTHONDIR=str(workdir / "ipython"),
-        GPUHUB_GPUS=",".join(f"bench:{i}" for i in range(ranks)),
-        GPUHUB_ALLOCATION_ID="1",
-    )
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "gpu_magics")
-    magic = f"%%distributed --gpus {ranks} --output rank0\n"
+    shell, magic = magic_shell(ranks)
     assert shell.run_cell(magic + DEFINE).success
 
     def interrupted_loop() -> float:

@@ -89,22 +89,22 @@ class BurstRequest:
     node: str | None = None  # every GPU on this node (a kernel adding GPUs beside its server's)
 
 
+def _label(body: dict, key: str) -> str | None:
+    """An optional label field (a GPU model, a node name), or ``BadRequest``."""
+    raw = body.get(key)
+    if raw is None:
+        return None
+    try:
+        return values.parse_label(raw, f"'{key}'")
+    except values.BadValue as e:
+        raise BadRequest(e.message) from None
+
+
 def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest:
     _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds", "node"))
-    model = body.get("gpu_model")
-    if model is not None:
-        try:
-            model = values.parse_label(model, "'gpu_model'")
-        except values.BadValue as e:
-            raise BadRequest(e.message) from None
-    node = body.get("node")
-    if node is not None:
-        try:
-            node = values.parse_label(node, "'node'")
-        except values.BadValue as e:
-            raise BadRequest(e.message) from None
-        if not node.strip():
-            raise BadRequest("'node' must be a node's name, e.g. \"gpu1\", or absent for any node.")
+    model, node = _label(body, "gpu_model"), _label(body, "node")
+    if node is not None and not node.strip():
+        raise BadRequest("'node' must be a node's name, e.g. \"gpu1\", or absent for any node.")
     req = BurstRequest(
         gpus=_int(body, "gpus", lo=1, hi=MAX_COUNT, required=True),
         nodes=_int(body, "nodes", lo=1, hi=MAX_COUNT),
