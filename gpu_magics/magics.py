@@ -29,7 +29,8 @@ from traitlets import Float
 from .arguments import COUNT, SECONDS
 from .brokerclient import LeaseKeeper
 from .burst import Burst, burst_size
-from .checkpoint import DEFAULT_DIR, CheckpointCommands, check_names
+from .checkpoint import DEFAULT_DIR, check_names
+from .checkpointer import CheckpointCommands
 from .plan import (
     OTHER_SETTINGS,
     describe_settings,

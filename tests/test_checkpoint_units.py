@@ -12,6 +12,8 @@ from IPython.core.error import UsageError
 from torch import nn
 
 from gpu_magics import checkpoint as cp
+from gpu_magics import checkpoint_engine as cpe
+from gpu_magics import checkpointer as cpk
 
 
 @pytest.mark.parametrize(
@@ -143,7 +145,7 @@ def _listing(d):
 def test_save_and_restore_are_bit_identical(tmp_path):
     saved = _trained(0)
     d = str(tmp_path / "ck")
-    result = cp.engine_save(list(saved), d, {"saved": 1.0, "rank": 0, "world_size": 1}, ns=saved)
+    result = cpe.engine_save(list(saved), d, {"saved": 1.0, "rank": 0, "world_size": 1}, ns=saved)
     assert result["ok"], result
     assert _listing(d) == ["meta.pt", "model.pt", "opt.pt", "sched.pt", "w.pt"]  # no temporary file
     assert {f["name"]: f["kind"] for f in result["files"]} == {
@@ -160,9 +162,9 @@ def test_save_and_restore_are_bit_identical(tmp_path):
     fresh = _trained(1)  # the definitions re-run: other values
     fresh.pop("w"), fresh.pop("meta")
     assert not _same_state(fresh["model"].state_dict(), saved["model"].state_dict())
-    prepared = cp.engine_prepare_restore("t", list(saved), d, ns=fresh)
+    prepared = cpe.engine_prepare_restore("t", list(saved), d, ns=fresh)
     assert prepared["ok"], prepared
-    assert cp.engine_apply_restore("t", ns=fresh) == {
+    assert cpe.engine_apply_restore("t", ns=fresh) == {
         "model": "load_state_dict",
         "opt": "load_state_dict",
         "sched": "load_state_dict",
@@ -185,16 +187,16 @@ def test_a_ddp_checkpoint_fits_a_plain_module_and_back(tmp_path):
         ddp = DDP(nn.Linear(3, 2))
         assert cp.kind_of(ddp) == "ddp"
         d = str(tmp_path / "ck")
-        assert cp.engine_save(["ddp"], d, {}, ns={"ddp": ddp})["ok"]
+        assert cpe.engine_save(["ddp"], d, {}, ns={"ddp": ddp})["ok"]
         plain = {"ddp": nn.Linear(3, 2)}
-        assert cp.engine_prepare_restore("t", ["ddp"], d, ns=plain)["ok"]
-        cp.engine_apply_restore("t", ns=plain)
+        assert cpe.engine_prepare_restore("t", ["ddp"], d, ns=plain)["ok"]
+        cpe.engine_apply_restore("t", ns=plain)
         assert _same_state(plain["ddp"].state_dict(), ddp.module.state_dict())  # no "module." prefix
-        assert cp.engine_save(["ddp"], d, {}, ns=plain)["ok"]
+        assert cpe.engine_save(["ddp"], d, {}, ns=plain)["ok"]
         torch.manual_seed(1)
         again = {"ddp": DDP(nn.Linear(3, 2))}
-        assert cp.engine_prepare_restore("t", ["ddp"], d, ns=again)["ok"]
-        cp.engine_apply_restore("t", ns=again)
+        assert cpe.engine_prepare_restore("t", ["ddp"], d, ns=again)["ok"]
+        cpe.engine_apply_restore("t", ns=again)
         assert _same_state(again["ddp"].module.state_dict(), ddp.module.state_dict())
     finally:
         dist.destroy_process_group()
@@ -215,7 +217,7 @@ def test_an_unsaveable_object_writes_nothing(tmp_path, bad, type_name):
     d = str(tmp_path)
     ns = {"model": nn.Linear(2, 2), "bad": bad}
     try:
-        result = cp.engine_save(["model", "bad"], d, {}, ns=ns)
+        result = cpe.engine_save(["model", "bad"], d, {}, ns=ns)
     finally:
         if hasattr(bad, "close"):
             bad.close()
@@ -232,11 +234,11 @@ def test_a_failed_write_keeps_its_errno_and_leaves_nothing(tmp_path, monkeypatch
         self.error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         raise self.error
 
-    monkeypatch.setattr(cp._Recorder, "write", full)
+    monkeypatch.setattr(cpe._Recorder, "write", full)
     old = str(tmp_path / "model.pt")
     with open(old, "wb") as f:
         f.write(b"the last checkpoint")
-    result = cp.engine_save(["model"], str(tmp_path), {}, ns={"model": nn.Linear(2, 2)})
+    result = cpe.engine_save(["model"], str(tmp_path), {}, ns={"model": nn.Linear(2, 2)})
     assert result == {
         "ok": False,
         "error": "os",
@@ -251,7 +253,7 @@ def test_a_failed_write_keeps_its_errno_and_leaves_nothing(tmp_path, monkeypatch
 
 def test_a_directory_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("")
-    result = cp.engine_save(["x"], str(tmp_path / "f"), {}, ns={"x": 1})
+    result = cpe.engine_save(["x"], str(tmp_path / "f"), {}, ns={"x": 1})
     assert (
         result["ok"] is False and result["errno"] in (errno.ENOTDIR, errno.EEXIST) and result["name"] is None
     )
@@ -266,12 +268,12 @@ def test_stale_temporary_files_of_dead_writers_go(tmp_path):
     other = tmp_path / f".model.pt.otherhost.{dead.pid}.abc_14.tmp"
     for p in (stale, live, other):
         p.write_bytes(b"x")
-    assert cp.engine_save(["x"], str(tmp_path), {}, ns={"x": 1})["ok"]
+    assert cpe.engine_save(["x"], str(tmp_path), {}, ns={"x": 1})["ok"]
     assert _listing(tmp_path) == sorted([live.name, other.name, "x.pt"])
 
 
 def _problems(d, names, ns):
-    answer = cp.engine_prepare_restore("t", names, d, ns=ns)
+    answer = cpe.engine_prepare_restore("t", names, d, ns=ns)
     assert answer["ok"] is False
     return {p["name"]: (p["problem"], p["text"]) for p in answer["problems"]}
 
@@ -279,7 +281,7 @@ def _problems(d, names, ns):
 def test_restore_refuses_what_does_not_fit_and_changes_nothing(tmp_path):
     saved = _trained(0)
     d = str(tmp_path)
-    assert cp.engine_save(["model", "opt", "sched"], d, {}, ns=saved)["ok"]
+    assert cpe.engine_save(["model", "opt", "sched"], d, {}, ns=saved)["ok"]
     (tmp_path / "junk.pt").write_bytes(b"not a zip")
     torch.save({"a": 1}, str(tmp_path / "other.pt"))
     wrong = nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 1))
@@ -321,10 +323,10 @@ def test_a_pickled_value_loads_only_from_a_private_file(tmp_path):
         },
         str(tmp_path / "ok.pt"),
     )
-    assert cp.engine_prepare_restore("t", ["ok"], d, ns={})["ok"]  # bytes: the safe loader
-    assert cp.engine_save(["p"], d, {}, ns={"p": Point()})["ok"] is False  # a local class: unpicklable
-    assert cp.engine_save(["p"], d, {}, ns={"p": socket.AddressFamily.AF_INET})["ok"]
-    assert cp.engine_prepare_restore("t", ["p"], d, ns={})["ok"]  # pickled, and only we can write it
+    assert cpe.engine_prepare_restore("t", ["ok"], d, ns={})["ok"]  # bytes: the safe loader
+    assert cpe.engine_save(["p"], d, {}, ns={"p": Point()})["ok"] is False  # a local class: unpicklable
+    assert cpe.engine_save(["p"], d, {}, ns={"p": socket.AddressFamily.AF_INET})["ok"]
+    assert cpe.engine_prepare_restore("t", ["p"], d, ns={})["ok"]  # pickled, and only we can write it
     os.chmod(tmp_path / "p.pt", 0o666)
     [(kind, text)] = _problems(d, ["p"], {}).values()
     assert kind == "unreadable" and "is not a file only you can write" in text
@@ -333,15 +335,15 @@ def test_a_pickled_value_loads_only_from_a_private_file(tmp_path):
 def test_restore_can_leave_undefined_state_dicts_for_later(tmp_path):
     saved = _trained(0)
     d = str(tmp_path)
-    assert cp.engine_save(["model", "w"], d, {}, ns=saved)["ok"]
+    assert cpe.engine_save(["model", "w"], d, {}, ns=saved)["ok"]
     ns = {}
-    answer = cp.engine_prepare_restore("t", ["model", "w"], d, ns=ns, skip_undefined=True)
+    answer = cpe.engine_prepare_restore("t", ["model", "w"], d, ns=ns, skip_undefined=True)
     assert answer["ok"] and list(answer["records"]) == ["w"]
     assert answer["skipped"] == [
         {"name": "model", "kind": "module", "type": "torch.nn.modules.container.Sequential"}
     ]
-    assert cp.engine_apply_restore("t", ns=ns) == {"w": "assigned"}
-    text = cp.Restored(d, 2, answer["records"], {"w": "assigned"}, answer["skipped"]).text()
+    assert cpe.engine_apply_restore("t", ns=ns) == {"w": "assigned"}
+    text = cpk.Restored(d, 2, answer["records"], {"w": "assigned"}, answer["skipped"]).text()
     assert text.startswith(
         f"gpuhub: restored into 2 ranks from {d}:\n  w: tensor (torch.Tensor), assigned; saved "
     )
@@ -358,7 +360,7 @@ class _Pool:
         self.size = 2
 
 
-class _Magics(cp.CheckpointCommands):
+class _Magics(cpk.CheckpointCommands):
     """The parts of DistributedMagics the mixin uses."""
 
     def __init__(self, pool):
@@ -385,7 +387,7 @@ def test_a_failed_autosave_is_reported_and_the_stop_goes_on(capsys, monkeypatch)
     def boom(self, names, directory, autosave=False):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cp.Checkpointer, "save", boom)
+    monkeypatch.setattr(cpk.Checkpointer, "save", boom)
     m.pool = _Pool()
     assert m._save_then_forget(None) == "restart"  # even an interrupt never stops the stop
     m._forget_autosave("restart")
@@ -397,13 +399,13 @@ def test_autosave_saves_once_until_a_cell_runs_and_a_resize_keeps_it(capsys, mon
 
     def save(self, names, directory, autosave=False):
         calls.append((names, directory, autosave))
-        return cp.Saved(
+        return cpk.Saved(
             directory,
             0,
             [{"name": "m", "path": f"{directory}/m.pt", "bytes": 10, "kind": "module", "type": "T"}],
         )
 
-    monkeypatch.setattr(cp.Checkpointer, "save", save)
+    monkeypatch.setattr(cpk.Checkpointer, "save", save)
     m = _Magics(_Pool())
     m._set_autosave(["m"], "/ck")
     m._save_before_stop("resize")
@@ -428,7 +430,7 @@ def test_names_a_resize_could_not_restore_are_not_autosaved_until_restored(capsy
 
     def save(self, names, directory, autosave=False):
         calls.append(names)
-        return cp.Saved(
+        return cpk.Saved(
             directory,
             0,
             [
@@ -437,7 +439,7 @@ def test_names_a_resize_could_not_restore_are_not_autosaved_until_restored(capsy
             ],
         )
 
-    monkeypatch.setattr(cp.Checkpointer, "save", save)
+    monkeypatch.setattr(cpk.Checkpointer, "save", save)
     m = _Magics(_Pool())
     m._set_autosave(["model", "w"], "/ck")
     m._pending = {"model"}

@@ -1,0 +1,404 @@
+"""The kernel side of ``%distributed save|restore`` and ``--autosave``: ``Checkpointer``
+(given an ``EnginePool``: checks every rank, saves from rank 0, restores into every rank, all
+or nothing) and ``CheckpointCommands``, the magic's part (``DistributedMagics`` inherits it)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from IPython.core.error import UsageError
+
+from .checkpoint import (
+    CHECK_TIMEOUT,
+    KINDS,
+    SAVE_TIMEOUT,
+    SUFFIX,
+    check_names,
+    human_size,
+    missing_message,
+    os_error_message,
+    ranks_text,
+    resolve_dir,
+    restore_problem_message,
+    unsaveable_message,
+)
+from .checkpoint_engine import (
+    engine_apply_restore,
+    engine_discard,
+    engine_inspect,
+    engine_prepare_restore,
+    engine_save,
+    engine_stat,
+)
+from .procs import alive
+
+# kernel side -------------------------------------------------------------------------------
+
+
+@dataclass
+class Saved:
+    directory: str
+    rank: int
+    files: list[dict]
+    unseen: dict[int, list[str]] = field(default_factory=dict)  # rank: files it cannot see
+    skipped: dict[str, list[int]] = field(default_factory=dict)  # autosave: name: ranks lacking it
+
+    def text(self, before: str | None = None) -> str:
+        total = sum(f["bytes"] for f in self.files)
+        head = "gpuhub: " + (f"autosaved before {before}" if before else "saved")
+        lines = [f"{head} from rank {self.rank} to {self.directory} ({human_size(total)}):"]
+        width = max(len(os.path.basename(f["path"])) for f in self.files)
+        for f in self.files:
+            base = os.path.basename(f["path"])
+            lines.append(f"  {base:<{width}}  {human_size(f['bytes']):>10}  {KINDS[f['kind']]} ({f['type']})")
+        for name, ranks in self.skipped.items():
+            lines.append(f"  not saved: {name!r} is not defined on {ranks_text(ranks)}")
+        for rank, paths in sorted(self.unseen.items()):
+            lines.append(
+                f"  warning: rank {rank} does not see {', '.join(map(os.path.basename, paths))}: restore "
+                "reads the files on every rank; choose a --dir that every node shares (on Slurm: your home)"
+            )
+        return "\n".join(lines)
+
+
+@dataclass
+class Restored:
+    directory: str
+    ranks: int
+    records: dict[str, dict]
+    ways: dict[str, str]
+    skipped: list[dict] = field(default_factory=list)  # state-dict kinds not defined yet
+
+    def text(self) -> str:
+        lines = [f"gpuhub: restored into {self.ranks} ranks from {self.directory}:"] if self.records else []
+        for name, rec in self.records.items():
+            way = "load_state_dict" if self.ways[name] == "load_state_dict" else "assigned"
+            saved = (
+                time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(rec["saved"])) if rec.get("saved") else "?"
+            )
+            lines.append(
+                f"  {name}: {KINDS[rec['kind']]} ({rec['type']}), {way}; "
+                f"saved {saved} from rank {rec.get('rank', 0)}"
+            )
+        if self.skipped:
+            names = " ".join(s["name"] for s in self.skipped)
+            which = ", ".join(f"{s['name']} ({KINDS[s['kind']]})" for s in self.skipped)
+            lines.append(
+                f"gpuhub: not restored yet: {which}: re-run the cells that define them, then "
+                f"%distributed restore {names} --dir {self.directory}"
+            )
+        return "\n".join(lines)
+
+
+class Checkpointer:
+    """Save and restore names of a pool's ranks (the kernel side of this module)."""
+
+    def __init__(self, pool, check_timeout: float = CHECK_TIMEOUT, save_timeout: float = SAVE_TIMEOUT):
+        self.pool = pool
+        self.check_timeout = check_timeout
+        self.save_timeout = save_timeout
+
+    def _call(self, ranks: list[int], timeout: float, fn, *args) -> tuple[dict[int, object], dict[int, str]]:
+        """``fn(*args)`` on each rank's engine, together: each rank's answer, or why it gave none."""
+        client = self.pool.client
+        if client is None:
+            raise UsageError("the engines are stopped: start them with a %%distributed cell")
+        started, errors = {}, {}
+        for r in ranks:
+            try:
+                started[r] = client[self.pool.engine_ids[r]].apply_async(fn, *args)
+            except Exception as e:  # an engine the controller dropped (its process is gone)
+                errors[r] = f"its engine is gone ({type(e).__name__}: {e})"
+        if started:
+            try:
+                client.wait(list(started.values()), timeout=timeout)
+            except Exception:
+                pass  # each rank's own state is read below
+        answers = {}
+        for r, ar in started.items():
+            if not ar.ready():
+                errors[r] = f"did not answer within {timeout:.0f} s"
+            elif not ar.successful():
+                e = ar.exception()
+                errors[r] = f"{getattr(e, 'ename', type(e).__name__)}: {getattr(e, 'evalue', e)}"
+            else:
+                answers[r] = ar.get()
+        return answers, errors
+
+    def _unreachable(self, what: str, errors: dict[int, str], done: str) -> UsageError:
+        said = "; ".join(f"rank {r} {e}" for r, e in sorted(errors.items()))
+        return UsageError(f"{what}: {said}. {done}")
+
+    def _live_ranks(self) -> list[int]:
+        ranks = list(range(self.pool.size))
+        if getattr(self.pool, "_remote", False):
+            return ranks
+        return [r for r in ranks if r >= len(self.pool.infos) or alive(self.pool.infos[r]["pid"])]
+
+    def save(self, names: list[str], directory: str, autosave: bool = False) -> Saved:
+        """Check the names on every rank, then write them from rank 0 (autosave: the names
+        rank 0 has, from the ranks that answer)."""
+        what = "autosave" if autosave else "save"
+        world = self.pool.size
+        ranks = self._live_ranks() if autosave else list(range(world))
+        found, errors = self._call(ranks, self.check_timeout, engine_inspect, names)
+        if errors and (not autosave or 0 in errors):
+            raise self._unreachable(what, errors, "Nothing was written.")
+        missing = {n: [r for r in sorted(found) if found[r][n] is None] for n in names}
+        missing = {n: rs for n, rs in missing.items() if rs}
+        skipped = {}
+        if missing and not autosave:
+            raise UsageError(missing_message(what, missing, world))
+        if autosave:
+            skipped = {n: rs for n, rs in missing.items() if 0 in rs}
+            names = [n for n in names if n not in skipped]
+            if not names:
+                raise UsageError(missing_message(what, skipped, world))
+        meta = {"saved": time.time(), "rank": 0, "world_size": world}
+        answers, errors = self._call([0], self.save_timeout, engine_save, names, directory, meta)
+        if errors:
+            raise self._unreachable(what, errors, "It may have left a temporary file in " + directory + ".")
+        result = answers[0]
+        if not result["ok"]:
+            raise UsageError(self._save_error(what, result, directory, world))
+        paths = [f["path"] for f in result["files"]]
+        seen, _ = self._call([r for r in ranks if r != 0], self.check_timeout, engine_stat, paths)
+        unseen = {}
+        for r, sizes in seen.items():
+            lost = [p for p, s, f in zip(paths, sizes, result["files"], strict=True) if s != f["bytes"]]
+            if lost:
+                unseen[r] = lost
+        return Saved(directory, 0, result["files"], unseen, skipped)
+
+    @staticmethod
+    def _save_error(what: str, result: dict, directory: str, world: int) -> str:
+        if result["error"] == "missing":
+            return missing_message(what, {result["name"]: [0]}, world)
+        if result["error"] == "unsaveable":
+            return unsaveable_message(what, result["name"], result["type"], result["detail"])
+        return os_error_message(what, result["errno"], result["strerror"], directory, result["name"])
+
+    def restore(self, names: list[str], directory: str, skip_undefined: bool = False) -> Restored:
+        """Load every name into every rank, or nothing anywhere (``skip_undefined``: leave out
+        the state-dict kinds whose objects no rank defines yet)."""
+        world = self.pool.size
+        ranks = list(range(world))
+        token = uuid.uuid4().hex
+        prepared, errors = self._call(
+            ranks, self.save_timeout, engine_prepare_restore, token, names, directory, None, skip_undefined
+        )
+        failed = {r: a for r, a in prepared.items() if not a["ok"]}
+        if errors or failed:
+            self._call([r for r in prepared if r not in failed], self.check_timeout, engine_discard, token)
+            if errors:
+                raise self._unreachable("restore", errors, "Nothing was restored.")
+            problems: dict[tuple[str, str], list[int]] = {}
+            for r, a in sorted(failed.items()):
+                for p in a["problems"]:
+                    problems.setdefault((p["name"], p["text"]), []).append(r)
+            text = restore_problem_message(problems, world)
+            if any(p["problem"] == "missing" for a in failed.values() for p in a["problems"]):
+                text += f"\nCheckpoints in {directory}: {', '.join(list_checkpoints(directory)) or 'none'}."
+            raise UsageError(text)
+        ways, errors = self._call(ranks, self.save_timeout, engine_apply_restore, token)
+        if errors:
+            said = "; ".join(f"rank {r} {e}" for r, e in sorted(errors.items()))
+            raise UsageError(
+                f"restore: {said}. The other ranks were restored: run the restore again, or restart "
+                "the engines (%distributed shutdown) if a rank is gone."
+            )
+        return Restored(directory, world, prepared[0]["records"], ways[0], prepared[0]["skipped"])
+
+
+def list_checkpoints(directory: str) -> list[str]:
+    try:
+        return sorted(
+            f[: -len(SUFFIX)] for f in os.listdir(directory) if f.endswith(SUFFIX) and not f.startswith(".")
+        )
+    except OSError:
+        return []
+
+
+def say(text: str, err: bool = False) -> None:
+    """Print, and never fail (at kernel exit the notebook's streams may be closed)."""
+    try:
+        print(text, file=sys.stderr if err else sys.stdout, flush=True)
+    except Exception:
+        try:
+            sys.__stderr__.write(text + "\n")
+        except Exception:
+            pass
+
+
+# the magic's side ----------------------------------------------------------------------------
+
+# what stops a pool, as the autosave's message says it
+WHY = {
+    "idle": "the idle stop",
+    "reclaim": "the burst allocation ended",
+    "shutdown": "%distributed shutdown",
+    "exit": "kernel shutdown",
+    "resize": "the resize",
+    "restart": "restarting the engines",
+}
+
+
+class CheckpointCommands:
+    """``DistributedMagics``' save, restore and autosave (a mixin: it uses the magic's
+    ``pool``, ``lock``, ``busy``, ``last_used``, ``_touch`` and ``_lease_lost``).
+
+    Autosave names are remembered for the pool: a pool that stops (idle, reclaim, shutdown,
+    kernel exit, a restart) forgets them, so that a fresh pool's new objects never overwrite
+    the checkpoints of the old one; only a resize keeps them for the new pool."""
+
+    autosave: list[str] = []
+    autosave_dir: str = ""
+    last_autosave: tuple[list[str], str] | None = None  # the last autosave that wrote: names, dir
+    _autosaved: tuple | None = None  # (pool, last_used, why) of the last autosave
+    _exit_hook = None  # the pool the kernel-exit autosave was registered after
+    _pending: frozenset | set = frozenset()  # names a resize could not restore yet: not autosaved
+
+    def _checkpoint_command(self, command: str, names: list[str], directory: str | None) -> None:
+        """``%distributed save|restore NAME... [--dir D]``."""
+        names = check_names(names, command)
+        if self.pool is None:
+            first = " and re-run the cells that define them" if command == "restore" else ""
+            raise UsageError(
+                f"{command}: no engines are running: start them with a %%distributed cell{first}"
+            )
+        where = resolve_dir(directory)
+        with self.lock:
+            self.busy += 1  # the idle timer waits for it
+        try:
+            checkpointer = Checkpointer(self.pool)
+            if command == "save":
+                text = checkpointer.save(names, where).text()
+            else:
+                text = checkpointer.restore(names, where).text()
+            self._pending = self._pending - set(names)  # restored (or saved on purpose): autosaved again
+        finally:
+            with self.lock:
+                self.busy -= 1
+                self._touch()
+        print(text)
+
+    def _set_autosave(self, names: list[str] | None, directory: str | None, quiet: bool = False) -> None:
+        """A cell's ``--autosave NAME... [--dir D]`` (None: not given; []: ``--autosave`` alone, off)."""
+        if names is None:
+            return
+        if not names:
+            if self.autosave and not quiet:
+                say("gpuhub: autosave off.")
+            self.autosave = []
+            return
+        names, where = check_names(names, "--autosave"), resolve_dir(directory)
+        if (names, where) != (self.autosave, self.autosave_dir) and not quiet:
+            say(
+                f"gpuhub: autosave of {', '.join(names)} to {where} before the engines stop "
+                "(idle stop, reclaim, shutdown, resize, kernel exit)."
+            )
+        self.autosave, self.autosave_dir = names, where
+        self._hook_exit()
+
+    def _hook_exit(self) -> None:
+        """(Re)register the kernel-exit autosave after the pool's start: ipyparallel registers
+        its own exit hook (which stops the engines) each time a cluster starts, and exit hooks
+        run last registered first, so this one must come after it to save while the engines
+        still live."""
+        if self.pool is None or not self.autosave or self._exit_hook is self.pool:
+            return
+        import atexit
+
+        atexit.unregister(self._autosave_at_exit)
+        atexit.register(self._autosave_at_exit)
+        self._exit_hook = self.pool
+
+    def _autosave_text(self) -> str | None:
+        if not self.autosave:
+            return None
+        return f"autosave: {', '.join(self.autosave)} to {self.autosave_dir}"
+
+    def _stop_reason(self, why: str | None) -> str:
+        if why:
+            return why
+        if self._lease_lost():
+            return "reclaim"
+        if self._autosaved and self._autosaved[0] is self.pool and self._autosaved[2] == "resize":
+            return "resize"  # the resize saved first, then stops the pool
+        return "restart"
+
+    def _save_before_stop(self, why: str) -> None:
+        """Save the autosave names of the pool before its processes end (``why``: a key of
+        ``WHY``). Raises UsageError when it could not (the callers that stop anyway report it);
+        saves once however often it is called while no cell ran."""
+        pool, names = self.pool, [n for n in self.autosave if n not in self._pending]
+        if self.autosave and not names:
+            say(f"gpuhub: not autosaved: {', '.join(self.autosave)} not restored since the resize.", err=True)
+        if pool is None or not names or getattr(pool, "client", None) is None:
+            return
+        if self._autosaved and self._autosaved[0] is pool and self._autosaved[1] == self.last_used:
+            return
+        before = WHY.get(why, why)
+        if pool.broken:
+            raise UsageError(
+                f"autosave skipped before {before}: the last cell lost a rank, so the other ranks may "
+                f"have stopped half-way through a step; the checkpoints in {self.autosave_dir} are "
+                "kept as they were."
+            )
+        saved = Checkpointer(pool).save(names, self.autosave_dir, autosave=True)
+        self._autosaved = (pool, self.last_used, why)
+        self.last_autosave = ([f["name"] for f in saved.files], self.autosave_dir)
+        say(saved.text(before))
+        if self._pending & set(self.autosave):
+            later = ", ".join(sorted(self._pending & set(self.autosave)))
+            say(f"  not saved: {later} (not restored since the resize: the checkpoints are kept)")
+
+    def _save_then_forget(self, why: str | None) -> str:
+        """For ``_stop_pool``: the autosave, never failing the stop; answers the reason."""
+        why = self._stop_reason(why)
+        try:
+            self._save_before_stop(why)
+        except BaseException as e:  # an interrupt too: the engines are stopped regardless
+            say(f"gpuhub: {e} The engines are stopped anyway.", err=True)
+        return why
+
+    def _restore_after_resize(self) -> None:
+        """The new pool of a resize gets back what the old one autosaved: tensors and values
+        now; modules, optimizers and schedulers once the user's cells define them again (said,
+        and left out of autosave until they are restored, so that fresh objects never
+        overwrite their checkpoints)."""
+        if not self.last_autosave or self.pool is None:
+            return
+        names, where = self.last_autosave
+        try:
+            restored = Checkpointer(self.pool).restore(names, where, skip_undefined=True)
+        except Exception as e:
+            say(f"gpuhub: could not restore {', '.join(names)} into the new engines: {e}", err=True)
+            self._pending = set(names)
+            return
+        if restored.text():
+            say(restored.text())
+        self._pending = {s["name"] for s in restored.skipped}
+        if self._pending & set(self.autosave):
+            say(f"gpuhub: autosave leaves out {', '.join(sorted(self._pending))} until they are restored.")
+
+    def _forget_autosave(self, why: str) -> None:
+        if why != "resize":
+            self.autosave = []
+            self._pending = set()
+
+    def _autosave_at_exit(self) -> None:
+        try:
+            if not self.lock.acquire(timeout=30):
+                return
+            try:
+                if self.pool is not None and self.autosave:
+                    self._save_before_stop("exit")
+            finally:
+                self.lock.release()
+        except BaseException as e:
+            say(f"gpuhub: autosave at kernel shutdown failed: {e}", err=True)
