@@ -43,6 +43,13 @@ for _ in range(100000):
     time.sleep(0.01)
 """
 
+# every rank outside any collective when the interrupt comes
+SLEEP_FOREVER = """%%distributed --gpus {n} --timeout 120
+print("sleeping")
+for _ in range(100000):
+    time.sleep(0.01)
+"""
+
 # rank 0 waits in a collective that rank 1 never reaches: it sleeps first
 ASYMMETRIC = """%%distributed --gpus {n} --timeout 120
 print("waiting")
@@ -197,4 +204,17 @@ def test_an_error_on_one_rank_keeps_every_process_and_its_state(kernel):
     assert "rank 1 (" in out["text"] and "raised ValueError: bad batch" in out["text"]
     assert "rank 0 (" in out["text"] and "died" not in out["text"] and "killed" not in out["text"]
     assert "Every rank's variables are kept" in out["text"]
+    assert pids_and_model(kernel, n) == before
+
+
+def test_an_interrupt_outside_any_collective_keeps_the_group(kernel):
+    n = 2
+    defined = kernel.run(DEFINE.format(n=n))
+    assert defined["status"] == "ok", defined["text"]
+    before = pids_and_model(kernel, n)
+    out = kernel.run(SLEEP_FOREVER.format(n=n), interrupt_when="sleeping")
+    assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
+    assert out["text"].count("was interrupted.") == n and "freed" not in out["text"]
+    assert "replaced" not in out["text"]  # every rank ran the same collectives: the group is kept
+    assert out["took"] < 30, out
     assert pids_and_model(kernel, n) == before
