@@ -152,6 +152,13 @@ def kernel(hub, tmp_path):
     k.close()
 
 
+def define(kernel, n) -> list[int]:
+    """The model, optimizer and data on ``n`` ranks, one step taken; the ranks' pids."""
+    defined = kernel.run(DEFINE.format(n=n))
+    assert defined["status"] == "ok", defined["text"]
+    return pids_and_model(kernel, n)
+
+
 def pids_and_model(kernel, n):
     gathered = kernel.result(CHECK.format(n=n))
     assert len(gathered) == n
@@ -162,9 +169,7 @@ def pids_and_model(kernel, n):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_an_interrupt_mid_training_keeps_every_rank_and_its_model(kernel, n):
-    defined = kernel.run(DEFINE.format(n=n))
-    assert defined["status"] == "ok", defined["text"]
-    before = pids_and_model(kernel, n)
+    before = define(kernel, n)
     out = kernel.run(TRAIN_FOREVER.format(n=n), interrupt_when="training")
     assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
     assert "gpu_magics" not in out["text"] and "magics.py" not in out["text"]  # the ranks' report only
@@ -178,9 +183,7 @@ def test_an_interrupt_mid_training_keeps_every_rank_and_its_model(kernel, n):
 
 def test_a_rank_stuck_in_a_collective_is_freed_and_the_group_replaced(kernel):
     n = 2
-    defined = kernel.run(DEFINE.format(n=n))
-    assert defined["status"] == "ok", defined["text"]
-    before = pids_and_model(kernel, n)
+    before = define(kernel, n)
     out = kernel.run(ASYMMETRIC.format(n=n), interrupt_when="waiting")
     assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
     text = out["text"]
@@ -194,9 +197,7 @@ def test_a_rank_stuck_in_a_collective_is_freed_and_the_group_replaced(kernel):
 
 def test_an_error_on_one_rank_keeps_every_process_and_its_state(kernel):
     n = 2
-    defined = kernel.run(DEFINE.format(n=n))
-    assert defined["status"] == "ok", defined["text"]
-    before = pids_and_model(kernel, n)
+    before = define(kernel, n)
     failing = f"%%distributed --gpus {n} --timeout 120\nif rank == 1:\n    raise ValueError('bad batch')\n"
     failing += "t = torch.ones(1)\ndist.all_reduce(t)\n"
     out = kernel.run(failing)
@@ -209,9 +210,7 @@ def test_an_error_on_one_rank_keeps_every_process_and_its_state(kernel):
 
 def test_an_interrupt_outside_any_collective_keeps_the_group(kernel):
     n = 2
-    defined = kernel.run(DEFINE.format(n=n))
-    assert defined["status"] == "ok", defined["text"]
-    before = pids_and_model(kernel, n)
+    before = define(kernel, n)
     out = kernel.run(SLEEP_FOREVER.format(n=n), interrupt_when="sleeping")
     assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
     assert out["text"].count("was interrupted.") == n and "freed" not in out["text"]
