@@ -136,7 +136,7 @@ class DistributedInterrupt(KeyboardInterrupt):
         self.report = report
 
     def _render_traceback_(self):
-        return ["KeyboardInterrupt: the cell was interrupted on every rank.", *self.report.splitlines()]
+        return ["KeyboardInterrupt: the cell was interrupted.", *self.report.splitlines()]
 
 
 DistributedInterrupt.__name__ = DistributedInterrupt.__qualname__ = (
@@ -403,6 +403,12 @@ class DistributedMagics(CheckpointCommands, Magics):
                     except BaseException:
                         pool.stop()
                         raise
+                except KeyboardInterrupt:
+                    self._release_burst()  # nothing may keep GPUs that no engine uses
+                    raise DistributedInterrupt(
+                        "Interrupted while the engines started: they were stopped and any burst GPUs "
+                        "released. Nothing had run on them; run the cell again to start them."
+                    ) from None
                 except BaseException:
                     self._release_burst()  # nothing may keep GPUs that no engine uses
                     raise

@@ -217,3 +217,17 @@ def test_an_interrupt_outside_any_collective_keeps_the_group(kernel):
     assert "replaced" not in out["text"]  # every rank ran the same collectives: the group is kept
     assert out["took"] < 30, out
     assert pids_and_model(kernel, n) == before
+
+
+def test_an_interrupt_while_the_engines_start_is_a_clean_report_and_takes_nothing(hub, kernel):
+    from spawner.ledger import Ledger
+
+    out = kernel.run("%%distributed --gpus 2\n1", interrupt_when="Starting engines")
+    assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
+    assert "Interrupted while the engines started" in out["text"] and "magics.py" not in out["text"]
+    ledger = Ledger(hub.ledger_url)
+    try:
+        assert [a for a in ledger.active(user="alice") if a.purpose == "distributed"] == []  # released
+    finally:
+        ledger.close()
+    assert kernel.result("%%distributed --gpus 2\nrank") == 0  # and the next cell starts them
