@@ -16,6 +16,7 @@ from traitlets import CaselessStrEnum, Dict, Float, Int, List, Unicode, Union
 from traitlets.config import Configurable
 
 from . import inventory, values
+from .fairshare import Shares, Weights, share_problem
 from .ledger import Ledger
 from .policy import DEFAULT_WINDOW_HOURS, Gpu, Limit, LimitRules, parse_limit_field
 
@@ -149,6 +150,91 @@ class GpuHub(Configurable):
         """,
     ).tag(config=True)
 
+    default_share = Int(
+        1,
+        help="""Every user's weight in the fair share of a full machine, unless a group or
+        user share says otherwise: a whole number of 1 or more. When GPUs are all taken,
+        waiting requests go in order of recent use relative to share (docs/queue.md); on
+        Slurm this is each user association's ``Fairshare``. ``c.GpuHub.default_share = 1``
+        """,
+    ).tag(config=True)
+
+    group_shares = Dict(
+        help="""Fair-share weights per JupyterHub group (a user in several gets the largest).
+        ``c.GpuHub.group_shares = {"staff": 4, "students": 1}``
+        """,
+    ).tag(config=True)
+
+    user_shares = Dict(
+        help="""Fair-share weights per user, winning over their groups and the default.
+        ``c.GpuHub.user_shares = {"alice": 2}``
+        """,
+    ).tag(config=True)
+
+    fairshare_half_life_hours = Float(
+        168.0,
+        help="""How fast past use is forgiven in the fair share: an hour of GPU use counts
+        half after this many hours, a quarter after twice as many (Slurm's
+        ``PriorityDecayHalfLife``). ``c.GpuHub.fairshare_half_life_hours = 72``
+        """,
+    ).tag(config=True)
+
+    priority_weight_fairshare = Int(
+        1000,
+        help="""Weight of the fair-share factor (0 to 1) in a waiting request's priority
+        (Slurm's ``PriorityWeightFairshare``). ``c.GpuHub.priority_weight_fairshare = 1000``
+        """,
+    ).tag(config=True)
+
+    priority_weight_age = Int(
+        1000,
+        help="""Weight of the age factor (0 to 1 over ``priority_max_age_hours`` of waiting)
+        in a waiting request's priority. At least ``priority_weight_fairshare`` means that
+        nobody waits behind newcomers for ever. ``c.GpuHub.priority_weight_age = 1000``
+        """,
+    ).tag(config=True)
+
+    priority_max_age_hours = Float(
+        2.0,
+        help="""Waiting time after which the age factor is 1 (Slurm's ``PriorityMaxAge``).
+        ``c.GpuHub.priority_max_age_hours = 4``
+        """,
+    ).tag(config=True)
+
+    queue_max_wait_hours = Float(
+        12.0,
+        help="""The longest a spawn or a burst waits in the queue for GPUs; then it leaves
+        the queue, saying so. JupyterHub's ``c.Spawner.start_timeout`` counts from the end
+        of the wait (the server's own start), not from the click. ``c.GpuHub.queue_max_wait_hours = 4``
+        """,
+    ).tag(config=True)
+
+    queue_keepalive_seconds = Float(
+        30.0,
+        help="""A waiting entry whose waiter (the hub's spawn, a notebook's magic) has not
+        asked about it for this long leaves the queue: its spawn was lost (a hub restart)
+        or its kernel died. A hub restarted within this time keeps every waiting burst in
+        its place, and a spawn keeps its place if it is started again within it.
+        ``c.GpuHub.queue_keepalive_seconds = 60``
+        """,
+    ).tag(config=True)
+
+    queue_default_run_hours = Float(
+        2.0,
+        help="""How long a server or burst is assumed to run when its user has no finished
+        ones yet: the basis of expected start times (shown as a guess, never a promise).
+        ``c.GpuHub.queue_default_run_hours = 4``
+        """,
+    ).tag(config=True)
+
+    queue_poll_seconds = Float(
+        1.0,
+        help="""How often a waiting spawn or burst asks the ledger whether its turn has
+        come: a freed GPU reaches the head of the queue within this time.
+        ``c.GpuHub.queue_poll_seconds = 2``
+        """,
+    ).tag(config=True)
+
     def report_env(self) -> dict[str, str]:
         """What a server needs to report its GPUs' use (``gpu_magics.gpustats``)."""
         source = self.utilization_source.lower()
@@ -168,6 +254,38 @@ class GpuHub(Configurable):
             users={
                 str(k): parse_limit(v, f"c.GpuHub.user_limits[{k!r}]") for k, v in self.user_limits.items()
             },
+        )
+
+    def shares(self) -> Shares:
+        """The fair-share weights, checked (a bad one raises ``ValueError`` naming its trait)."""
+        checks = [(self.default_share, "c.GpuHub.default_share")]
+        checks += [(v, f"c.GpuHub.group_shares[{k!r}]") for k, v in self.group_shares.items()]
+        checks += [(v, f"c.GpuHub.user_shares[{k!r}]") for k, v in self.user_shares.items()]
+        for value, where in checks:
+            problem = share_problem(value, where)
+            if problem:
+                raise ValueError(problem)
+        return Shares(
+            default=self.default_share,
+            groups={str(k): v for k, v in self.group_shares.items()},
+            users={str(k): v for k, v in self.user_shares.items()},
+        )
+
+    def queue_weights(self) -> Weights:
+        """The priority weights, checked like the shares."""
+        for name in ("priority_weight_fairshare", "priority_weight_age"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"c.GpuHub.{name} must be 0 or more; got {getattr(self, name)!r}")
+        for name in ("fairshare_half_life_hours", "priority_max_age_hours", "queue_max_wait_hours",
+                     "queue_keepalive_seconds", "queue_default_run_hours", "queue_poll_seconds"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"c.GpuHub.{name} must be a positive number; got {value!r}")
+        return Weights(
+            fairshare=self.priority_weight_fairshare,
+            age=self.priority_weight_age,
+            max_age_hours=self.priority_max_age_hours,
+            half_life_hours=self.fairshare_half_life_hours,
         )
 
     def read_inventory(self) -> tuple[Gpu, ...]:

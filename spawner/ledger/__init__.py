@@ -1,0 +1,32 @@
+"""The GPU ledger: the single source of truth for who holds which GPU.
+
+Every method is one short transaction. Admission (``allocate``) reads what exists, what is
+free and what the user holds, asks :mod:`spawner.policy`, and writes the answer, all under
+the database's write lock (``BEGIN IMMEDIATE`` on SQLite, the ``ledger_lock`` row
+elsewhere), so several processes can allocate against one database without exceeding a
+limit; the partial unique index on held GPUs makes double-booking impossible even if
+that lock were bypassed.
+
+Limits come from two places: the ``c.GpuHub.*_limit(s)`` traits and the rows an admin
+writes with ``gpuhub limits set``. A row in the database wins over the trait for the same
+key (default, one group, one user); ``gpuhub limits unset`` returns that key to the trait.
+
+The ledger is one class, :class:`Ledger`, made of parts, one module each: ``base`` (the
+database and transactions), ``inventory``, ``limits``, ``allocations`` (admission),
+``queue`` (waiting for GPUs), ``usage`` and ``spawner.reclaims``.
+"""
+
+from __future__ import annotations
+
+from ..reclaims import ReclaimRecords
+from .allocations import AllocationRecords
+from .base import AllocationInfo, Allowance, GpuStatus, LedgerBase, LimitEntry, utcnow
+from .inventory import InventoryRecords
+from .limits import LimitRecords
+from .usage import UsageRecords
+
+__all__ = ["AllocationInfo", "Allowance", "GpuStatus", "Ledger", "LimitEntry", "utcnow"]
+
+
+class Ledger(AllocationRecords, LimitRecords, InventoryRecords, UsageRecords, ReclaimRecords, LedgerBase):
+    """One ledger database. Safe to use from several processes at once."""

@@ -1,0 +1,288 @@
+"""Admission and the life of an allocation (a part of :class:`spawner.ledger.Ledger`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from .. import policy
+from ..models import (
+    ACTIVE_STATES,
+    PURPOSES,
+    Allocation,
+    AllocationGpu,
+    Gpu,
+)
+from .base import AllocationInfo, Allowance, _count, _info
+
+
+class AllocationRecords:
+    """Allocate, start, renew and release; what a user holds and may take."""
+
+    def _holdings(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
+        held = sum(_count(a) for a in self._active(s, user=user))
+        hours = 0.0
+        if limit.gpu_hours is not None:
+            hours = policy.gpu_hours_used(self._intervals(s, user=user), self.clock(), limit.window_hours)
+        return policy.Holdings(held=held, gpu_hours=hours)
+
+    def allowance(self, user: str, groups: Iterable[str] = (), model: str | None = None) -> Allowance:
+        with self._read() as s:
+            eff = policy.effective_limit(user, groups, self._rules(s))
+            holdings = self._holdings(s, user, eff.limit)
+            inventory, free = self._inventory(s), self._free(s)
+        room = policy.remaining(eff, holdings)
+        free_now = policy.largest_placeable(free, model, 1)
+        by_model: dict[str, int] = {}
+        for g in free:
+            by_model[g.model] = by_model.get(g.model, 0) + 1
+        return Allowance(
+            effective=eff,
+            held=holdings.held,
+            gpu_hours=holdings.gpu_hours,
+            may_take=room,
+            total=len(inventory),
+            free=len(free),
+            free_by_model=by_model,
+            fits=free_now if room is None else min(room, free_now),
+        )
+
+    def allocate(
+        self,
+        user: str,
+        groups: Iterable[str],
+        count: int,
+        *,
+        purpose: str = "server",
+        server_name: str = "",
+        model: str | None = None,
+        max_nodes: int | None = 1,
+        gpus_per_node: int | None = None,
+        backend: str = "local",
+        lease_seconds: float | None = None,
+        on_nodes: Iterable[str] | None = None,
+        deferred: bool = False,
+    ) -> AllocationInfo:
+        """Admit and record a request, or raise :class:`policy.Refusal` leaving nothing behind.
+
+        With ``lease_seconds`` the allocation is running at once and lives until its lease
+        runs out unless renewed (a burst for ``%%distributed``); expired leases are released
+        before any admission, so they never block one. ``on_nodes`` restricts the placement
+        (a local server must land on this machine's GPUs).
+
+        ``deferred``: the backend's scheduler picks the GPUs (Slurm). The request is checked
+        against the user's limit and against what the nodes could ever hold, but not against
+        what is free now (the job queues); it holds its count until :meth:`record_gpus`
+        writes the GPUs the scheduler gave it.
+        """
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}")
+        request = policy.Request(user, count, model, max_nodes, gpus_per_node)
+        with self._tx() as s:
+            self._expire(s)
+            eff = policy.effective_limit(user, groups, self._rules(s))
+            inventory, free = self._inventory(s), self._free(s)
+            if on_nodes is not None:
+                allowed = set(on_nodes)
+                inventory = [g for g in inventory if g.node in allowed]
+                free = [g for g in free if g.node in allowed]
+            if deferred:
+                free = inventory  # it may wait for GPUs, never beyond the limit
+            policy.check_request(request, eff, self._holdings(s, user, eff.limit), inventory, free)
+            if count == 0:
+                raise policy.Refusal("An allocation needs at least 1 GPU.", reason="bad_request", fits=None)
+            if deferred and policy.place(request, inventory, inventory) is None:
+                raise policy.Refusal(
+                    f"{count} GPUs cannot be split as asked ({gpus_per_node or 'any'} per node, at most "
+                    f"{max_nodes or 'any'} nodes) on these nodes, even when all are free; "
+                    "ask for another split.",
+                    reason="too_large",
+                )
+            chosen = () if deferred else policy.place(request, free, inventory)
+            if chosen is None:
+                raise policy.Refusal(
+                    f"{count} GPUs cannot be placed as asked right now "
+                    f"({gpus_per_node or 'any'} per node, at most {max_nodes or 'any'} nodes); "
+                    "try another split or try again later.",
+                    reason="no_capacity",
+                )
+            by_key = {
+                (g.node.name, g.index): g
+                for g in s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
+            }
+            now = self.clock()
+            alloc = Allocation(
+                user=user,
+                purpose=purpose,
+                server_name=server_name,
+                state="starting" if lease_seconds is None else "running",
+                created=now,
+                started=None if lease_seconds is None else now,
+                backend=backend,
+                lease_expires=None if lease_seconds is None else now + timedelta(seconds=lease_seconds),
+                gpu_count=count,
+            )
+            if deferred:
+                alloc.state, alloc.started = "starting", None
+            alloc.gpus = [AllocationGpu(gpu=by_key[(g.node, g.index)], held=True) for g in chosen]
+            s.add(alloc)
+            s.flush()
+            return _info(alloc)
+
+    def mark_running(self, allocation_id: int, backend_job_id: str | None = None) -> AllocationInfo:
+        with self._tx() as s:
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                raise LookupError(f"allocation {allocation_id} is not active")
+            a.state = "running"
+            a.started = a.started or self.clock()
+            if backend_job_id is not None:
+                a.backend_job_id = str(backend_job_id)
+            return _info(a)
+
+    def attach_job(self, allocation_id: int, backend_job_id: str) -> AllocationInfo:
+        """Record the backend's job id of a live allocation. Once only: another id, or an id
+        another live allocation already has, raises ``ValueError``."""
+        job = str(backend_job_id)
+        with self._tx() as s:
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                raise LookupError(f"allocation {allocation_id} is not active")
+            if a.backend_job_id not in (None, job):
+                raise ValueError(f"allocation {a.id} already runs as job {a.backend_job_id}")
+            taken = s.scalars(
+                select(Allocation.id).where(
+                    Allocation.backend == a.backend,
+                    Allocation.backend_job_id == job,
+                    Allocation.state.in_(ACTIVE_STATES),
+                    Allocation.id != a.id,
+                )
+            ).first()
+            if taken is not None:
+                raise ValueError(f"job {job} is already allocation {taken}'s")
+            a.backend_job_id = job
+            return _info(a)
+
+    def record_gpus(
+        self, allocation_id: int, gpus: Iterable[tuple[str, int]], backend_job_id: str | None = None
+    ) -> tuple[AllocationInfo, list[int]]:
+        """Write the GPUs a scheduler gave a deferred allocation, and mark it running.
+
+        The scheduler is the authority on its own GPUs: if another live allocation of the
+        same backend still holds one of them, that allocation's job has ended and its end
+        was not seen yet, so it is released here (its id is returned) rather than the
+        GPU being double-booked. Unknown GPUs raise ``LookupError`` (sync the inventory); more
+        GPUs than were admitted raise ``ValueError`` (the job is over the user's limit).
+        """
+        wanted = sorted(set(gpus))
+        with self._tx() as s:
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                raise LookupError(f"allocation {allocation_id} is not active")
+            if len(wanted) > _count(a):
+                raise ValueError(
+                    f"allocation {a.id} was admitted for {_count(a)} GPUs; the job shows {len(wanted)}"
+                )
+            by_key = {
+                (g.node.name, g.index): g for g in s.scalars(select(Gpu).options(selectinload(Gpu.node)))
+            }
+            missing = [f"{n}:{i}" for n, i in wanted if (n, i) not in by_key]
+            if missing:
+                raise LookupError(f"GPUs {', '.join(missing)} are not in the ledger's inventory")
+            ids = {by_key[k].id for k in wanted}
+            released = []
+            for other in self._active(s):
+                if other.id == a.id or not ids & {ag.gpu_id for ag in other.gpus if ag.held}:
+                    continue
+                if other.backend != a.backend:
+                    raise RuntimeError(
+                        f"GPUs {', '.join(f'{n}:{i}' for n, i in wanted)} are held by allocation "
+                        f"{other.id} of backend {other.backend!r}: two backends share these GPUs"
+                    )
+                self._end(other, f"its {other.backend} job ended (GPUs given to job {backend_job_id})")
+                released.append(other.id)
+            s.flush()
+            current = {ag.gpu_id for ag in a.gpus if ag.held}
+            if current and current != ids:
+                raise RuntimeError(f"allocation {a.id} already holds other GPUs")
+            if not current:
+                a.gpus = [AllocationGpu(gpu=by_key[k], held=True) for k in wanted]
+            a.state = "running"
+            a.started = a.started or self.clock()
+            if backend_job_id is not None:
+                a.backend_job_id = str(backend_job_id)
+            s.flush()
+            return _info(a), released
+
+    def release(self, allocation_id: int, reason: str = "released") -> bool:
+        """Give the GPUs back. Idempotent: False when it was already released or unknown."""
+        with self._tx() as s:
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                return False
+            self._end(a, self._reclaim_reason(s, a.id) or reason)
+            return True
+
+    def renew(
+        self, allocation_id: int, lease_seconds: float, active_at: datetime | None = None
+    ) -> AllocationInfo:
+        """Push a leased allocation's expiry to now + ``lease_seconds``.
+
+        A reclaimed allocation is not renewed (its kernel must stop the engines and release
+        it), unless ``active_at``, when its owner's code was last active, falls in the time
+        the reclaim counted as idle: the reclaim was then decided on old news and is undone."""
+        with self._tx() as s:
+            self._expire(s)
+            a = s.get(Allocation, allocation_id)
+            if a is None or a.state not in ACTIVE_STATES:
+                raise LookupError(f"allocation {allocation_id} is not active")
+            if a.lease_expires is None:
+                raise ValueError(f"allocation {allocation_id} has no lease to renew")
+            reclaimed = self._reclaim_reason(s, a.id)
+            if reclaimed and not self._undo_if_used(s, a.id, active_at):
+                raise LookupError(f"allocation {allocation_id} was {reclaimed}")
+            a.lease_expires = self.clock() + timedelta(seconds=lease_seconds)
+            return _info(a)
+
+    def _expire(self, s: Session) -> list[int]:
+        now = self.clock()
+        expired = list(
+            s.scalars(
+                select(Allocation).where(Allocation.state.in_(ACTIVE_STATES), Allocation.lease_expires <= now)
+            )
+        )
+        for a in expired:
+            # usage counts up to the end of the lease, not up to when someone noticed
+            self._end(a, self._reclaim_reason(s, a.id) or "lease expired", when=a.lease_expires)
+        return [a.id for a in expired]
+
+    def expire_leases(self) -> list[int]:
+        """Release every allocation whose lease ran out; returns their ids."""
+        with self._tx() as s:
+            return self._expire(s)
+
+    def get(self, allocation_id: int) -> AllocationInfo | None:
+        with self._read() as s:
+            a = s.get(Allocation, allocation_id)
+            return None if a is None else _info(a)
+
+    def active(self, **where) -> list[AllocationInfo]:
+        """Live allocations, filtered by column values, e.g. ``user="alice"``."""
+        with self._read() as s:
+            return [_info(a) for a in self._active(s, **where)]
+
+    def released_with_jobs(self, backend: str, job_ids: Iterable[str]) -> list[AllocationInfo]:
+        """Released allocations of ``backend`` whose job id is one of ``job_ids``."""
+        ids = [str(j) for j in job_ids]
+        if not ids:
+            return []
+        with self._read() as s:
+            q = select(Allocation).where(
+                Allocation.backend == backend,
+                Allocation.state == "released",
+                Allocation.backend_job_id.in_(ids),
+            )
+            return [_info(a) for a in s.scalars(q.options(selectinload(Allocation.gpus)))]

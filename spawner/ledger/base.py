@@ -1,0 +1,174 @@
+"""The ledger's core: its database, transactions, and the records it hands out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from .. import policy
+from ..db import ensure_schema, make_engine, make_session_factory
+from ..models import (
+    ACTIVE_STATES,
+    Allocation,
+    AllocationGpu,
+    Gpu,
+    LedgerLock,
+)
+
+log = logging.getLogger("gpuhub.ledger")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+@dataclass(frozen=True)
+class AllocationInfo:
+    id: int
+    user: str
+    purpose: str
+    server_name: str
+    state: str
+    created: datetime
+    started: datetime | None
+    ended: datetime | None
+    backend: str
+    backend_job_id: str | None
+    end_reason: str | None
+    gpus: tuple[policy.Gpu, ...]
+    lease_expires: datetime | None = None
+    gpu_count: int = 0  # GPUs asked for (a queued Slurm job holds its count, not yet GPUs)
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(sorted({g.node for g in self.gpus}))
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(str(g.index) for g in self.gpus)
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What a user holds, may take, and what is free: the facts behind the spawn form."""
+
+    effective: policy.EffectiveLimit
+    held: int
+    gpu_hours: float
+    may_take: int | None  # more GPUs the limit allows; None = unlimited
+    total: int
+    free: int
+    free_by_model: dict[str, int] = field(default_factory=dict)
+    fits: int = 0  # what one request on one server could get now
+
+
+@dataclass(frozen=True)
+class GpuStatus:
+    gpu: policy.Gpu
+    present: bool
+    holder: AllocationInfo | None
+
+
+@dataclass(frozen=True)
+class LimitEntry:
+    scope: str
+    name: str
+    limit: policy.Limit
+    origin: str  # "config" or "ledger"
+
+
+def _info(a: Allocation) -> AllocationInfo:
+    gpus = tuple(sorted(_gpu(ag.gpu) for ag in a.gpus))
+    return AllocationInfo(
+        id=a.id,
+        user=a.user,
+        purpose=a.purpose,
+        server_name=a.server_name,
+        state=a.state,
+        created=a.created,
+        started=a.started,
+        ended=a.ended,
+        backend=a.backend,
+        backend_job_id=a.backend_job_id,
+        end_reason=a.end_reason,
+        gpus=gpus,
+        lease_expires=a.lease_expires,
+        gpu_count=_count(a),
+    )
+
+
+def _count(a: Allocation) -> int:
+    return max(a.gpu_count or 0, len(a.gpus))
+
+
+def _gpu(g: Gpu) -> policy.Gpu:
+    return policy.Gpu(g.node.name, g.index, g.model, g.memory_mib, g.uuid)
+
+
+class LedgerBase:
+    """The database and its transactions; the other parts of :class:`Ledger` build on these."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        config_rules: policy.LimitRules | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ):
+        self.url = url
+        self.config_rules = config_rules or policy.LimitRules()
+        self.clock = clock
+        self.engine = make_engine(url)
+        ensure_schema(self.engine, url)
+        self._sessions = make_session_factory(self.engine)
+        self._reader = make_engine(url, writer=False)
+        self._read_sessions = make_session_factory(self._reader)
+        with self._sessions.begin() as s:
+            if s.get(LedgerLock, 1) is None:
+                s.add(LedgerLock(id=1, generation=0))
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self._reader.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        """A writing transaction, holding the ledger's write lock."""
+        with self._sessions.begin() as s:
+            lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update())
+            lock.scalar_one()
+            yield s
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        """A reading transaction: a consistent snapshot that blocks no writer."""
+        with self._read_sessions.begin() as s:
+            yield s
+
+    def _end(self, a: Allocation, reason: str, when: datetime | None = None) -> None:
+        a.state = "released"
+        a.ended = when or self.clock()
+        a.end_reason = reason[:255]
+        for ag in a.gpus:
+            ag.held = False
+
+    def _active(self, s: Session, **where) -> list[Allocation]:
+        q = (
+            select(Allocation)
+            .where(Allocation.state.in_(ACTIVE_STATES))
+            .options(selectinload(Allocation.gpus).selectinload(AllocationGpu.gpu).selectinload(Gpu.node))
+            .order_by(Allocation.id)
+        )
+        for key, value in where.items():
+            q = q.where(getattr(Allocation, key) == value)
+        return list(s.scalars(q))

@@ -1,0 +1,61 @@
+"""GPU-hours used, per user and over time (a part of :class:`spawner.ledger.Ledger`)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from .. import policy
+from ..models import (
+    Allocation,
+)
+
+
+class UsageRecords:
+    """What was used, from the allocations' history."""
+
+    def _intervals(self, s: Session, user: str | None = None):
+        q = select(Allocation).options(selectinload(Allocation.gpus))
+        if user is not None:
+            q = q.where(Allocation.user == user)
+        for a in s.scalars(q):
+            start = a.started or a.created
+            yield start, a.ended, len(a.gpus)
+
+    def usage_series(
+        self, since: datetime, until: datetime, bucket_hours: float = 24.0, user: str | None = None
+    ) -> tuple[list[datetime], dict[str, list[float]]]:
+        """GPU-hours per user in consecutive buckets from ``since`` to ``until`` (for plots)."""
+        step = timedelta(hours=bucket_hours)
+        starts = []
+        t = since
+        while t < until:
+            starts.append(t)
+            t += step
+        out: dict[str, list[float]] = {}
+        with self._read() as s:
+            users = sorted(set(s.scalars(select(Allocation.user).distinct())))
+            for name in users if user is None else [user]:
+                intervals = list(self._intervals(s, user=name))
+                out[name] = [  # the last bucket may be partial: count only up to ``until``
+                    policy.gpu_hours_used(
+                        intervals, min(b + step, until), (min(b + step, until) - b).total_seconds() / 3600.0
+                    )
+                    for b in starts
+                ]
+        return starts, out
+
+    def usage(
+        self, since: datetime, until: datetime | None = None, user: str | None = None
+    ) -> dict[str, float]:
+        """GPU-hours per user between ``since`` and ``until`` (default: now)."""
+        until = until or self.clock()
+        window_hours = (until - since).total_seconds() / 3600.0
+        out: dict[str, float] = {}
+        with self._read() as s:
+            users = sorted(set(s.scalars(select(Allocation.user).distinct())))
+            for name in users if user is None else [user]:
+                out[name] = policy.gpu_hours_used(self._intervals(s, user=name), until, window_hours)
+        return out
