@@ -41,6 +41,7 @@ ACTIVE_STATES = ("starting", "running")
 STATES = (*ACTIVE_STATES, "released")
 PURPOSES = ("server", "distributed")
 SCOPES = ("default", "group", "user")
+QUEUE_STATES = ("waiting", "granted", "left")
 
 
 class Base(DeclarativeBase):
@@ -163,6 +164,42 @@ class Reclaim(Base):
     gpu_hours: Mapped[float] = mapped_column(Float)
     reason: Mapped[str] = mapped_column(String(500))
     created: Mapped[datetime] = mapped_column(DateTime)
+
+
+class QueueEntry(Base):
+    """A request that fits its user's limit but not the free GPUs, waiting its turn.
+
+    ``seen`` is when its waiter (the hub's spawn, a kernel's magic) last asked about it: an
+    entry nobody asks about for ``c.GpuHub.queue_keepalive_seconds`` leaves the queue. A
+    granted entry names the allocation it became."""
+
+    __tablename__ = "queue_entries"
+    __table_args__ = (
+        CheckConstraint("state IN ('waiting', 'granted', 'left')", name="state"),
+        CheckConstraint("purpose IN ('server', 'distributed')", name="purpose"),
+        CheckConstraint("gpu_count >= 1", name="gpu_count"),
+        Index("ix_queue_entries_state_user", "state", "user"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    user: Mapped[str] = mapped_column(String(255))
+    groups: Mapped[str] = mapped_column(String(4000), default="")  # comma-separated, at request time
+    purpose: Mapped[str] = mapped_column(String(16))
+    server_name: Mapped[str] = mapped_column(String(255), default="")
+    backend: Mapped[str] = mapped_column(String(32), default="local")
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str | None] = mapped_column(String(255))
+    max_nodes: Mapped[int | None] = mapped_column(Integer)
+    gpus_per_node: Mapped[int | None] = mapped_column(Integer)
+    on_nodes: Mapped[str | None] = mapped_column(String(4000))  # comma-separated; None: anywhere
+    lease_seconds: Mapped[float | None] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16))
+    created: Mapped[datetime] = mapped_column(DateTime)
+    seen: Mapped[datetime] = mapped_column(DateTime)
+    front: Mapped[datetime | None] = mapped_column(DateTime)  # an admin moved it to the front
+    ended: Mapped[datetime | None] = mapped_column(DateTime)
+    end_reason: Mapped[str | None] = mapped_column(String(255))
+    allocation_id: Mapped[int | None] = mapped_column(ForeignKey("allocations.id"))
 
 
 class LedgerLock(Base):

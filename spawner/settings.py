@@ -17,7 +17,7 @@ from traitlets.config import Configurable
 
 from . import inventory, values
 from .fairshare import Shares, Weights, share_problem
-from .ledger import Ledger
+from .ledger import Ledger, QueueSettings
 from .policy import DEFAULT_WINDOW_HOURS, Gpu, Limit, LimitRules, parse_limit_field
 
 LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
@@ -271,13 +271,28 @@ class GpuHub(Configurable):
             users={str(k): v for k, v in self.user_shares.items()},
         )
 
+    def queue_settings(self) -> QueueSettings:
+        return QueueSettings(
+            shares=self.shares(),
+            weights=self.queue_weights(),
+            keepalive_seconds=self.queue_keepalive_seconds,
+            max_wait_hours=self.queue_max_wait_hours,
+            default_run_hours=self.queue_default_run_hours,
+        )
+
     def queue_weights(self) -> Weights:
         """The priority weights, checked like the shares."""
         for name in ("priority_weight_fairshare", "priority_weight_age"):
             if getattr(self, name) < 0:
                 raise ValueError(f"c.GpuHub.{name} must be 0 or more; got {getattr(self, name)!r}")
-        for name in ("fairshare_half_life_hours", "priority_max_age_hours", "queue_max_wait_hours",
-                     "queue_keepalive_seconds", "queue_default_run_hours", "queue_poll_seconds"):
+        for name in (
+            "fairshare_half_life_hours",
+            "priority_max_age_hours",
+            "queue_max_wait_hours",
+            "queue_keepalive_seconds",
+            "queue_default_run_hours",
+            "queue_poll_seconds",
+        ):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"c.GpuHub.{name} must be a positive number; got {value!r}")
@@ -318,7 +333,7 @@ class GpuHub(Configurable):
         """
         ledger = _LEDGERS.get(self.db_url)
         if ledger is None:
-            ledger = Ledger(self.db_url, config_rules=self.limit_rules())
+            ledger = Ledger(self.db_url, config_rules=self.limit_rules(), queue=self.queue_settings())
             _LEDGERS[self.db_url] = ledger
         if sync and self.db_url not in _SYNCED:  # opened unsynced first (a page): sync now
             ledger.sync_inventory(self.read_inventory(), nodes=self.local_nodes())

@@ -20,13 +20,26 @@ from __future__ import annotations
 
 from ..reclaims import ReclaimRecords
 from .allocations import AllocationRecords
-from .base import AllocationInfo, Allowance, GpuStatus, LedgerBase, LimitEntry, utcnow
+from .base import AllocationInfo, Allowance, GpuStatus, LedgerBase, LimitEntry, QueueSettings, utcnow
 from .inventory import InventoryRecords
 from .limits import LimitRecords
+from .queue import Admission, QueueInfo, QueueRecords
 from .usage import UsageRecords
 
-__all__ = ["AllocationInfo", "Allowance", "GpuStatus", "Ledger", "LimitEntry", "utcnow"]
+__all__ = [
+    "Admission",
+    "AllocationInfo",
+    "Allowance",
+    "GpuStatus",
+    "Ledger",
+    "LimitEntry",
+    "QueueInfo",
+    "QueueSettings",
+    "utcnow",
+]
 
 
-class Ledger(AllocationRecords, LimitRecords, InventoryRecords, UsageRecords, ReclaimRecords, LedgerBase):
+class Ledger(
+    AllocationRecords, QueueRecords, LimitRecords, InventoryRecords, UsageRecords, ReclaimRecords, LedgerBase
+):
     """One ledger database. Safe to use from several processes at once."""

@@ -17,6 +17,7 @@ from ..models import (
     Gpu,
 )
 from .base import AllocationInfo, Allowance, _count, _info
+from .queue import Admission
 
 
 class AllocationRecords:
@@ -66,7 +67,8 @@ class AllocationRecords:
         on_nodes: Iterable[str] | None = None,
         deferred: bool = False,
     ) -> AllocationInfo:
-        """Admit and record a request, or raise :class:`policy.Refusal` leaving nothing behind.
+        """Admit and record a request now, or raise :class:`policy.Refusal` leaving nothing
+        behind. (:meth:`request` waits in the queue instead of a refusal for capacity.)
 
         With ``lease_seconds`` the allocation is running at once and lives until its lease
         runs out unless renewed (a burst for ``%%distributed``); expired leases are released
@@ -75,62 +77,166 @@ class AllocationRecords:
 
         ``deferred``: the backend's scheduler picks the GPUs (Slurm). The request is checked
         against the user's limit and against what the nodes could ever hold, but not against
-        what is free now (the job queues); it holds its count until :meth:`record_gpus`
-        writes the GPUs the scheduler gave it.
+        what is free now (the job queues in the scheduler); it holds its count until
+        :meth:`record_gpus` writes the GPUs the scheduler gave it.
         """
+        got = self._admit(
+            user,
+            groups,
+            count,
+            purpose=purpose,
+            server_name=server_name,
+            model=model,
+            max_nodes=max_nodes,
+            gpus_per_node=gpus_per_node,
+            backend=backend,
+            lease_seconds=lease_seconds,
+            on_nodes=on_nodes,
+            deferred=deferred,
+            wait=False,
+        )
+        assert got.allocation is not None
+        return got.allocation
+
+    def request(
+        self,
+        user: str,
+        groups: Iterable[str],
+        count: int,
+        *,
+        purpose: str = "server",
+        server_name: str = "",
+        model: str | None = None,
+        max_nodes: int | None = 1,
+        gpus_per_node: int | None = None,
+        backend: str = "local",
+        lease_seconds: float | None = None,
+        on_nodes: Iterable[str] | None = None,
+    ) -> Admission:
+        """Like :meth:`allocate`, but a request that fits the limit and not the free GPUs
+        joins the queue (``Admission.entry``; its waiter then calls :meth:`wait_turn`).
+        Only what can never fit is refused."""
+        return self._admit(
+            user,
+            groups,
+            count,
+            purpose=purpose,
+            server_name=server_name,
+            model=model,
+            max_nodes=max_nodes,
+            gpus_per_node=gpus_per_node,
+            backend=backend,
+            lease_seconds=lease_seconds,
+            on_nodes=on_nodes,
+            deferred=False,
+            wait=True,
+        )
+
+    def _admit(
+        self,
+        user,
+        groups,
+        count,
+        *,
+        purpose,
+        server_name,
+        model,
+        max_nodes,
+        gpus_per_node,
+        backend,
+        lease_seconds,
+        on_nodes,
+        deferred,
+        wait,
+    ) -> Admission:
         if purpose not in PURPOSES:
             raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}")
+        groups = list(groups)
         request = policy.Request(user, count, model, max_nodes, gpus_per_node)
         with self._tx() as s:
             self._expire(s)
             eff = policy.effective_limit(user, groups, self._rules(s))
             inventory, free = self._inventory(s), self._free(s)
             if on_nodes is not None:
-                allowed = set(on_nodes)
-                inventory = [g for g in inventory if g.node in allowed]
-                free = [g for g in free if g.node in allowed]
-            if deferred:
-                free = inventory  # it may wait for GPUs, never beyond the limit
-            policy.check_request(request, eff, self._holdings(s, user, eff.limit), inventory, free)
+                on_nodes = set(on_nodes)
+                inventory = [g for g in inventory if g.node in on_nodes]
+                free = [g for g in free if g.node in on_nodes]
+            holdings = self._holdings(s, user, eff.limit)
+            # the limit and what could ever fit; capacity is the queue's (or the scheduler's)
+            policy.check_request(request, eff, holdings, inventory, inventory)
             if count == 0:
                 raise policy.Refusal("An allocation needs at least 1 GPU.", reason="bad_request", fits=None)
-            if deferred and policy.place(request, inventory, inventory) is None:
+            if policy.place(request, inventory, inventory) is None:
                 raise policy.Refusal(
                     f"{count} GPUs cannot be split as asked ({gpus_per_node or 'any'} per node, at most "
                     f"{max_nodes or 'any'} nodes) on these nodes, even when all are free; "
                     "ask for another split.",
                     reason="too_large",
                 )
-            chosen = () if deferred else policy.place(request, free, inventory)
-            if chosen is None:
-                raise policy.Refusal(
-                    f"{count} GPUs cannot be placed as asked right now "
-                    f"({gpus_per_node or 'any'} per node, at most {max_nodes or 'any'} nodes); "
-                    "try another split or try again later.",
-                    reason="no_capacity",
+            if deferred:
+                alloc = self._book(
+                    s,
+                    user=user,
+                    purpose=purpose,
+                    server_name=server_name,
+                    count=count,
+                    chosen=(),
+                    backend=backend,
+                    lease_seconds=lease_seconds,
+                    deferred=True,
                 )
-            by_key = {
-                (g.node.name, g.index): g
-                for g in s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
-            }
-            now = self.clock()
-            alloc = Allocation(
+                return Admission(allocation=_info(alloc))
+            return self._admit_or_queue(
+                s,
                 user=user,
+                groups=groups,
+                request=request,
+                eff=eff,
+                inventory=inventory,
+                free=free,
+                on_nodes=on_nodes,
                 purpose=purpose,
                 server_name=server_name,
-                state="starting" if lease_seconds is None else "running",
-                created=now,
-                started=None if lease_seconds is None else now,
                 backend=backend,
-                lease_expires=None if lease_seconds is None else now + timedelta(seconds=lease_seconds),
-                gpu_count=count,
+                lease_seconds=lease_seconds,
+                wait=wait,
             )
-            if deferred:
-                alloc.state, alloc.started = "starting", None
-            alloc.gpus = [AllocationGpu(gpu=by_key[(g.node, g.index)], held=True) for g in chosen]
-            s.add(alloc)
-            s.flush()
-            return _info(alloc)
+
+    def _book(
+        self,
+        s: Session,
+        *,
+        user,
+        purpose,
+        server_name,
+        count,
+        chosen,
+        backend,
+        lease_seconds,
+        deferred: bool = False,
+    ) -> Allocation:
+        """Write an allocation holding ``chosen`` (checked by the caller, in this transaction)."""
+        by_key = {
+            (g.node.name, g.index): g
+            for g in s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
+        }
+        now = self.clock()
+        leased = lease_seconds is not None
+        alloc = Allocation(
+            user=user,
+            purpose=purpose,
+            server_name=server_name,
+            state="running" if leased and not deferred else "starting",
+            created=now,
+            started=now if leased and not deferred else None,
+            backend=backend,
+            lease_expires=now + timedelta(seconds=lease_seconds) if leased else None,
+            gpu_count=count,
+        )
+        alloc.gpus = [AllocationGpu(gpu=by_key[(g.node, g.index)], held=True) for g in chosen]
+        s.add(alloc)
+        s.flush()
+        return alloc
 
     def mark_running(self, allocation_id: int, backend_job_id: str | None = None) -> AllocationInfo:
         with self._tx() as s:

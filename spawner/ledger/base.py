@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from .. import policy
+from .. import fairshare, policy
 from ..db import ensure_schema, make_engine, make_session_factory
 from ..models import (
     ACTIVE_STATES,
@@ -22,6 +22,17 @@ from ..models import (
 )
 
 log = logging.getLogger("gpuhub.ledger")
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """The queue's settings (``c.GpuHub``'s, checked by ``GpuHub.open_ledger``)."""
+
+    shares: fairshare.Shares = field(default_factory=fairshare.Shares)
+    weights: fairshare.Weights = field(default_factory=fairshare.Weights)
+    keepalive_seconds: float = 30.0
+    max_wait_hours: float = 12.0
+    default_run_hours: float = 2.0
 
 
 def utcnow() -> datetime:
@@ -124,9 +135,11 @@ class LedgerBase:
         *,
         config_rules: policy.LimitRules | None = None,
         clock: Callable[[], datetime] = utcnow,
+        queue: QueueSettings | None = None,
     ):
         self.url = url
         self.config_rules = config_rules or policy.LimitRules()
+        self.queue_settings = queue or QueueSettings()
         self.clock = clock
         self.engine = make_engine(url)
         ensure_schema(self.engine, url)

@@ -1,0 +1,459 @@
+"""Waiting for GPUs: the queue (a part of :class:`spawner.ledger.Ledger`).
+
+A request that fits its user's limit but not the free GPUs becomes a ``queue_entries`` row.
+Its waiter (the hub's spawn, a notebook's magic through the broker) asks :meth:`wait_turn`
+every ``c.GpuHub.queue_poll_seconds``; each ask computes the queue's order
+(:mod:`spawner.fairshare`) and schedule (:mod:`spawner.queueplan`) from the ledger as it is
+and, when the schedule starts this entry now, books its GPUs in the same transaction. So
+only a live waiter is ever given GPUs (nothing is booked for a spawn that is gone), the
+head starts within one poll of its GPUs freeing, and no entry is granted out of the
+policy's order: a grant is the plan's, computed under the ledger's write lock.
+
+A direct :meth:`allocate` goes through the same plan: it gets GPUs only where a new entry
+would start at once, so nobody passes the queue by not joining it.
+
+Entries end (state ``left``, with the reason) when their waiter leaves (stop button,
+Ctrl-C), when nobody asked about them for ``queue_keepalive_seconds`` (the spawn was lost
+to a hub restart, the kernel died), after ``queue_max_wait_hours``, when an admin cancels
+them, or when a limit lowered meanwhile no longer lets them start.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from .. import fairshare, policy, queueplan, queueview
+from ..models import Allocation, KnownUser, QueueEntry, Reclaim
+from .base import AllocationInfo, _gpu, _info
+
+NEW = -1  # the id a request not yet in the queue has in the plan
+HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently
+RUNS_PER_USER = 20
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """One queue entry as its user and the admins see it."""
+
+    id: int
+    user: str
+    purpose: str
+    server_name: str
+    gpu_count: int
+    model: str | None
+    state: str
+    created: datetime
+    seen: datetime
+    front: datetime | None
+    ended: datetime | None
+    end_reason: str | None
+    allocation_id: int | None
+    position: int = 0  # 1-based among those waiting; 0 once it no longer waits
+    waiting: int = 0  # how many wait in all
+    expected: datetime | None = None
+    sure: str = "unknown"
+    factors: fairshare.Factors | None = None
+
+    def line(self, now: datetime) -> str:
+        return queueview.wait_line(self.position, self.waiting, self.gpu_count, self.expected, self.sure, now)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a request got: an allocation now, or a place in the queue (exactly one)."""
+
+    allocation: AllocationInfo | None = None
+    entry: QueueInfo | None = None
+
+
+def _nodes(text: str | None) -> frozenset[str] | None:
+    return None if text is None else frozenset(n for n in text.split(",") if n)
+
+
+def _groups(text: str) -> list[str]:
+    return [g for g in text.split(",") if g]
+
+
+def _entry_info(e: QueueEntry) -> QueueInfo:
+    return QueueInfo(
+        id=e.id,
+        user=e.user,
+        purpose=e.purpose,
+        server_name=e.server_name,
+        gpu_count=e.gpu_count,
+        model=e.model,
+        state=e.state,
+        created=e.created,
+        seen=e.seen,
+        front=e.front,
+        ended=e.ended,
+        end_reason=e.end_reason,
+        allocation_id=e.allocation_id,
+    )
+
+
+@dataclass
+class _Scene:
+    """The queue's order and schedule at one moment, with the rows behind them."""
+
+    order: list[int]
+    plan: queueplan.Plan
+    factors: dict[int, fairshare.Factors]
+    free: list[policy.Gpu]
+
+    def info(self, base: QueueInfo) -> QueueInfo:
+        position, waiting = self.plan.position(self.order, base.id) if base.state == "waiting" else (0, 0)
+        expected = self.plan.expected.get(base.id, queueplan.Expected(None, "unknown"))
+        return replace(
+            base,
+            position=position,
+            waiting=waiting,
+            expected=expected.at,
+            sure=expected.sure,
+            factors=self.factors.get(base.id),
+        )
+
+
+class QueueRecords:
+    """Methods of the Ledger (it provides ``_tx``, ``_read``, ``_rules``, ``_inventory``,
+    ``_free``, ``_active``, ``_holdings``, ``_expire``, ``_book``, ``clock``)."""
+
+    # the scene ------------------------------------------------------------------------
+
+    def _end_stale(self, s: Session, now: datetime) -> list[int]:
+        qs = self.queue_settings
+        quiet = now - timedelta(seconds=qs.keepalive_seconds)
+        oldest = now - timedelta(hours=qs.max_wait_hours)
+        ended = []
+        for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")):
+            if e.seen < quiet:
+                self._leave(
+                    e, f"nobody waited for it any more (not asked about for {qs.keepalive_seconds:g} s)"
+                )
+            elif e.created < oldest:
+                self._leave(
+                    e,
+                    f"it waited the longest allowed ({qs.max_wait_hours:g} h, c.GpuHub.queue_max_wait_hours)",
+                )
+            else:
+                continue
+            ended.append(e.id)
+        return ended
+
+    def _leave(self, e: QueueEntry, reason: str) -> None:
+        e.state, e.ended, e.end_reason = "left", self.clock(), reason[:255]
+
+    def _usage_and_runs(self, s: Session, now: datetime) -> tuple[dict[str, float], dict[str, float]]:
+        """Decayed GPU-hours per user, and each user's median run length in hours."""
+        w = self.queue_settings.weights
+        cutoff = now - timedelta(hours=8 * w.half_life_hours)  # older use weighs under 0.4 %
+        history = now - timedelta(days=HISTORY_DAYS)
+        rows = s.execute(
+            select(
+                Allocation.user,
+                Allocation.created,
+                Allocation.started,
+                Allocation.ended,
+                Allocation.gpu_count,
+            )
+            .where(or_(Allocation.ended.is_(None), Allocation.ended >= min(cutoff, history)))
+            .order_by(Allocation.id.desc())
+        ).all()
+        intervals: dict[str, list] = {}
+        runs: dict[str, list[float]] = {}
+        for user, created, started, ended, count in rows:
+            start = started or created
+            if ended is None or ended >= cutoff:
+                intervals.setdefault(user, []).append((start, ended, count or 0))
+            if started is not None and ended is not None and ended >= history:
+                got = runs.setdefault(user, [])
+                if len(got) < RUNS_PER_USER:
+                    got.append((ended - started).total_seconds() / 3600.0)
+        usage = {u: fairshare.decayed_usage(iv, now, w.half_life_hours) for u, iv in intervals.items()}
+        return usage, {u: statistics.median(r) for u, r in runs.items() if r}
+
+    def _scene(
+        self, s: Session, now: datetime, new: tuple[fairshare.Candidate, queueplan.Waiting] | None = None
+    ) -> _Scene:
+        qs = self.queue_settings
+        rows = list(s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")))
+        usage, runs = self._usage_and_runs(s, now)
+        known = {u.name: _groups(u.groups) for u in s.scalars(select(KnownUser))}
+        groups = {**known, **{e.user: _groups(e.groups) for e in rows}}
+        candidates = [fairshare.Candidate(e.id, e.user, e.created, e.front) for e in rows]
+        default_run = qs.default_run_hours
+        waiting = {
+            e.id: queueplan.Waiting(
+                e.id,
+                policy.Request(e.user, e.gpu_count, e.model, e.max_nodes, e.gpus_per_node),
+                runs.get(e.user, default_run),
+                _nodes(e.on_nodes),
+            )
+            for e in rows
+        }
+        if new is not None:
+            candidates.append(new[0])
+            waiting[new[0].id] = new[1]
+            groups.setdefault(new[0].user, [])
+        users = set(usage) | {c.user for c in candidates}
+        share = {u: fairshare.effective_share(u, groups.get(u, ()), qs.shares)[0] for u in users}
+        found = fairshare.factors(candidates, usage, share, now, qs.weights)
+        ordered = fairshare.order(candidates, found)
+        held = []
+        reclaimed = set(s.scalars(select(Reclaim.allocation_id)))
+        for a in self._active(s):
+            gpus = tuple(sorted(_gpu(ag.gpu) for ag in a.gpus if ag.held))
+            if not gpus:
+                continue
+            if a.id in reclaimed:  # being stopped for idleness: ends within moments
+                held.append(queueplan.Held(gpus, now + timedelta(minutes=1), "firm"))
+                continue
+            typical = timedelta(hours=runs.get(a.user, default_run))
+            start = a.started or a.created
+            ends = max(now + timedelta(minutes=5), start + typical)
+            if a.lease_expires is not None:
+                ends = max(ends, a.lease_expires)
+            held.append(queueplan.Held(gpus, ends, "guess"))
+        plan = queueplan.plan([waiting[c.id] for c in ordered], self._inventory(s), held, now)
+        return _Scene([c.id for c in ordered], plan, found, self._free(s))
+
+    # asking ----------------------------------------------------------------------------
+
+    def _waiting_gpus(self, s: Session, user: str, but: int | None = None) -> int:
+        q = select(QueueEntry.gpu_count).where(QueueEntry.state == "waiting", QueueEntry.user == user)
+        if but is not None:
+            q = q.where(QueueEntry.id != but)
+        return sum(s.scalars(q))
+
+    def _check_limit_with_waiting(self, s, request, eff, held: int, waiting: int) -> None:
+        room = policy.remaining(eff, policy.Holdings(held=held + waiting))
+        if waiting and room is not None and request.count > room:
+            raise policy.Refusal(
+                f"You asked for {request.count} GPU(s), but you hold {held} and already wait for "
+                f"{waiting} of {policy._describe_limit(eff)}. Leave the other wait, or ask for "
+                f"{room} or fewer.",
+                reason="over_limit",
+                fits=room,
+            )
+
+    def _grant(self, s: Session, e: QueueEntry, gpus, now: datetime) -> AllocationInfo:
+        alloc = self._book(
+            s,
+            user=e.user,
+            purpose=e.purpose,
+            server_name=e.server_name,
+            count=e.gpu_count,
+            chosen=gpus,
+            backend=e.backend,
+            lease_seconds=e.lease_seconds,
+        )
+        e.state, e.ended, e.allocation_id = "granted", now, alloc.id
+        e.end_reason = f"started after {(now - e.created).total_seconds():.0f} s"
+        return _info(alloc)
+
+    def wait_turn(self, entry_id: int) -> Admission:
+        """The waiter's question: has my turn come? Books the GPUs when it has.
+
+        Returns the allocation (granted now or before) or the entry with its place; an entry
+        that left the queue comes back with its state ``left`` and the reason."""
+        with self._read() as s:  # most asks change nothing: answer them without the lock
+            e = s.get(QueueEntry, entry_id)
+            if e is None:
+                raise LookupError(f"queue entry {entry_id} does not exist")
+            now = self.clock()
+            fresh = e.seen >= now - timedelta(seconds=self.queue_settings.keepalive_seconds / 3)
+            if e.state == "waiting" and fresh:
+                scene = self._scene(s, now)
+                if entry_id not in scene.plan.grants:
+                    return Admission(entry=scene.info(_entry_info(e)))
+        with self._tx() as s:
+            now = self.clock()
+            self._expire(s)
+            e = s.get(QueueEntry, entry_id)
+            if e.state == "waiting":
+                e.seen = now
+            self._end_stale(s, now)
+            if e.state == "granted":
+                a = s.get(Allocation, e.allocation_id)
+                return Admission(allocation=_info(a), entry=_entry_info(e))
+            if e.state == "left":
+                return Admission(entry=_entry_info(e))
+            scene = self._scene(s, now)
+            gpus = scene.plan.grants.get(e.id)
+            if gpus is None:
+                return Admission(entry=scene.info(_entry_info(e)))
+            eff = policy.effective_limit(e.user, _groups(e.groups), self._rules(s))
+            holdings = self._holdings(s, e.user, eff.limit)
+            room = policy.remaining(eff, holdings)
+            if room is not None and e.gpu_count > room:
+                self._leave(
+                    e,
+                    f"your limit no longer allows it: you hold {holdings.held} "
+                    f"of {policy._describe_limit(eff)}",
+                )
+                return Admission(entry=_entry_info(e))
+            allocation = self._grant(s, e, gpus, now)
+            return Admission(allocation=allocation, entry=_entry_info(e))
+
+    def leave_queue(self, entry_id: int, reason: str = "left the queue") -> bool:
+        """End a waiting entry (stop button, Ctrl-C, an admin). False when it no longer waits."""
+        with self._tx() as s:
+            e = s.get(QueueEntry, entry_id)
+            if e is None or e.state != "waiting":
+                return False
+            self._leave(e, reason)
+            return True
+
+    def leave_queue_of(self, user: str, server_name: str, reason: str) -> list[int]:
+        """End the waiting spawn entries of one server (the server was stopped or deleted)."""
+        with self._tx() as s:
+            found = list(
+                s.scalars(
+                    select(QueueEntry).where(
+                        QueueEntry.state == "waiting",
+                        QueueEntry.user == user,
+                        QueueEntry.purpose == "server",
+                        QueueEntry.server_name == server_name,
+                    )
+                )
+            )
+            for e in found:
+                self._leave(e, reason)
+            return [e.id for e in found]
+
+    def move_to_front(self, entry_id: int) -> QueueInfo:
+        """An admin's: this entry goes ahead of every other (the latest moved first)."""
+        with self._tx() as s:
+            e = s.get(QueueEntry, entry_id)
+            if e is None or e.state != "waiting":
+                raise LookupError(f"queue entry {entry_id} is not waiting")
+            e.front = self.clock()
+            return _entry_info(e)
+
+    def queue_entry(self, entry_id: int) -> QueueInfo | None:
+        with self._read() as s:
+            e = s.get(QueueEntry, entry_id)
+            if e is None:
+                return None
+            if e.state != "waiting":
+                return _entry_info(e)
+            return self._scene(s, self.clock()).info(_entry_info(e))
+
+    def queue(self, user: str | None = None) -> list[QueueInfo]:
+        """Every waiting entry (or a user's), in the queue's order, with place and factors."""
+        with self._read() as s:
+            now = self.clock()
+            rows = {e.id: e for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting"))}
+            scene = self._scene(s, now)
+            out = [scene.info(_entry_info(rows[i])) for i in scene.order]
+        return [q for q in out if user is None or q.user == user]
+
+    def queue_history(self, since: datetime) -> list[QueueInfo]:
+        """Entries that stopped waiting since ``since`` (for wait-time metrics and tests)."""
+        with self._read() as s:
+            q = select(QueueEntry).where(QueueEntry.state != "waiting", QueueEntry.ended >= since)
+            return [_entry_info(e) for e in s.scalars(q.order_by(QueueEntry.id))]
+
+    # the shared admission -------------------------------------------------------------
+
+    def _admit_or_queue(
+        self,
+        s: Session,
+        *,
+        user: str,
+        groups: Iterable[str],
+        request: policy.Request,
+        eff: policy.EffectiveLimit,
+        inventory: list[policy.Gpu],
+        free: list[policy.Gpu],
+        on_nodes: Iterable[str] | None,
+        purpose: str,
+        server_name: str,
+        backend: str,
+        lease_seconds: float | None,
+        wait: bool,
+    ) -> Admission:
+        """After the limit and feasibility checks: book now if the queue's plan starts this
+        request now, else queue it (``wait``) or refuse it with the queue named."""
+        now = self.clock()
+        self._end_stale(s, now)
+        adopt = None
+        if purpose == "server":
+            adopt = s.scalars(
+                select(QueueEntry).where(
+                    QueueEntry.state == "waiting",
+                    QueueEntry.user == user,
+                    QueueEntry.purpose == "server",
+                    QueueEntry.server_name == server_name,
+                    QueueEntry.backend == backend,
+                )
+            ).first()
+        held = self._holdings(s, user, eff.limit).held
+        self._check_limit_with_waiting(
+            s, request, eff, held, self._waiting_gpus(s, user, adopt.id if adopt else None)
+        )
+        nodes = None if on_nodes is None else frozenset(on_nodes)
+        created = adopt.created if adopt is not None else now
+        front = adopt.front if adopt is not None else None
+        if adopt is not None:  # it stands where the entry stood; the plan sees it as new
+            adopt.state = "left"
+        # the plan sees the new request as one more waiting entry, with the user's run length
+        _usage, runs = self._usage_and_runs(s, now)
+        run = runs.get(user, self.queue_settings.default_run_hours)
+        cand = fairshare.Candidate(NEW, user, created, front)
+        scene = self._scene(s, now, (cand, queueplan.Waiting(NEW, request, run, nodes)))
+        if adopt is not None:
+            adopt.state = "waiting"
+        gpus = scene.plan.grants.get(NEW)
+        if gpus is not None:
+            if adopt is not None:
+                self._leave(adopt, "started")
+            alloc = self._book(
+                s,
+                user=user,
+                purpose=purpose,
+                server_name=server_name,
+                count=request.count,
+                chosen=gpus,
+                backend=backend,
+                lease_seconds=lease_seconds,
+            )
+            return Admission(allocation=_info(alloc))
+        if not wait:
+            ahead = scene.plan.position(scene.order, NEW)[0] - 1
+            policy.check_request(request, eff, policy.Holdings(held=held), inventory, free)
+            if ahead == 0:
+                raise policy.Refusal(
+                    f"{request.count} GPUs cannot be placed as asked right now "
+                    f"({request.gpus_per_node or 'any'} per node, at most {request.max_nodes or 'any'} "
+                    "nodes); try another split or try again later.",
+                    reason="no_capacity",
+                )
+            raise policy.Refusal(
+                f"{ahead} request(s) wait for GPUs ahead of yours (a fair-share queue); "
+                "ask again with waiting allowed to take your place in it.",
+                reason="no_capacity",
+                fits=0,
+            )
+        e = adopt or QueueEntry(created=now, state="waiting")
+        e.user, e.groups = user, ",".join(sorted(set(groups)))[:4000]
+        e.purpose, e.server_name, e.backend = purpose, server_name, backend
+        e.gpu_count, e.model = request.count, request.model
+        e.max_nodes, e.gpus_per_node = request.max_nodes, request.gpus_per_node
+        e.on_nodes = None if nodes is None else ",".join(sorted(nodes))[:4000]
+        e.lease_seconds, e.seen = lease_seconds, now
+        if adopt is None:
+            s.add(e)
+        s.flush()
+        # the entry's id replaces NEW in the same scene: its place is the plan's
+        scene.order = [e.id if i == NEW else i for i in scene.order]
+        scene.plan.expected[e.id] = scene.plan.expected.pop(NEW)
+        if NEW in scene.factors:
+            scene.factors[e.id] = scene.factors.pop(NEW)
+        return Admission(entry=scene.info(_entry_info(e)))

@@ -1,0 +1,136 @@
+"""Who among the waiting starts now, and when the others may: the queue's schedule (pure).
+
+Input: the waiting requests in the queue's order (:func:`spawner.fairshare.order`), the
+GPUs free now, and what is held with when it is expected to end. The plan walks the order
+and gives each request the earliest time its GPUs are free, reserving them from then on
+for as long as it is expected to run (conservative backfill, as Slurm's backfill
+scheduler does with reservations): a request further back starts *now* only on GPUs that
+no request ahead of it needs before it would be done, so backfill never delays anyone
+ahead. The head always starts the moment its GPUs are free.
+
+Ends are expectations, each with how sure it is:
+
+- ``firm``: a burst's lease that its kernel stopped renewing, an idle reclaim that is due;
+- ``guess``: from the user's recent run lengths (or ``queue_default_run_hours``);
+- ``None`` end: nothing known (the plan treats it as never, and says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from . import policy
+
+SURENESS = ("now", "firm", "guess", "unknown")  # best to worst
+
+
+@dataclass(frozen=True)
+class Waiting:
+    id: int
+    request: policy.Request
+    run_hours: float  # how long it is expected to hold its GPUs once started
+    on_nodes: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class Held:
+    gpus: tuple[policy.Gpu, ...]
+    ends: datetime | None
+    sure: str = "guess"  # "firm" or "guess"
+
+
+@dataclass(frozen=True)
+class Expected:
+    at: datetime | None
+    sure: str  # one of SURENESS
+
+
+@dataclass
+class Plan:
+    grants: dict[int, tuple[policy.Gpu, ...]] = field(default_factory=dict)  # start now, on these
+    expected: dict[int, Expected] = field(default_factory=dict)  # every entry, granted or not
+    backfilled: set[int] = field(default_factory=set)  # granted while someone ahead still waits
+
+    def position(self, order: Sequence[int], entry_id: int) -> tuple[int, int]:
+        """1-based place among those still waiting after this plan's grants, and how many."""
+        left = [i for i in order if i not in self.grants]
+        return (left.index(entry_id) + 1 if entry_id in left else 0), len(left)
+
+
+def _worse(a: str, b: str) -> str:
+    return a if SURENESS.index(a) > SURENESS.index(b) else b
+
+
+class _Timeline:
+    """Each GPU's busy periods: held now (until its expected end) and reserved ahead."""
+
+    def __init__(self, inventory: Sequence[policy.Gpu], held: Sequence[Held], now: datetime):
+        self.now = now
+        self.busy: dict[policy.Gpu, list[tuple[datetime, datetime | None, str]]] = {g: [] for g in inventory}
+        for h in held:
+            for g in h.gpus:
+                if g in self.busy:
+                    self.busy[g].append((now, h.ends, h.sure))
+
+    def times(self) -> list[datetime]:
+        """When a GPU may become free: now and every expected end of a busy period."""
+        found = {self.now}
+        for periods in self.busy.values():
+            found |= {end for _, end, _ in periods if end is not None and end > self.now}
+        return sorted(found)
+
+    def free_over(self, start: datetime, end: datetime) -> list[policy.Gpu]:
+        def clear(periods):
+            return all(not (lo < end and (hi is None or hi > start)) for lo, hi, _ in periods)
+
+        return [g for g, periods in self.busy.items() if clear(periods)]
+
+    def sureness(self, gpus: Sequence[policy.Gpu], start: datetime) -> str:
+        """How sure a start at ``start`` on ``gpus`` is: as sure as the least sure end it waits for."""
+        sure = "now" if start <= self.now else "firm"
+        for g in gpus:
+            for _lo, hi, how in self.busy[g]:
+                if hi is not None and hi <= start and hi > self.now:
+                    sure = _worse(sure, how)
+        return sure
+
+    def reserve(self, gpus: Sequence[policy.Gpu], start: datetime, end: datetime, sure: str) -> None:
+        for g in gpus:
+            self.busy[g].append((start, end, sure))
+
+
+def plan(
+    waiting: Sequence[Waiting],
+    inventory: Sequence[policy.Gpu],
+    held: Sequence[Held],
+    now: datetime,
+) -> Plan:
+    """The schedule for ``waiting``, already in the queue's order (see the module's text)."""
+    timeline = _Timeline(inventory, held, now)
+    out = Plan()
+    someone_waits = False
+    for w in waiting:
+        run = timedelta(hours=max(w.run_hours, 1 / 60))
+        usable = [g for g in inventory if w.on_nodes is None or g.node in w.on_nodes]
+        placed = None
+        for t in timeline.times():
+            free = [g for g in timeline.free_over(t, t + run) if w.on_nodes is None or g.node in w.on_nodes]
+            placed = policy.place(w.request, free, usable)
+            if placed is not None:
+                break
+        if placed is None:
+            out.expected[w.id] = Expected(None, "unknown")
+            someone_waits = True
+            continue
+        sure = timeline.sureness(placed, t)
+        timeline.reserve(placed, t, t + run, sure)
+        out.expected[w.id] = Expected(t, sure)
+        if t <= now:
+            out.grants[w.id] = placed
+            if someone_waits:
+                out.backfilled.add(w.id)
+        else:
+            someone_waits = True
+    return out
