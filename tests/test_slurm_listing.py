@@ -59,8 +59,12 @@ def test_a_json_job_and_its_gpus():
                 "gpuhub:7",
                 (("gpu-node1", 3), ("gpu-node2", 0), ("gpu-node2", 1)),
             ),
-            "6": JobInfo("6", "PENDING", "Resources", (), "bob", "gpuhub-engines", "2026-11-29T18:00:00"),
-        }
+            "6": JobInfo(
+                "6", "PENDING", "Resources", (), "bob", "gpuhub-engines", "2026-11-29T18:00:00",
+                expected=jobs.epoch_utc(start),
+            ),
+        },
+        queue=(jobs.QueuedJob("6", (), 0),),  # every pending job counts, whoever's
     )
     assert got.jobs["5"].allocation_id == 7 and got.jobs["6"].allocation_id is None
 

@@ -319,10 +319,13 @@ def test_sync_writes_the_others_then_names_the_refused(monkeypatch):
         def effective_limits(self, users=None):
             return {"alice": eff(2), "a,b=c": eff(1), "-x": eff(1)}
 
+        def known_groups(self, users):
+            return {u: [] for u in users}
+
     with pytest.raises(SlurmError) as e:
         acc.sync(FakeLedger())
     assert "'a,b=c'" in str(e.value) and "'-x'" in str(e.value)
-    assert [argv for argv in ran if "show" not in argv] == [ADD, modify(2)]
+    assert [argv for argv in ran if "show" not in argv] == [ADD, [*modify(2), "Fairshare=1"]]
     assert not any("a,b=c" in part or part == "-x" for argv in ran for part in argv)
 
 
@@ -631,8 +634,11 @@ def test_plan_launch_refuses_an_uneven_split_and_the_engines_job_drops_the_serve
 
 
 def test_queue_positions_by_priority_then_age_per_partition():
-    text = "30|gpu|100\n31|gpu|500\n32|gpu|100\n33|interactive|1\n34|gpu,interactive|900\nbad line\n"
-    assert jobs.queue_positions(text, {"30", "32", "33", "99"}) == {
+    Q = jobs.QueuedJob
+    queue = [Q("30", ("gpu",), 100), Q("31", ("gpu",), 500), Q("32", ("gpu",), 100),
+             Q("33", ("interactive",), 1), Q("34", ("gpu", "interactive"), 900),
+             Q("35", ("gpu",), 0)]  # fmt: skip  (35: held, competes for nothing)
+    assert jobs.queue_positions(queue, {"30", "32", "33", "35", "99"}) == {
         "30": (3, 4, "gpu"),  # behind 34 (900) and 31 (500); older than 32 at the same priority
         "32": (4, 4, "gpu"),
         "33": (2, 2, "interactive"),  # 34 waits in both partitions

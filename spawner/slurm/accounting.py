@@ -1,7 +1,10 @@
 """gpuhub limits written into Slurm's accounting, so a plain ``sbatch`` is bounded too.
 
 Each known user's effective ``max_gpus`` becomes their association's
-``GrpTRES=gres/gpu=N`` (``-1``: no limit) in ``c.SlurmAccounting.account``; a user Slurm
+``GrpTRES=gres/gpu=N`` (``-1``: no limit) in ``c.SlurmAccounting.account``, and their
+effective fair share (:func:`spawner.fairshare.effective_share` of ``c.GpuHub.default_share``,
+``group_shares``, ``user_shares`` with their last known groups) its ``Fairshare=S``, which
+Slurm's ``priority/multifactor`` weighs their recent use against; a user Slurm
 does not know yet is added first (``sacctmgr add user``). Needs slurmdbd with
 ``AccountingStorageEnforce=associations,limits`` and ``AccountingStorageTRES=gres/gpu``.
 
@@ -18,12 +21,13 @@ with :class:`~.jobs.SlurmError` naming it, and never reaches ``sacctmgr``.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from traitlets import Bool, Float, Unicode
 from traitlets.config import LoggingConfigurable
 
+from ..fairshare import Shares, effective_share
 from ..policy import EffectiveLimit
 from ..values import BadValue, parse_name
 from .jobs import SlurmError
@@ -36,23 +40,34 @@ class Association:
     user: str
     account: str
     gpus: int  # GrpTRES gres/gpu, -1 when unset
+    fairshare: int | None = None  # the association's Fairshare (None: not read, or "parent")
+
+
+ASSOC_FORMAT = "format=user,account,grptres,fairshare"
 
 
 def parse_associations(text: str) -> dict[str, Association]:
-    """``sacctmgr -n -P show assoc format=user,account,grptres`` to user -> association."""
+    """``sacctmgr -n -P show assoc format=user,account,grptres[,fairshare]`` to user ->
+    association. A Fairshare that is not a whole number (``parent``) reads as None."""
     out = {}
     for line in text.splitlines():
         fields = line.strip().split("|")
-        if len(fields) != 3 or not fields[0]:
+        if len(fields) not in (3, 4) or not fields[0]:
             continue
-        user, account, tres = fields
+        user, account, tres = fields[:3]
         gpus = UNLIMITED
         for item in tres.split(","):
             key, _, value = item.partition("=")
             if key == "gres/gpu" and value.lstrip("-").isdigit():
                 gpus = int(value)
-        out[user] = Association(user, account, gpus)
+        share = fields[3].strip() if len(fields) == 4 else ""
+        out[user] = Association(user, account, gpus, int(share) if share.isdigit() else None)
     return out
+
+
+def wanted_shares(groups: Mapping[str, Iterable[str]], shares: Shares) -> dict[str, int]:
+    """Each user's ``Fairshare``: their effective gpuhub share with their known groups."""
+    return {user: effective_share(user, list(g), shares)[0] for user, g in groups.items()}
 
 
 def sacctmgr_name(name, what: str = "user") -> str:
@@ -71,10 +86,15 @@ def wanted_gpus(eff: EffectiveLimit) -> int:
 
 
 def plan(
-    limits: Mapping[str, EffectiveLimit], current: Mapping[str, Association], account: str
+    limits: Mapping[str, EffectiveLimit],
+    current: Mapping[str, Association],
+    account: str,
+    shares: Mapping[str, int] | None = None,
 ) -> list[list[str]]:
-    """The ``sacctmgr`` commands that make Slurm match ``limits`` (pure). A user or account
+    """The ``sacctmgr`` commands that make Slurm match ``limits`` and ``shares`` (user ->
+    Fairshare; a user missing there keeps the Fairshare Slurm has) (pure). A user or account
     name that ``sacctmgr`` would misread is a :class:`SlurmError` (no command is planned)."""
+    shares = shares or {}
     sacctmgr_name(account, "account")
     for user in limits:
         sacctmgr_name(user)
@@ -84,7 +104,13 @@ def plan(
         have = current.get(user)
         if have is None:
             commands.append(["sacctmgr", "-i", "add", "user", user, f"Account={account}"])
+        changes = []
         if have is None or have.gpus != want:
+            changes.append(f"GrpTRES=gres/gpu={want}")
+        share = shares.get(user)
+        if share is not None and (have is None or have.fairshare != share):
+            changes.append(f"Fairshare={int(share)}")
+        if changes:
             commands.append(
                 [
                     "sacctmgr",
@@ -95,7 +121,7 @@ def plan(
                     f"name={user}",
                     f"account={account}",
                     "set",
-                    f"GrpTRES=gres/gpu={want}",
+                    *changes,
                 ]
             )
     return commands
@@ -149,18 +175,29 @@ class SlurmAccounting(LoggingConfigurable):
                 "show",
                 "assoc",
                 f"account={self.account}",
-                "format=user,account,grptres",
+                ASSOC_FORMAT,
             ]
         )
         return parse_associations(out)
 
-    def sync(self, ledger, users=None) -> list[list[str]]:
-        """Make Slurm's associations match the ledger for ``users`` (default: every known user).
-        Returns the commands run."""
+    def shares(self) -> Shares:
+        """``c.GpuHub``'s fair-share weights, checked: a bad one is a ``ValueError`` naming its
+        trait (before anything reaches Slurm)."""
+        from ..settings import GpuHub
+
+        return GpuHub(config=self.config).shares()
+
+    def sync(self, ledger, users=None, groups: Mapping[str, Iterable[str]] | None = None) -> list[list[str]]:
+        """Make Slurm's associations match the ledger for ``users`` (default: every known user):
+        limits and fair shares. ``groups``: user -> groups where the caller knows them better
+        than the ledger's last record (a spawn). Returns the commands run."""
         if not self.enabled:
             return []
+        share_weights = self.shares()  # a bad share is refused before anything is written
         sacctmgr_name(self.account, "account")
         limits = ledger.effective_limits(users)
+        known = {**known_groups(ledger, limits), **(groups or {})}
+        fairshares = wanted_shares({u: known.get(u, ()) for u in limits}, share_weights)
         refused = {}
         for user in list(limits):
             try:
@@ -168,10 +205,26 @@ class SlurmAccounting(LoggingConfigurable):
             except SlurmError as e:
                 refused[user] = str(e)
                 del limits[user]
-        commands = plan(limits, self.associations(), self.account) if limits else []
+        commands = plan(limits, self.associations(), self.account, fairshares) if limits else []
         for argv in commands:
             self.log.info("gpuhub: %s", " ".join(argv))
             self._run(argv)
         if refused:  # the others' limits are written; these names never reach sacctmgr
             raise SlurmError("; ".join(refused[u] for u in sorted(refused)))
         return commands
+
+
+def known_groups(ledger, users: Iterable[str]) -> dict[str, list[str]]:
+    """The groups the ledger remembers for ``users`` (from each one's last spawn)."""
+    from sqlalchemy import select
+
+    from ..models import KnownUser
+
+    wanted = set(users)
+    reader = getattr(ledger, "known_groups", None)
+    if reader is not None:
+        return {u: list(g) for u, g in reader(sorted(wanted)).items()}
+    # a ledger without a reader of its known users' groups: read its table
+    with ledger._read() as s:
+        rows = {r.name: r.groups for r in s.scalars(select(KnownUser)) if r.name in wanted}
+    return {u: [g for g in rows.get(u, "").split(",") if g] for u in wanted}

@@ -28,7 +28,7 @@ import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from ..policy import Gpu
 
@@ -176,6 +176,9 @@ class JobInfo:
     start_time: str = ""  # expected start of a pending job, when Slurm knows it
     comment: str = ""
     gpus: tuple[tuple[str, int], ...] = ()  # (node, node-local index), from gres_detail
+    priority: int = 0  # Slurm's priority (multifactor: fair share, age), JSON only
+    partition: str = ""  # the partition(s) it runs or waits in, "gpu" or "gpu,interactive"
+    expected: datetime | None = None  # a pending job's expected start (naive UTC), JSON only
 
     @property
     def allocation_id(self) -> int | None:
@@ -217,33 +220,31 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-PENDING_FORMAT = "%i|%P|%Q"
+@dataclass(frozen=True)
+class QueuedJob:
+    """A job of anyone's waiting in Slurm's queue, as positions need it (from JSON only)."""
+
+    job_id: str
+    partitions: tuple[str, ...]
+    priority: int
 
 
-def pending_argv() -> list[str]:
-    """Every pending job of the cluster (any user), with its partition and priority."""
-    return ["squeue", "-h", "-a", "-t", "PENDING", "-o", PENDING_FORMAT]
-
-
-def queue_positions(text: str, wanted) -> dict[str, tuple[int, int, str]]:
-    """Where each ``wanted`` pending job stands in its partition: (position, of, partition),
-    by Slurm's priority (higher first, then older). The order the scheduler starts jobs in
-    may differ (backfill), so this is what Slurm's priorities say, not a promise."""
-    by_partition: dict[str, list[tuple[int, int, str]]] = {}
-    for line in text.splitlines():
-        fields = line.strip().split("|")
-        if len(fields) != 3 or not fields[0].isdigit():
-            continue
-        job_id, partitions, priority = fields
-        prio = int(priority) if priority.isdigit() else 0
-        for partition in partitions.split(","):  # a job may wait in several partitions
-            by_partition.setdefault(partition, []).append((-prio, int(job_id), job_id))
+def queue_positions(queue: Iterable[QueuedJob], wanted: Iterable[str]) -> dict[str, tuple[int, int, str]]:
+    """Where each ``wanted`` pending job stands among the jobs waiting for the same
+    partition: (position, of, partition), by Slurm's priority (higher first, then the older
+    job id, as Slurm's scheduler sorts). A job waiting in several partitions is placed in
+    the first it names. Held jobs (priority 0) compete for nothing and are not counted.
+    Backfill may start a smaller job earlier, so this is Slurm's order, not a promise."""
+    wanted = {str(j) for j in wanted}
+    queue = [q for q in queue if q.priority > 0]
     out = {}
-    for partition, queue in by_partition.items():
-        queue.sort()
-        for i, (_, _, job_id) in enumerate(queue):
-            if job_id in wanted and job_id not in out:
-                out[job_id] = (i + 1, len(queue), partition)
+    for job in queue:
+        if job.job_id not in wanted or not job.partitions:
+            continue
+        partition = job.partitions[0]
+        rivals = sorted((-q.priority, int(q.job_id), q.job_id) for q in queue if partition in q.partitions)
+        place = [j for _, _, j in rivals].index(job.job_id)
+        out[job.job_id] = (place + 1, len(rivals), partition)
     return out
 
 
@@ -251,6 +252,7 @@ _GRES_IDX = re.compile(r"gpu(?::[^:(,\s]+)*:\d+\(IDX:([0-9,\-]+)\)", re.ASCII)
 _STATE = re.compile(r"[A-Z][A-Z_]{0,39}", re.ASCII)
 _JOB_ID = re.compile(r"[1-9][0-9]{0,17}", re.ASCII)
 _NODES = re.compile(r"[A-Za-z0-9_.\-\[\],]{0,4096}", re.ASCII)
+_PARTITION = re.compile(r"[A-Za-z0-9_.\-]{1,200}", re.ASCII)
 
 
 def _job_gpus(job_id: str, nodes: list[str], detail) -> tuple[tuple[str, int], ...]:
@@ -322,6 +324,8 @@ class Listing:
     jobs: dict[str, JobInfo]
     unreadable: frozenset[str] = frozenset()
     problems: tuple[str, ...] = ()
+    # every job of the cluster (any user, any name) waiting in Slurm's queue: JSON only
+    queue: tuple[QueuedJob, ...] = ()
 
 
 def _text(raw, what: str, job_id: str, *, empty: bool = True) -> str:
@@ -349,6 +353,36 @@ def _start_time(raw, job_id: str) -> str:
         return ""
 
 
+def _number(raw, what: str, job_id: str) -> int:
+    """An integer of ``squeue --json``: plain (22.05) or ``{"set", "infinite", "number"}``
+    (23.02 and later); 0 when unset."""
+    if isinstance(raw, dict):
+        raw = raw.get("number", 0) if raw.get("set", True) and not raw.get("infinite") else 0
+    if raw is None:
+        return 0
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        raise SlurmError(f"job {job_id}: no readable {what} ({str(raw)[:40]!r})")
+    return raw
+
+
+def epoch_utc(seconds: int) -> datetime | None:
+    """Epoch seconds to a naive-UTC time; None for 0 (Slurm: not known yet) or nonsense."""
+    if seconds <= 0:
+        return None
+    try:
+        return datetime.fromtimestamp(seconds, UTC).replace(tzinfo=None)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _partitions(raw, job_id: str) -> tuple[str, ...]:
+    text = _text(raw, "partition", job_id)
+    parts = tuple(p for p in text.split(",") if p)
+    if any(not _PARTITION.fullmatch(p) for p in parts):
+        raise SlurmError(f"job {job_id}: no readable partition ({text[:40]!r})")
+    return parts
+
+
 def _state(raw, job_id: str) -> str:
     if isinstance(raw, list) and raw:  # 23.02 and later: ["RUNNING", "COMPLETING", ...], base first
         raw = raw[0]
@@ -364,9 +398,10 @@ def job_from_json(raw: dict, job_id: str) -> JobInfo:
     if any(ch.isspace() or not ch.isprintable() for ch in user):
         raise SlurmError(f"job {job_id}: no readable user_name ({user[:40]!r})")
     nodes = _hostlist(job_id, raw.get("nodes"))
+    state = _state(raw.get("job_state"), job_id)
     return JobInfo(
         job_id=job_id,
-        state=_state(raw.get("job_state"), job_id),
+        state=state,
         reason=_text(raw.get("state_reason"), "state_reason", job_id),
         nodes=tuple(nodes),
         user=user,
@@ -374,6 +409,21 @@ def job_from_json(raw: dict, job_id: str) -> JobInfo:
         start_time=_start_time(raw.get("start_time"), job_id),
         comment=_text(raw.get("comment"), "comment", job_id),
         gpus=_job_gpus(job_id, nodes, raw.get("gres_detail") or []),
+        priority=_number(raw.get("priority"), "priority", job_id),
+        partition=",".join(_partitions(raw.get("partition"), job_id)),
+        expected=(
+            epoch_utc(_number(raw.get("start_time"), "start_time", job_id)) if state == "PENDING" else None
+        ),
+    )
+
+
+def queued_from_json(raw: dict, job_id: str) -> QueuedJob | None:
+    """A job waiting in Slurm's queue (``PENDING``), any user's; None for one that is not.
+    :class:`SlurmError` for one whose fields cannot be read."""
+    if _state(raw.get("job_state"), job_id) != "PENDING":
+        return None
+    return QueuedJob(
+        job_id, _partitions(raw.get("partition"), job_id), _number(raw.get("priority"), "priority", job_id)
     )
 
 
@@ -395,11 +445,18 @@ def parse_squeue_json(text: str, names: Iterable[str]) -> Listing:
     unreadable: set[str] = set()
     problems: list[str] = []
     seen: set[str] = set()
+    queue: dict[str, QueuedJob | None] = {}  # None: listed twice or unreadable (not counted)
     for n, raw in enumerate(_json_jobs(text)):
         job_id = _json_job_id(raw)
         if job_id is None:
             problems.append(f"squeue --json: entry {n} has no readable job_id; skipped")
             continue
+        try:
+            queued = queued_from_json(raw, job_id)
+        except SlurmError:
+            queued = None  # another user's odd job: not counted (a gpuhub job is logged below)
+        if queued is not None or job_id in queue:
+            queue[job_id] = None if job_id in queue else queued
         name = raw.get("name")
         if isinstance(name, str) and name not in names:
             continue  # not gpuhub's
@@ -414,7 +471,8 @@ def parse_squeue_json(text: str, names: Iterable[str]) -> Listing:
         except SlurmError as e:
             problems.append(f"squeue --json: {e}; skipped")
             unreadable.add(job_id)
-    return Listing(found, frozenset(unreadable), tuple(problems))
+    waiting = tuple(q for q in queue.values() if q is not None)
+    return Listing(found, frozenset(unreadable), tuple(problems), waiting)
 
 
 def json_unsupported(error: str) -> bool:

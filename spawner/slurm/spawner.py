@@ -21,6 +21,7 @@ import dataclasses
 import os
 import shlex
 import sys
+from datetime import UTC, datetime
 
 from batchspawner import JobStatus, SlurmSpawner
 from jupyterhub.spawner import SpawnException
@@ -30,7 +31,7 @@ from .. import form
 from ..ledger import AllocationInfo
 from ..mixin import GpuSpawnerMixin
 from ..refusals import make_refusal
-from . import callback, jobs, script
+from . import callback, jobs, priority, script
 from .accounting import SlurmAccounting
 from .cluster import read_cluster
 from .watcher import get_watcher, run_command
@@ -289,13 +290,17 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         """Remember the user's groups and write their limit to Slurm's accounting (adding
         the user there when first seen) before their first job."""
         ledger = self.ledger
-        ledger.note_user(self.user.name, self._groups())
-        self._accounting().sync(ledger, [self.user.name])
+        groups = self._groups()
+        ledger.note_user(self.user.name, groups)
+        self._accounting().sync(ledger, [self.user.name], {self.user.name: groups})
 
     async def submit_batch_script(self):
         opts = self.gpu_options  # checked by the mixin's admission, before anything was taken
         try:
             await asyncio.to_thread(self._sync_account)
+        except ValueError as e:  # a bad c.GpuHub share: nothing is submitted, the trait is named
+            self.log.error("gpuhub: %s", e)
+            raise make_refusal(f"The hub's configuration is wrong: {e}", "gpuhub_config", 500) from None
         except jobs.SlurmError as e:
             # slurmctld may still take the job (a user Slurm knows already): try, and say why
             # if it refuses; gpuhub's own admission has bounded the request either way
@@ -366,7 +371,9 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             self.job_status = info.state if info else ""
             return JobStatus.NOTFOUND
         self.job_status = f"{info.state} {info.nodes[0] if info.nodes else ''}".strip()
-        text = info.describe(watcher.positions.get(self.job_id))
+        gpus = self.gpu_options.count if self.gpu_options is not None else 0
+        now = datetime.now(UTC).replace(tzinfo=None)
+        text = priority.wait_message(info, watcher.positions.get(self.job_id), gpus, now)
         if self._spawn_pending and text != self._last_status:
             self._last_status = text
             self._progress(40 if info.pending else 50, text)

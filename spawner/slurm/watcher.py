@@ -218,7 +218,6 @@ class SlurmWatcher(LoggingConfigurable):
         self._resync = resync  # re-reads the inventory when Slurm names a GPU the ledger lacks
         self.jobs: dict[str, jobs.JobInfo] = {}
         self.positions: dict[str, tuple[int, int, str]] = {}  # pending gpuhub jobs in their queues
-        self._positions_at = 0.0
         self.last_ok = 0.0  # monotonic start of the last successful query
         self.failures = 0
         self.cycles = 0  # cycles finished (successful or not): tests wait on this
@@ -322,7 +321,12 @@ class SlurmWatcher(LoggingConfigurable):
         known = {**{j: self.jobs[j] for j in unreadable if j in self.jobs}, **listed}
         changed = known != self.jobs
         self.jobs, self.unreadable, self.last_ok = known, unreadable, started
-        await self._queue_positions(listed)
+        # each waiting gpuhub job's place among everyone's jobs waiting for its partition, by
+        # Slurm's priority: from this same answer (squeue --json lists the whole cluster);
+        # the text fallback carries no queue, so no position is shown there
+        self.positions = jobs.queue_positions(
+            listing.queue, [j for j, info in listed.items() if info.pending]
+        )
         now = ledger.clock()
         live = [a for a in live if a.backend_job_id is None or a.backend_job_id not in unreadable]
         actions = reconcile(live, listed, now)
@@ -408,22 +412,6 @@ class SlurmWatcher(LoggingConfigurable):
         self.cancelled.append(job_id)
         await run_command(jobs.scancel_argv(self.cancel_prefix(job.user), job), self.command_timeout)
         return True
-
-    async def _queue_positions(self, listed: dict[str, jobs.JobInfo]) -> None:
-        """One more query, only while a gpuhub job waits: its place in its partition's queue."""
-        waiting = {j for j, info in listed.items() if info.pending}
-        if not waiting:
-            self.positions = {}
-            return
-        if waiting <= set(self.positions) and time.monotonic() - self._positions_at < 10:
-            return  # positions change slowly: at most one cluster-wide query per 10 s
-        try:
-            out = await run_command(jobs.pending_argv(), self.command_timeout)
-        except jobs.SlurmError as e:
-            self.log.debug("gpuhub Slurm watcher: no queue positions (%s)", e)
-            return
-        self.positions = jobs.queue_positions(out, waiting)
-        self._positions_at = time.monotonic()
 
     @staticmethod
     def _others(ledger, job_ids, allocation_ids) -> list[AllocationInfo]:
