@@ -24,6 +24,7 @@ from datetime import datetime, timedelta
 from . import policy
 
 SURENESS = ("now", "firm", "guess", "unknown")  # best to worst
+OVERDUE = timedelta(minutes=1)  # when a holding past its expected end is expected to end
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,12 @@ class _Timeline:
         self.now = now
         self.busy: dict[policy.Gpu, list[tuple[datetime, datetime | None, str]]] = {g: [] for g in inventory}
         for h in held:
+            ends = h.ends
+            if ends is not None and ends <= now:  # overdue: ends any moment, but holds them now
+                ends = now + OVERDUE
             for g in h.gpus:
                 if g in self.busy:
-                    self.busy[g].append((now, h.ends, h.sure))
+                    self.busy[g].append((now, ends, h.sure))
 
     def times(self) -> list[datetime]:
         """When a GPU may become free: now and every expected end of a busy period."""
