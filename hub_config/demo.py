@@ -218,6 +218,10 @@ c.GpuHub.user_limits = {"alice": 3}
 c.Spawner.cmd = [sys.executable, "-m", "jupyterhub.singleuser"]
 c.Spawner.args = []  # never --allow-root: as root, servers run as the demo's accounts
 c.Spawner.default_url = "/lab"
+# when the GPUs are all taken a start waits in gpuhub's queue (docs/queue.md): show the
+# spawn page with its place at once, and let queued starts not count against new ones
+c.JupyterHub.tornado_settings = {"slow_spawn_timeout": 1}
+c.JupyterHub.concurrent_spawn_limit = 0
 if AS_ROOT:
     c.JupyterHub.spawner_class = DemoUnixSpawner
     servers_as = f"Unix accounts {UNIX_PREFIX}<user> (homes in {HOMES})"

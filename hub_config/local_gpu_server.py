@@ -25,6 +25,10 @@ c.GpuHub.default_limit = 1
 c.GpuHub.group_limits = {"students": 2, "staff": {"max_gpus": 4, "gpu_hours": 500}}
 c.GpuHub.user_limits = {}
 c.Spawner.default_url = "/lab"
+# when the GPUs are all taken a start waits in gpuhub's queue (docs/queue.md): show the
+# spawn page with its place at once, and let queued starts not count against new ones
+c.JupyterHub.tornado_settings = {"slow_spawn_timeout": 1}
+c.JupyterHub.concurrent_spawn_limit = 0
 
 # the broker service: REST API, "My GPUs" / "GPU admin" pages at /services/gpuhub/, metrics.
 # Keep it last: it hands the settings above to the service.

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from traitlets import Any, Instance, Int, List, default
+from jupyterhub.spawner import SpawnException
+from traitlets import Any, Float, Instance, Int, List, default
 from traitlets.config import Configurable
 
 from . import form, policy
-from .ledger import AllocationInfo, Ledger
+from .ledger import AllocationInfo, Ledger, utcnow
 from .refusals import install_log_filter, make_refusal
 from .settings import GpuHub
 
@@ -65,14 +66,30 @@ class GpuSpawnerMixin(Configurable):
     ).tag(config=True)
 
     allocation_id = Int(0, help="The ledger allocation of the running server (0: none).")
+    queue_entry_id = Int(0, help="The queue entry this server's start waits in (0: none).")
+    _gpuhub_stopped = False
     gpu_allocation = Any(None, allow_none=True, help="The running server's AllocationInfo.")
     gpu_options = Any(None, allow_none=True, help="This start's checked user_options (form.GpuOptions).")
     _gpuhub_events = List()
     _gpuhub_changed = Instance(asyncio.Event, allow_none=True)
 
+    server_start_timeout = Float(
+        0.0,
+        help="""Internal: the admin's ``c.Spawner.start_timeout``, applied by gpuhub to the
+        server's own start after any wait in the queue. Set ``start_timeout`` instead.""",
+    )
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         install_log_filter(self.log)
+        # JupyterHub gives start() start_timeout seconds from the click. A start that waits
+        # in gpuhub's queue may wait up to c.GpuHub.queue_max_wait_hours before the server
+        # starts: JupyterHub's timer gets that much more, and the admin's start_timeout is
+        # applied to the server's own start (start() above), so a queued spawn is never
+        # timed out behind the queue's back.
+        self.server_start_timeout = float(self.start_timeout)
+        if self.waits_in_gpuhub_queue():
+            self.start_timeout = int(self.start_timeout + self.gpuhub.queue_max_wait_hours * 3600 + 60)
 
     @default("options_form")
     def _default_options_form(self):
@@ -180,6 +197,11 @@ class GpuSpawnerMixin(Configurable):
         orm.user_options = {}
         db.commit()
 
+    def waits_in_gpuhub_queue(self) -> bool:
+        """Whether this backend's requests wait in gpuhub's queue (local) rather than in
+        the backend's own scheduler (Slurm: ``admission`` asks for ``deferred``)."""
+        return self.backend_name == "local"
+
     async def _admit(self) -> AllocationInfo | None:
         self._forget_stored_options()
         try:
@@ -187,34 +209,88 @@ class GpuSpawnerMixin(Configurable):
             if opts.count == 0:
                 return None
             extra = await asyncio.to_thread(self.admission, opts)
+            queued = not extra.get("deferred") and self.waits_in_gpuhub_queue()
+            args = (self.user.name, self._groups(), opts.count)
+            kw = dict(
+                purpose="server", server_name=self.name, model=opts.model, backend=self.backend_name, **extra
+            )
             request = asyncio.ensure_future(
-                self._in_ledger(
-                    "allocate",
-                    self.user.name,
-                    self._groups(),
-                    opts.count,
-                    purpose="server",
-                    server_name=self.name,
-                    model=opts.model,
-                    backend=self.backend_name,
-                    **extra,
-                )
+                self._in_ledger("request", *args, **kw)
+                if queued
+                else self._in_ledger("allocate", *args, **kw)
             )
             try:
-                return await asyncio.shield(request)
+                got = await asyncio.shield(request)
             except asyncio.CancelledError:
                 # the spawn was cancelled (stop, start_timeout) while the ledger worked:
                 # the worker may still commit, so wait for it and give back what it took
                 with contextlib.suppress(policy.Refusal):
-                    allocation = await request
-                    await self._in_ledger("release", allocation.id, "spawn cancelled")
+                    got = await request
+                    await self._give_back(got, "spawn cancelled")
                 raise
+            if not queued:
+                return got
+            if got.allocation is not None:
+                return got.allocation
+            return await self._wait_in_queue(got.entry)
         except policy.Refusal as e:
             install_log_filter(self.log)  # before JupyterHub logs this refusal
             raise make_refusal(e.message, e.reason, e.status_code) from None
 
+    async def _give_back(self, got, reason: str) -> None:
+        """Release what a request got (an allocation, or a place in the queue)."""
+        allocation = getattr(got, "allocation", got)
+        entry = getattr(got, "entry", None)
+        if allocation is not None:
+            await self._in_ledger("release", allocation.id, reason)
+        if entry is not None and allocation is None:
+            await self._in_ledger("leave_queue", entry.id, reason)
+
+    async def _wait_in_queue(self, entry) -> AllocationInfo:
+        """Wait in the queue, showing the place and expected start on the spawn page, until
+        the ledger grants the GPUs; a stop (the page's button, an admin) leaves the queue."""
+        self.queue_entry_id = entry.id
+        poll = self.gpuhub.queue_poll_seconds
+        shown = None
+        try:
+            while True:
+                if entry.state == "left":
+                    raise policy.Refusal(
+                        f"Your request for {entry.gpu_count} GPU(s) left the queue: {entry.end_reason}. "
+                        "Start the server again to wait anew.",
+                        reason="left_queue",
+                    )
+                line = entry.line(utcnow())
+                if line != shown:
+                    self._progress(10, line)
+                    shown = line
+                if self._gpuhub_stopped:
+                    raise asyncio.CancelledError()
+                await asyncio.sleep(poll)
+                if self._gpuhub_stopped:
+                    raise asyncio.CancelledError()
+                got = await asyncio.shield(asyncio.ensure_future(self._in_ledger("wait_turn", entry.id)))
+                if got.allocation is not None:
+                    if self._gpuhub_stopped:  # stopped while the grant was written
+                        await self._in_ledger("release", got.allocation.id, "server stopped while it waited")
+                        raise asyncio.CancelledError()
+                    waited = (got.allocation.created - entry.created).total_seconds()
+                    self._progress(15, f"Your turn came after {waited:.0f} s in the queue")
+                    return got.allocation
+                entry = got.entry
+        except (asyncio.CancelledError, Exception):
+            await asyncio.shield(
+                asyncio.ensure_future(
+                    self._in_ledger("leave_queue", entry.id, "the spawn was stopped while it waited")
+                )
+            )
+            raise
+        finally:
+            self.queue_entry_id = 0
+
     async def start(self):
         self._gpuhub_events = []
+        self._gpuhub_stopped = False
         if self.allocation_id:  # left over from a start that never reached stop()
             await self._release(self.allocation_id, "replaced by a new start")
         self._progress(5, "Checking your GPU allowance")
@@ -229,7 +305,16 @@ class GpuSpawnerMixin(Configurable):
         else:
             self._progress(20, "Starting without GPUs")
         try:
-            url = await super().start()
+            # JupyterHub's own timer counts the queue's wait too (see __init__); the admin's
+            # start_timeout is for the server's start, so it is applied here, after the wait
+            try:
+                url = await asyncio.wait_for(super().start(), self.server_start_timeout)
+            except TimeoutError:
+                raise SpawnException(
+                    f"The server did not start within {self.server_start_timeout:g} s of getting its "
+                    "GPUs (c.Spawner.start_timeout); its GPUs are released. Try again, or ask an "
+                    "admin to look at the hub's log."
+                ) from None
             if allocation:
                 self.gpu_allocation = await self.mark_started(allocation)
         except BaseException:
@@ -248,6 +333,11 @@ class GpuSpawnerMixin(Configurable):
 
     async def stop(self, now=False):
         allocation_id = self.allocation_id
+        self._gpuhub_stopped = True
+        if self.queue_entry_id:  # a start still waiting in the queue leaves it
+            await self._in_ledger(
+                "leave_queue", self.queue_entry_id, "the server was stopped while it waited"
+            )
         try:
             await super().stop(now=now)
         finally:

@@ -6,6 +6,7 @@ ports. Waits are on conditions with deadlines, never fixed sleeps.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -220,6 +221,30 @@ enable_broker(c, url="http://127.0.0.1:{self.broker_port}")
             return s if s["ready"] else None
 
         return wait_for(ready, timeout, f"{user}'s server to be ready", interval=0.25)
+
+    def progress(self, user: str, name: str = "", timeout: float = 90):
+        """The spawn's progress events, as JupyterHub's progress API streams them to the
+        spawn page, until the spawn is ready or failed."""
+        path = f"/users/{user}/server/progress" if not name else f"/users/{user}/servers/{name}/progress"
+        url = f"{self.url}/hub/api{path}"
+        headers = {"Authorization": f"token {self.token}"}
+        with requests.get(url, headers=headers, stream=True, timeout=timeout) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data:"):
+                    event = json.loads(line[5:])
+                    yield event
+                    if event.get("ready") or event.get("failed"):
+                        return
+
+    def wait_progress(self, user: str, words: str, name: str = "", timeout: float = 90) -> str:
+        """The first progress message of ``user``'s pending spawn that holds ``words``."""
+        seen = []
+        for event in self.progress(user, name, timeout):
+            message = event.get("message", "")
+            seen.append(message)
+            if words in message:
+                return message
+        raise AssertionError(f"no progress message with {words!r}; got {seen}\n{self.log()[-3000:]}")
 
     def stop_server(self, user: str, name: str = "", timeout: float = 60) -> None:
         r = self.api("DELETE", f"/users/{user}/servers/{name}")

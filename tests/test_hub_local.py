@@ -94,20 +94,22 @@ def test_rest_and_form_spawns_get_their_own_gpus(hub, ledger, clean):
         assert sorted(holders(ledger).values()) == ["carol", "carol"]
         return  # a full Slurm cluster queues instead of refusing: test_hub_slurm.py
 
-    # the machine is full: dave is refused with what he holds, his limit and what fits
+    # the machine is full: dave waits in the queue, holding nothing, his place shown
     before = holders(ledger)
     r = hub.spawn("dave", {"gpus": 1})
-    assert r.status_code == 409, r.text
-    assert "only 0 are free" in r.json()["message"]
-    assert "You hold 0 of a limit of 1 (default)" in r.json()["message"]
+    assert r.status_code == 202, r.text
+    line = hub.wait_progress("dave", "waiting for 1 GPU")
+    assert line.startswith("1st of 1 waiting for 1 GPU"), line
     assert holders(ledger) == before
-    assert hub.server("dave") is None
+    assert not hub.server("dave")["ready"]
 
-    # stopping frees the GPUs, and the form shows them free again
+    # stopping alice frees 2: dave's turn comes, and the form shows what is left free
     hub.stop_server("alice")
-    assert sorted(holders(ledger).values()) == ["carol", "carol"]
+    hub.wait_ready("dave")
+    assert sorted(holders(ledger).values()) == ["carol", "carol", "dave"]
     page = hub.login("bob").get(f"{hub.url}/hub/spawn")
-    assert re.search(rf'data-gpuhub="free">{hub.total - 2}<', page.text)
+    assert re.search(rf'data-gpuhub="free">{hub.total - 3}<', page.text)
+    hub.stop_server("dave")
 
 
 def test_over_the_limit_is_refused_with_the_message(hub, ledger, clean):

@@ -52,14 +52,14 @@ async def test_a_spawn_cancelled_during_admission_gives_the_gpus_back(make_spawn
     sp.user_options = {"gpus": 2}
     ledger = await asyncio.to_thread(lambda: sp.ledger)
     entered, proceed = threading.Event(), threading.Event()
-    real = ledger.allocate
+    real = ledger.request  # a local spawn asks to be admitted or queued
 
-    def slow_allocate(*args, **kw):
+    def slow_request(*args, **kw):
         entered.set()
         proceed.wait(10)
         return real(*args, **kw)
 
-    monkeypatch.setattr(ledger, "allocate", slow_allocate)
+    monkeypatch.setattr(ledger, "request", slow_request)
     task = asyncio.ensure_future(sp.start())
     await asyncio.to_thread(entered.wait, 10)
     task.cancel()  # JupyterHub's stop or start_timeout, while the ledger is committing
