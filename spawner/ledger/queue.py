@@ -32,7 +32,7 @@ from .. import fairshare, policy, queueplan, queueview
 from ..models import Allocation, KnownUser, QueueEntry, Reclaim
 from .base import AllocationInfo, _gpu, _info
 
-NEW = -1  # the id a request not yet in the queue has in the plan
+NEW = 2**63 - 1  # the id a request not yet in the queue has in the plan (last on ties: it asked last)
 HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently
 RUNS_PER_USER = 20
 
@@ -179,7 +179,11 @@ class QueueRecords:
         return usage, {u: statistics.median(r) for u, r in runs.items() if r}
 
     def _scene(
-        self, s: Session, now: datetime, new: tuple[fairshare.Candidate, queueplan.Waiting] | None = None
+        self,
+        s: Session,
+        now: datetime,
+        new: tuple[fairshare.Candidate, queueplan.Waiting] | None = None,
+        new_groups: Iterable[str] = (),
     ) -> _Scene:
         qs = self.queue_settings
         rows = list(s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")))
@@ -200,7 +204,7 @@ class QueueRecords:
         if new is not None:
             candidates.append(new[0])
             waiting[new[0].id] = new[1]
-            groups.setdefault(new[0].user, [])
+            groups[new[0].user] = list(new_groups)  # its share as it will have once it waits
         users = set(usage) | {c.user for c in candidates}
         share = {u: fairshare.effective_share(u, groups.get(u, ()), qs.shares)[0] for u in users}
         found = fairshare.factors(candidates, usage, share, now, qs.weights)
@@ -276,9 +280,9 @@ class QueueRecords:
             now = self.clock()
             self._expire(s)
             e = s.get(QueueEntry, entry_id)
+            self._end_stale(s, now)  # before this ask counts: a late waiter finds its entry ended
             if e.state == "waiting":
                 e.seen = now
-            self._end_stale(s, now)
             if e.state == "granted":
                 a = s.get(Allocation, e.allocation_id)
                 return Admission(allocation=_info(a), entry=_entry_info(e))
@@ -407,7 +411,7 @@ class QueueRecords:
         _usage, runs = self._usage_and_runs(s, now)
         run = runs.get(user, self.queue_settings.default_run_hours)
         cand = fairshare.Candidate(NEW, user, created, front)
-        scene = self._scene(s, now, (cand, queueplan.Waiting(NEW, request, run, nodes)))
+        scene = self._scene(s, now, (cand, queueplan.Waiting(NEW, request, run, nodes)), groups)
         if adopt is not None:
             adopt.state = "waiting"
         gpus = scene.plan.grants.get(NEW)
