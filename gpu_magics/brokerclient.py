@@ -56,16 +56,30 @@ class BrokerClient:
         gpus_per_node: int | None,
         lease_seconds: float,
         node: str | None = None,
+        wait: bool = False,
     ) -> dict:
-        """A burst; ``node``: every GPU on that node (beside the server's own GPUs there)."""
+        """A burst; ``node``: every GPU on that node (beside the server's own GPUs there).
+        ``wait``: when the GPUs are all taken, join the queue: the answer is then
+        ``{"queued": entry}`` (see :mod:`gpu_magics.queuewait`)."""
         body = {
             "gpus": gpus,
             "nodes": nodes,
             "gpus_per_node": gpus_per_node,
             "lease_seconds": lease_seconds,
             "node": node,
+            "wait": wait or None,
         }
         return self._call("POST", "allocations", {k: v for k, v in body.items() if v is not None})
+
+    def wait_turn(self, entry_id: int) -> dict:
+        """``{"entry": ..., "allocation": ... or None}``: has this queue entry's turn come?"""
+        return self._call("POST", f"queue/{entry_id}/wait", {})
+
+    def queue_entry(self, entry_id: int) -> dict:
+        return self._call("GET", f"queue/{entry_id}")
+
+    def leave_queue(self, entry_id: int) -> dict:
+        return self._call("DELETE", f"queue/{entry_id}")
 
     def attach_job(self, allocation_id: int, job_id: str) -> dict:
         """Tell gpuhub which Slurm job runs a burst's engines."""

@@ -60,6 +60,8 @@ class Burst:
         wanted: int | None = None,
         activity: Callable[[], float | None] | None = None,
         log: Callable[[str], None] | None = print,
+        wait: bool = True,
+        show: Callable[[str], None] | None = None,
     ) -> Burst:
         """Ask the broker for ``gpus`` GPUs (``node``: all on that node, beside the server's own).
 
@@ -67,6 +69,10 @@ class Burst:
         server holds itself, ``wanted`` the total the user asked for (default: ``gpus``). Raises a
         UsageError, with the broker's reason, when there is no broker or it refuses; then
         nothing is held. A refusal keeps the broker's answer as the error's ``refusal``.
+
+        ``wait``: when the GPUs are all taken, wait in gpuhub's queue with the place shown
+        (``show``, default a line of the cell's output updated in place); Ctrl-C leaves it
+        (:class:`~gpu_magics.queuewait.QueueInterrupt`), holding nothing.
         """
         wanted = gpus if wanted is None else wanted
         client = BrokerClient.from_env()
@@ -77,10 +83,13 @@ class Burst:
                 "the server with more."
             )
         try:
-            if node is None:
-                alloc = client.request(gpus, nodes, gpus_per_node, lease_seconds)
-            else:
-                alloc = client.request(gpus, nodes, gpus_per_node, lease_seconds, node=node)
+            alloc = client.request(gpus, nodes, gpus_per_node, lease_seconds, node=node, wait=wait)
+            if "queued" in alloc:
+                from .queuewait import wait_for_turn
+
+                alloc = wait_for_turn(
+                    client, alloc["queued"], magic=magic, poll=queue_poll_seconds(), show=show
+                )
         except BrokerError as e:
             raise refused(magic, gpus, wanted, held, e) from None
         return cls(client, alloc, lease_seconds, activity=activity, log=log)
@@ -159,6 +168,17 @@ class Burst:
                     f"by {self.expires or 'its expiry'}."
                 )
         return True
+
+
+def queue_poll_seconds() -> float:
+    """How often a waiting burst asks whether its turn came (``c.GpuHub.queue_poll_seconds``,
+    passed to the server as ``GPUHUB_QUEUE_POLL_SECONDS``)."""
+    import os
+
+    try:
+        return max(0.2, float(os.environ.get("GPUHUB_QUEUE_POLL_SECONDS", "1")))
+    except ValueError:
+        return 1.0
 
 
 def refused(magic: str, gpus: int, wanted: int, held: int, e: BrokerError) -> UsageError:

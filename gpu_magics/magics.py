@@ -194,10 +194,13 @@ class DistributedMagics(CheckpointCommands, Magics):
         self.burst = burst.allocation if burst is not None else None
         self.lease = burst.lease if burst is not None else None
 
-    def _request_burst(self, n: int, held: int, wanted: int, **where) -> Burst:
+    def _request_burst(self, n: int, held: int, wanted: int, wait: bool = True, **where) -> Burst:
+        """``wait``: join the queue when the GPUs are all taken (never while the pool still
+        holds a burst: waiting for GPUs behind its own would never end)."""
         return Burst.request(
             "%%distributed",
             n,
+            wait=wait,
             lease_seconds=self.lease_seconds,
             held=held,
             wanted=wanted,
@@ -222,7 +225,9 @@ class DistributedMagics(CheckpointCommands, Magics):
         ):
             return plan.own, old
         # engines run on this machine: the burst on one node, the server's own when it has GPUs
-        burst = self._request_burst(plan.burst, len(plan.own), gpus, nodes=1, node=plan.node)
+        burst = self._request_burst(
+            plan.burst, len(plan.own), gpus, wait=old is None, nodes=1, node=plan.node
+        )
         return plan.own, burst
 
     def _release_burst(self) -> None:

@@ -240,7 +240,11 @@ class GpuHub(Configurable):
         source = self.utilization_source.lower()
         if source == "auto":
             source = "simulated" if self.inventory == "simulated" else "nvml"
-        env = {"GPUHUB_GPU_SOURCE": source, "GPUHUB_REPORT_SECONDS": f"{self.report_seconds:g}"}
+        env = {
+            "GPUHUB_GPU_SOURCE": source,
+            "GPUHUB_REPORT_SECONDS": f"{self.report_seconds:g}",
+            "GPUHUB_QUEUE_POLL_SECONDS": f"{self.queue_poll_seconds:g}",
+        }
         if source == "simulated":
             env["GPUHUB_SIMULATED_GPU_STATS"] = os.path.abspath(self.simulated_utilization_file)
         return env

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
+import time
 from contextlib import contextmanager
 
 import nbformat
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
 RANK_LINE = re.compile(r"^\[rank (\d+)\] (.*)$", re.M)
@@ -95,3 +98,72 @@ def started_kernel(env: dict):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+class BrokerKernel:
+    """A real "Python 3 (GPUs)" kernel of ``user``'s, outside any server, that reaches the
+    hub's broker with the user's token; driven cell by cell."""
+
+    def __init__(self, hub, tmp_path, user: str = "alice"):
+        env = dict(os.environ)
+        env.update(
+            JUPYTERHUB_API_TOKEN=hub.user_token(user),
+            GPUHUB_BROKER_URL=f"http://127.0.0.1:{hub.broker_port}/services/gpuhub/api/v1/",
+            IPYTHONDIR=str(tmp_path / f"ipython-{user}"),
+        )
+        for var in ("GPUHUB_GPUS", "GPUHUB_ALLOCATION_ID", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"):
+            env.pop(var, None)
+        self.km = KernelManager(kernel_name="python3-gpus")
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def run(self, code: str, *, interrupt_when: str | None = None, timeout: float = 240) -> dict:
+        """Run a cell; with ``interrupt_when``, interrupt the kernel once that text has been
+        shown. Returns the reply's content, the text shown, and how long the interrupt took."""
+        msg_id = self.kc.execute(code)
+        shown, result, interrupted_at, deadline = [], None, None, time.monotonic() + timeout
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=max(1, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            c, kind = msg["content"], msg["msg_type"]
+            if kind == "stream":
+                shown.append(c["text"])
+            elif kind in ("execute_result", "display_data", "update_display_data"):
+                shown.append(c["data"].get("text/plain", ""))
+                if kind == "execute_result":
+                    result = c["data"].get("text/plain")
+            elif kind == "error":
+                shown.append("\n".join(c["traceback"]))
+            elif kind == "status" and c["execution_state"] == "idle":
+                break
+            if interrupt_when and interrupted_at is None and interrupt_when in "".join(shown):
+                interrupted_at = time.monotonic()
+                self.km.interrupt_kernel()
+        while True:  # the reply to this cell (never one left over from another request)
+            msg = self.kc.get_shell_msg(timeout=30)
+            if msg["parent_header"].get("msg_id") == msg_id:
+                reply = msg["content"]
+                break
+        took = time.monotonic() - interrupted_at if interrupted_at else None
+        return {
+            "status": reply["status"],
+            "ename": reply.get("ename"),
+            "text": "".join(shown),
+            "result": result,
+            "took": took,
+        }
+
+    def result(self, code: str):
+        import ast
+
+        out = self.run(code)
+        assert out["status"] == "ok" and out["result"], out["text"]
+        return ast.literal_eval(out["result"])
+
+    def close(self):
+        self.run("%distributed shutdown")  # the burst back now, not at its lease's end
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)

@@ -76,9 +76,12 @@ class AllocationsHandler(APIHandler):
                 )
         groups = await self.broker.groups_of(caller.name)
         started = time.perf_counter()
+        slurm = self.broker.backend == "slurm"
+        ledger = self.broker.ledger
+        queued = req.wait and not slurm  # on Slurm, the job waits in Slurm's own queue
         try:
-            allocation = await self.broker.run(
-                self.broker.ledger.allocate,
+            got = await self.broker.run(
+                ledger.request if queued else ledger.allocate,
                 caller.name,
                 groups,
                 req.gpus,
@@ -88,12 +91,17 @@ class AllocationsHandler(APIHandler):
                 gpus_per_node=req.gpus_per_node,
                 backend=self.broker.backend,
                 lease_seconds=req.lease_seconds or cfg.lease_seconds,
-                deferred=self.broker.backend == "slurm",
                 on_nodes=None if req.node is None else [req.node],
+                **({} if queued else {"deferred": slurm}),
             )
         except policy.Refusal as e:
             metrics.refusals.labels(reason=e.reason).inc()
             return self.fail(e.status_code, e.message, e.reason, fits=e.fits)
+        allocation = got.allocation if queued else got
+        if allocation is None:  # waiting: the caller polls POST queue/{id}/wait
+            self.set_status(202)
+            self.set_header("Location", f"{self.broker.prefix}api/v1/queue/{got.entry.id}")
+            return self.finish({"queued": views.queue_json(got.entry, utcnow())})
         metrics.allocation_seconds.observe(time.perf_counter() - started)
         self.set_status(201)
         self.set_header("Location", f"{self.broker.prefix}api/v1/allocations/{allocation.id}")
@@ -309,8 +317,11 @@ class ClusterHandler(AdminHandler):
 
 
 def api_handlers(prefix: str) -> list[tuple]:
+    from .queue_api import queue_handlers
+
     api = f"{prefix}api/v1"
     return [
+        *queue_handlers(api),
         (f"{api}/me", MeHandler),
         (f"{api}/allocations", AllocationsHandler),
         (rf"{api}/allocations/(\d{{1,18}})", AllocationHandler),  # beyond: no such id (404)

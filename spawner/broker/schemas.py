@@ -87,6 +87,7 @@ class BurstRequest:
     gpu_model: str | None = None
     lease_seconds: float | None = None
     node: str | None = None  # every GPU on this node (a kernel adding GPUs beside its server's)
+    wait: bool = False  # join the queue when the GPUs are all taken (202), instead of a 409
 
 
 def _label(body: dict, key: str) -> str | None:
@@ -101,8 +102,11 @@ def _label(body: dict, key: str) -> str | None:
 
 
 def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest:
-    _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds", "node"))
+    _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds", "node", "wait"))
     model, node = _label(body, "gpu_model"), _label(body, "node")
+    wait = body.get("wait", False)
+    if not isinstance(wait, bool):
+        raise BadRequest(f"'wait' must be true or false; got {values.show(wait)}.")
     if node is not None and not node.strip():
         raise BadRequest("'node' must be a node's name, e.g. \"gpu1\", or absent for any node.")
     req = BurstRequest(
@@ -112,6 +116,7 @@ def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest
         gpu_model=model or None,
         lease_seconds=_number(body, "lease_seconds", lo=10, hi=max_lease_seconds, unit="seconds"),
         node=node,
+        wait=wait,
     )
     if req.node is not None and (req.nodes or 1) != 1:
         raise BadRequest(

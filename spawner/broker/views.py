@@ -38,6 +38,41 @@ def allocation_json(a: AllocationInfo) -> dict[str, Any]:
     }
 
 
+def queue_json(q, now) -> dict[str, Any]:
+    """A queue entry (``spawner.ledger.QueueInfo``) with its place and the line its user sees."""
+    f = q.factors
+    return {
+        "id": q.id,
+        "user": q.user,
+        "purpose": q.purpose,
+        "server_name": q.server_name,
+        "gpus": q.gpu_count,
+        "gpu_model": q.model,
+        "state": q.state,
+        "created": iso(q.created),
+        "waited_seconds": round(((q.ended or now) - q.created).total_seconds(), 1),
+        "position": q.position,
+        "waiting": q.waiting,
+        "expected_start": iso(q.expected),
+        "expected_sure": q.sure,
+        "moved_to_front": iso(q.front),
+        "ended": iso(q.ended),
+        "end_reason": q.end_reason,
+        "allocation_id": q.allocation_id,
+        "line": q.line(now) if q.state == "waiting" else q.end_reason,
+        "factors": None
+        if f is None
+        else {
+            "priority": round(f.priority, 3),
+            "fairshare": round(f.fairshare, 4),
+            "age": round(f.age, 4),
+            "share": f.share,
+            "recent_gpu_hours": round(f.usage, 3),
+            "front": f.front,
+        },
+    }
+
+
 def limit_json(limit: Limit) -> dict[str, Any]:
     return {"max_gpus": limit.max_gpus, "gpu_hours": limit.gpu_hours, "window_hours": limit.window_hours}
 
