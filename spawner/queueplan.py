@@ -119,9 +119,14 @@ def plan(
         run = timedelta(hours=max(w.run_hours, 1 / 60))
         usable = [g for g in inventory if w.on_nodes is None or g.node in w.on_nodes]
         placed = None
+        free_now = set(timeline.free_over(now, now + run))
         for t in timeline.times():
             free = [g for g in timeline.free_over(t, t + run) if w.on_nodes is None or g.node in w.on_nodes]
-            placed = policy.place(w.request, free, usable)
+            placed = None
+            if t > now:  # a reservation ahead: on GPUs busy now where it can, leaving the
+                # free ones to requests that can start on them now without delaying it
+                placed = policy.place(w.request, [g for g in free if g not in free_now], usable)
+            placed = placed or policy.place(w.request, free, usable)
             if placed is not None:
                 break
         if placed is None:
