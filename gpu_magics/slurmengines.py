@@ -8,7 +8,10 @@ Two ways, chosen by :func:`plan_launch`:
   limit), and the engines are a batch job of the user (``--nodes M
   --ntasks-per-node G --gres=gpu:G``) placed by Slurm, whose job id the broker records.
   The hub's watcher writes the GPUs Slurm gave it to the ledger, and cancels the job if
-  the allocation ends first (lease lost, admin release).
+  the allocation ends first (lease lost, admin release). While the job waits in Slurm's
+  queue the cell shows its place and Slurm's expected start (:func:`queue_line`, from
+  ``squeue --json`` only), updated in place; Ctrl-C then cancels the job (the magic releases
+  the burst), so nothing stays held.
 
 Every task reports where it runs (node, local id, the GPUs of its step); ranks follow
 torchrun's order (node by node, GPU by GPU) and each engine is pinned to the GPU of its
@@ -23,7 +26,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from .launchers import signal_pids
 from .ranks import RankSpec, Slot, make_rank_specs
@@ -160,7 +166,7 @@ class SlurmLauncher:
             script.ENGINES_TEMPLATE,
             command=engine_argv,
             user=os.environ.get("USER", ""),
-            job_name="gpuhub-engines",
+            job_name=ENGINES_NAME,
             output=os.path.join(self.workdir, "gpuhub-engines-%j.log"),
             workdir=self.workdir,
             nodes=self.nodes,
@@ -196,6 +202,43 @@ class SlurmLauncher:
 
     def launch(self, cluster, n: int) -> None:
         self.start(engine_argv(cluster))
+        if self.mode == "job":
+            self.wait_in_queue()
+
+    def wait_in_queue(self, show: Callable[[str], None] | None = None, poll=None) -> None:
+        """Return once the engines' job has left Slurm's queue (started, or ended: the pool's
+        own timeout then reports the engines missing). Meanwhile ``show`` gets the wait
+        line whenever it changes (default: one cell output updated in place). A Ctrl-C here
+        leaves through the pool's stop (``stop``: scancel) and the magic's burst release."""
+        show = show or _display_line()
+        poll = poll or self.read_queue
+        delay, last = 0.5, None
+        while True:
+            line = queue_line(poll(), self.job_id, self.nodes * self.per_node, _utcnow())
+            if line is None:
+                if last is not None:
+                    show(f"Slurm job {self.job_id} left the queue; starting the engines")
+                return
+            if line != last:
+                show(line)
+                last = line
+            time.sleep(delay)
+            delay = min(delay * 2, QUEUE_POLL_MAX)
+
+    @staticmethod
+    def read_queue():
+        """This user's view of Slurm's queue (``squeue --json``: every job of the cluster);
+        None when Slurm could not be asked (the last line stays)."""
+        from spawner.slurm import jobs
+
+        try:
+            out = subprocess.run(
+                [shutil.which("squeue") or "squeue", *jobs.squeue_json_argv()[1:]],
+                capture_output=True, text=True, timeout=30, env=job_env(os.environ),
+            )  # fmt: skip
+            return jobs.parse_squeue_json(out.stdout, [ENGINES_NAME]) if out.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, jobs.SlurmError):
+            return None
 
     def ranks(self, pool, timeout: float) -> tuple[list[dict], int]:
         """Ranks from where Slurm put each engine (``assign_ranks``), a free port on rank 0's
@@ -246,6 +289,51 @@ class SlurmLauncher:
     def local_pids(self) -> list[int]:
         """Processes of ours on this machine that the kernel's reaper must end."""
         return [self.proc.pid] if self.proc is not None else []
+
+
+ENGINES_NAME = "gpuhub-engines"
+QUEUE_POLL_MAX = 5.0  # seconds between squeue calls while the engines' job waits
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def queue_line(listing, job_id: str, gpus: int, now: datetime) -> str | None:
+    """The wait line of the engines' job ``job_id`` in ``listing`` (``jobs.Listing`` of
+    ``squeue --json``), or None once it is no longer waiting (running, ended, gone). A
+    listing that could not be read (None) or that skipped the job keeps it waiting, with
+    what Slurm last said unknown."""
+    from spawner.slurm import jobs, priority
+
+    if listing is None or job_id in listing.unreadable:
+        return f"Queued in Slurm as engines job {job_id}; Slurm does not answer right now"
+    job = listing.jobs.get(str(job_id))
+    if job is None or not job.pending:
+        return None
+    position = jobs.queue_positions(listing.queue, [job.job_id]).get(job.job_id)
+    return priority.wait_message(job, position, gpus, now, what="engines job")
+
+
+def _display_line() -> Callable[[str], None]:
+    """One output of the cell, replaced at each call (outside a kernel: printed lines)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display, update_display
+    except ImportError:  # pragma: no cover - IPython is a dependency of the magics
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        return lambda line: print(line, flush=True)
+    handle = None
+
+    def show(line: str) -> None:
+        nonlocal handle
+        if handle is None:
+            handle = display({"text/plain": line}, raw=True, display_id=True)
+        else:
+            update_display({"text/plain": line}, raw=True, display_id=handle.display_id)
+
+    return show
 
 
 def job_env(environ) -> dict[str, str]:

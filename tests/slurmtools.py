@@ -65,7 +65,9 @@ def job_state(job_id: str) -> str:
 
 
 def cancel_all_jobs() -> None:
-    slurm("scancel", "--full", "--name", "gpuhub-server,gpuhub-engines,gpuhub-test", check=False)
+    # one name per call: scancel (22.05) takes a comma list, but matches only its first name
+    for job_name in ("gpuhub-server", "gpuhub-engines", "gpuhub-test"):
+        slurm("scancel", "--full", "--name", job_name, check=False)
     for name in USERS:
         slurm("scancel", "-u", name, check=False)
 

@@ -92,7 +92,7 @@ def test_a_full_cluster_queues_shows_why_and_starts_when_gpus_free(hub, ledger, 
     r = hub.spawn("carol", {"gpus": 2})
     assert r.status_code == 202, r.text
     messages = progress_until(
-        hub, "carol", ["Queued in Slurm", "Resources", "1st of 1 waiting in partition gpu"]
+        hub, "carol", ["Queued in Slurm", "Resources", "in partition gpu: 1st of 1 waiting for 2 GPUs"]
     )
     [pending] = ledger.active(user="carol")
     assert pending.state == "starting" and pending.gpus == () and pending.gpu_count == 2
