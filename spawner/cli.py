@@ -188,7 +188,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     sscript.add_argument("--gpu-model")
     sscript.add_argument("--partition", default="")
-    command(slurm, "sync", help="write every known user's GPU limit to Slurm's accounting")
+    command(slurm, "sync", help="write every known user's GPU limit and fair share to Slurm's accounting")
+    command(slurm, "priority", help="slurm.conf lines: Slurm orders jobs by gpuhub's fair share")
     dbp = sub.add_parser("db", help="ledger database").add_subparsers(dest="action", required=True)
     command(dbp, "upgrade", help="migrate the ledger to this gpuhub's schema")
     kernel = sub.add_parser("kernel", help="notebook kernels").add_subparsers(dest="action", required=True)
@@ -298,6 +299,14 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             raise UsageError(str(e)) from None
         print(text, end="", file=out)
         return 0
+    if args.command == "slurm" and args.action == "priority":
+        from .slurm.priority import render_priority_conf
+
+        try:
+            print(render_priority_conf(settings.queue_weights()), end="", file=out)
+        except ValueError as e:  # a bad c.GpuHub weight, named
+            raise UsageError(str(e)) from None
+        return 0
     ledger = open_ledger(settings)
     if args.command == "slurm":
         from .slurm.accounting import SlurmAccounting
@@ -307,7 +316,10 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             raise UsageError(
                 "Slurm accounting is off: set c.SlurmAccounting.enabled = True in the hub's config"
             )
-        commands = accounting.sync(ledger)
+        try:
+            commands = accounting.sync(ledger)
+        except ValueError as e:  # a bad c.GpuHub share, named
+            raise UsageError(str(e)) from None
         for argv in commands:
             print("slurm: " + " ".join(argv[2:]), file=out)
         print(f"{len(commands)} change(s) written to Slurm's accounting", file=out)

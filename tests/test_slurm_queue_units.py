@@ -232,3 +232,65 @@ def test_slurm_priority_conf_follows_gpuhubs_weights():
     }  # fmt: skip
     with pytest.raises(ValueError, match="whole minutes"):
         priority.slurm_priority_conf(Weights(), 0)
+
+
+# the engines' job while it waits (gpu_magics.slurmengines) ---------------------------------
+
+
+def test_queue_line_of_the_engines_job():
+    from gpu_magics.slurmengines import queue_line
+
+    got = listing(job(12, name="gpuhub-engines", start=1796134868), job(11, name="x", priority=900))
+    line = queue_line(got, "12", 4, NOW)
+    assert line.startswith("Queued in Slurm as engines job 12 in partition gpu: 2nd of 2 waiting for 4 GPUs")
+    assert queue_line(listing(job(12, "RUNNING", name="gpuhub-engines")), "12", 4, NOW) is None
+    assert queue_line(listing(), "12", 4, NOW) is None  # gone: the pool reports missing engines
+    assert "Slurm does not answer" in queue_line(None, "12", 4, NOW)  # keeps waiting
+
+
+def test_wait_in_queue_shows_each_new_line_once_and_returns_when_the_job_leaves(monkeypatch):
+    from gpu_magics import slurmengines
+
+    slept = []
+    monkeypatch.setattr(slurmengines.time, "sleep", slept.append)
+    answers = iter([
+        listing(job(12, name="gpuhub-engines")),
+        listing(job(12, name="gpuhub-engines")),
+        listing(job(12, name="gpuhub-engines", start=1796134868)),
+        listing(job(12, "RUNNING", name="gpuhub-engines")),
+    ])  # fmt: skip
+    launcher = slurmengines.SlurmLauncher("job", 1, 4, "/tmp")
+    launcher.job_id = "12"
+    shown = []
+    launcher.wait_in_queue(shown.append, lambda: next(answers))
+    assert len(shown) == 3 and "no expected start yet" in shown[0] and "expected start" in shown[1]
+    assert shown[2] == "Slurm job 12 left the queue; starting the engines"
+    assert slept == [0.5, 1.0, 2.0]  # backing off towards QUEUE_POLL_MAX
+
+
+def test_ctrl_c_while_waiting_leaves_through_the_caller():
+    from gpu_magics import slurmengines
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    launcher = slurmengines.SlurmLauncher("job", 1, 4, "/tmp")
+    launcher.job_id = "12"
+    with pytest.raises(KeyboardInterrupt):  # the pool's stop (scancel) and the magic's release follow
+        launcher.wait_in_queue(lambda line: None, interrupted)
+
+
+def test_the_cli_prints_the_priority_settings_and_names_a_bad_weight(tmp_path, capsys):
+    import io
+
+    from spawner import cli
+
+    conf = tmp_path / "jupyterhub_config.py"
+    conf.write_text("c.GpuHub.fairshare_half_life_hours = 72\nc.GpuHub.priority_weight_age = 500\n")
+    out = io.StringIO()
+    assert cli.run(cli.make_parser().parse_args(["--config", str(conf), "slurm", "priority"]), out=out) == 0
+    assert "PriorityDecayHalfLife=3-00:00:00\n" in out.getvalue()
+    assert "PriorityWeightAge=500\n" in out.getvalue()
+    conf.write_text("c.GpuHub.priority_weight_age = -1\n")
+    assert cli.main(["--config", str(conf), "slurm", "priority"]) == 2
+    assert "c.GpuHub.priority_weight_age must be 0 or more" in capsys.readouterr().err
