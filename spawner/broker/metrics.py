@@ -4,12 +4,28 @@ Gauges are read from the ledger at each scrape, so they are true whichever proce
 allocated (hub spawner, this service). Refusals and allocation latency are counted for the
 requests this service handles; refusals of spawns are in JupyterHub's own
 ``jupyterhub_server_spawn_duration_seconds{status="failure", reason="gpuhub_<reason>"}``.
+
+The queue: ``gpuhub_queue_length{purpose}`` is a gauge read from the ledger at each scrape
+(``Ledger.queue()``), like the others. ``gpuhub_queue_wait_seconds{outcome}`` is a histogram
+of how long entries waited, by how their wait ended: ``granted`` (they got their GPUs) or
+``left`` (their waiter left, an admin cancelled them, they were given up on). Grants happen
+in other processes than this one (the hub's spawner books a waiting spawn's GPUs; a burst's
+waiter polls this service, but a server's does not), and metrics are per process, so the
+histogram is not observed where waits end: it is built at scrape time from the ledger's
+``queue_history(since)``, the entries that ended since the last scrape, each observed once
+(an id seen is remembered for ``HISTORY_MARGIN`` past the scrape, so an entry whose end was
+committed just after a scrape that its timestamp precedes is still counted, and never twice).
+Like every histogram of this process, it starts empty when the service starts: entries that
+ended before are not counted.
 """
 
 from __future__ import annotations
 
+import threading
+from datetime import datetime, timedelta
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from ..idle import STATES
 from ..ledger import Ledger
@@ -43,7 +59,7 @@ class LedgerCollector:
             "gpuhub_allocated_gpus", "GPUs held by live allocations by purpose", labels=["purpose"]
         )
         live = self.ledger.active()
-        for purpose in ("server", "distributed"):
+        for purpose in PURPOSES:
             mine = [a for a in live if a.purpose == purpose]
             allocations.add_metric([purpose], len(mine))
             held.add_metric([purpose], sum(len(a.gpus) for a in mine))
@@ -58,6 +74,71 @@ class LedgerCollector:
         for user, t in totals(self.ledger.reclaims()).items():
             reclaimed.add_metric([user], t["gpu_hours"])
         yield reclaimed
+
+        length = GaugeMetricFamily(
+            "gpuhub_queue_length", "Requests waiting in the queue for GPUs, by purpose", labels=["purpose"]
+        )
+        waiting = self.ledger.queue()
+        for purpose in PURPOSES:
+            length.add_metric([purpose], sum(1 for q in waiting if q.purpose == purpose))
+        yield length
+
+
+PURPOSES = ("server", "distributed")
+OUTCOMES = ("granted", "left")
+WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200)
+HISTORY_MARGIN = timedelta(minutes=2)
+
+
+class QueueWaitCollector:
+    """``gpuhub_queue_wait_seconds``: the waits of entries that ended, read from the ledger's
+    queue history at each scrape and observed once each (see the module's docstring)."""
+
+    def __init__(self, ledger: Ledger):
+        self.ledger = ledger
+        self.lock = threading.Lock()
+        self.started: datetime = ledger.clock()  # entries ended before this are not counted
+        self.since: datetime = self.started
+        self.seen: dict[int, datetime] = {}  # counted entries' ids -> when they ended
+        self.counts = {o: [0] * (len(WAIT_BUCKETS) + 1) for o in OUTCOMES}  # the last: +Inf
+        self.sums = dict.fromkeys(OUTCOMES, 0.0)
+
+    def observe(self, outcome: str, seconds: float) -> None:
+        for i, bound in enumerate(WAIT_BUCKETS):
+            if seconds <= bound:
+                self.counts[outcome][i] += 1
+        self.counts[outcome][-1] += 1
+        self.sums[outcome] += seconds
+
+    def update(self) -> None:
+        """Observe the entries that ended since the last scrape (and were not yet counted)."""
+        with self.lock:
+            now = self.ledger.clock()
+            since = max(self.started, self.since - HISTORY_MARGIN)
+            for q in self.ledger.queue_history(since):
+                if q.id in self.seen or q.ended is None or q.ended < self.started:
+                    continue
+                self.seen[q.id] = q.ended
+                outcome = "granted" if q.state == "granted" else "left"
+                self.observe(outcome, max(0.0, (q.ended - q.created).total_seconds()))
+            self.since = now
+            forget = now - 2 * HISTORY_MARGIN
+            self.seen = {i: t for i, t in self.seen.items() if t >= forget}
+
+    def collect(self):
+        self.update()
+        family = HistogramMetricFamily(
+            "gpuhub_queue_wait_seconds",
+            "How long queue entries waited for GPUs, by how the wait ended (granted or left)",
+            labels=["outcome"],
+        )
+        with self.lock:
+            for outcome in OUTCOMES:
+                bounds = [*(f"{b:g}" for b in WAIT_BUCKETS), "+Inf"]
+                family.add_metric(
+                    [outcome], list(zip(bounds, self.counts[outcome], strict=True)), self.sums[outcome]
+                )
+        yield family
 
 
 class UtilizationCollector:
@@ -103,6 +184,7 @@ class Metrics:
     def __init__(self, ledger: Ledger):
         self.registry = CollectorRegistry()
         self.registry.register(LedgerCollector(ledger))
+        self.registry.register(QueueWaitCollector(ledger))
         self.refusals = Counter(
             "gpuhub_refusals", "Burst requests refused, by reason", ["reason"], registry=self.registry
         )

@@ -1,5 +1,6 @@
 // gpuhub pages: release buttons, the in-place limit editor, the usage chart, the admin's
-// live GPU grid and reclaims, and a user's own GPU use and idle warnings.
+// live GPU grid, reclaims and queue (cancel, move to front), and a user's own GPU use, idle
+// warnings and waits in the queue (leave).
 // Everything goes through the broker's REST API with JupyterHub's XSRF token.
 // The usage chart is chart.js, served by the broker (static/vendor/, put there by
 // scripts/setup: no CDN); the sparklines are small SVG drawn here.
@@ -66,6 +67,15 @@ document.addEventListener("click", async (ev) => {
       const [scope, name] = splitKey(target.closest("tr").dataset.limit);
       await api("DELETE", scope === "default" ? "limits/default" : `limits/${scope}/${encodeURIComponent(name)}`);
       location.reload();
+    } else if (target.dataset.queueCancel || target.dataset.queueLeave || target.dataset.queueFront) {
+      // the queue's buttons (admin: cancel, move to front; a user: leave): the live table
+      // is redrawn from the API at once, without reloading the page
+      const d = target.dataset;
+      target.disabled = true;
+      if (d.queueFront) await api("POST", `queue/${d.queueFront}/front`);
+      else await api("DELETE", `queue/${d.queueCancel || d.queueLeave}`);
+      if (refreshLive) await refreshLive();
+      else location.reload();
     }
   } catch (err) {
     showError(err);
@@ -350,8 +360,11 @@ function fillReclaims(rec) {
   total.replaceChildren(el("th", {}, "Total"), el("th", {}, rec.total.reclaims), el("th", {}, fmt(rec.total.gpu_hours)));
 }
 
+let refreshLive = null; // the page's live update, run at once after a button changed something
+
 function livePoll(container, update) {
   // update() now and then every data-poll-seconds (default 3); the status line says when
+  refreshLive = update;
   const ms = 1000 * Number(container.dataset.pollSeconds || 3);
   const status = document.querySelector("[data-live-status]");
   const tick = async () => {
@@ -372,15 +385,90 @@ function livePoll(container, update) {
   tick();
 }
 
+// ---- the queue: what waits for GPUs (admin: everyone's; My GPUs: one's own) ----
+
+const SURE_WORDS = { // as spawner/queueview.py SURE_WORDS
+  now: "GPUs are free for it now",
+  firm: "when a lease or an idle reclaim ends",
+  likely: "from idle reclaims and leases",
+  guess: "a guess from recent run lengths",
+  slurm: "Slurm's estimate",
+  unknown: "no estimate yet",
+};
+
+function queueWhat(q) {
+  return `${q.purpose}${q.server_name ? " " + q.server_name : ""}`;
+}
+
+function queueGpus(q) {
+  return `${q.gpus}${q.gpu_model ? " " + q.gpu_model : ""}`;
+}
+
+function expectedEl(q) {
+  const box = el("span", { class: "queue-expected", "data-sure": q.expected_sure });
+  box.append(q.expected_start ? utcTime(q.expected_start) : "–", " ",
+    el("small", { class: "text-muted" }, `(${SURE_WORDS[q.expected_sure] || q.expected_sure})`));
+  return box;
+}
+
+function factor(q, name) {
+  // as the API rounds it (priority to 3 decimals, the factors to 4, GPU-hours to 3)
+  const f = q.factors;
+  return !f || f[name] === null || f[name] === undefined ? "–" : String(f[name]);
+}
+
+function button(text, cls, data) {
+  const b = el("button", { class: `btn btn-sm ${cls}`, type: "button" }, text);
+  for (const [k, v] of Object.entries(data)) b.dataset[k] = String(v);
+  return b;
+}
+
+function fillQueue(queue) {
+  const body = document.querySelector("#queue tbody");
+  if (!body) return;
+  const rows = queue.map((q) => {
+    const who = el("span", { class: "queue-user" }, q.user);
+    const user = el("span");
+    user.append(who);
+    if (q.factors && q.factors.front) user.append(" ", el("span", { class: "badge text-bg-info" }, "moved to front"));
+    const actions = el("span", { class: "d-flex gap-1" });
+    actions.append(
+      button("Move to front", "btn-outline-primary", { queueFront: q.id }),
+      button("Cancel", "btn-outline-danger", { queueCancel: q.id }),
+    );
+    const tr = row([
+      el("span", { class: "queue-position" }, q.position), user, queueGpus(q), queueWhat(q), utcTime(q.created),
+      duration(q.waited_seconds), expectedEl(q), el("span", { class: "queue-priority" }, factor(q, "priority")),
+      el("span", { class: "queue-fairshare" }, factor(q, "fairshare")),
+      el("span", { class: "queue-age" }, factor(q, "age")), el("span", { class: "queue-share" }, factor(q, "share")),
+      el("span", { class: "queue-usage" }, factor(q, "recent_gpu_hours")), actions,
+    ], { "data-queue-entry": q.id, "data-user": q.user });
+    return tr;
+  });
+  body.replaceChildren(...(rows.length ? rows : [emptyRow(13, "Nobody is waiting for GPUs.")]));
+}
+
+function fillMyQueue(queue) {
+  const body = document.querySelector("#my-queue tbody");
+  if (!body) return;
+  const rows = queue.map((q) => row(
+    [q.id, queueWhat(q), queueGpus(q), el("span", { class: "queue-line" }, q.line), utcTime(q.created),
+      button("Leave", "btn-outline-danger", { queueLeave: q.id })],
+    { "data-queue-entry": q.id }));
+  body.replaceChildren(...(rows.length ? rows : [emptyRow(6, "You are not waiting for GPUs.")]));
+}
+
 function startAdminGrid(grid) {
   livePoll(grid, async () => {
-    const [util, rec] = await Promise.all([
+    const [util, rec, queue] = await Promise.all([
       api("GET", "utilization"),
       api("GET", `reclaims?since=${grid.dataset.reclaimDays || 7}d`),
+      api("GET", "queue"),
     ]);
     drawGrid(grid, util);
     fillUserUtilization(util);
     fillReclaims(rec);
+    fillQueue(queue.queue);
   });
 }
 
@@ -432,9 +520,11 @@ function fillMyUse(me, util) {
 }
 
 function startUserLive(container) {
+  const mine = `queue?user=${encodeURIComponent(container.dataset.user)}`; // an admin's own, too
   livePoll(container, async () => {
-    const [me, util] = await Promise.all([api("GET", "me"), api("GET", "utilization")]);
+    const [me, util, queue] = await Promise.all([api("GET", "me"), api("GET", "utilization"), api("GET", mine)]);
     fillMyUse(me, util);
+    fillMyQueue(queue.queue);
   });
 }
 
