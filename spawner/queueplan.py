@@ -134,7 +134,7 @@ def plan(
             someone_waits = True
             continue
         sure = timeline.sureness(placed, t)
-        timeline.reserve(placed, t, t + run, sure)
+        timeline.reserve(placed, t, t + run, _worse(sure, "guess"))  # its end: a run length, a guess
         out.expected[w.id] = Expected(t, sure)
         if t <= now:
             out.grants[w.id] = placed

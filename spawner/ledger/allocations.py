@@ -214,13 +214,15 @@ class AllocationRecords:
         backend,
         lease_seconds,
         deferred: bool = False,
+        now: datetime | None = None,
     ) -> Allocation:
-        """Write an allocation holding ``chosen`` (checked by the caller, in this transaction)."""
+        """Write an allocation holding ``chosen`` (checked by the caller, in this transaction).
+        ``now``: the moment the caller decided at (the queue's plan), recorded as its creation."""
         by_key = {
             (g.node.name, g.index): g
             for g in s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
         }
-        now = self.clock()
+        now = now or self.clock()
         leased = lease_seconds is not None
         alloc = Allocation(
             user=user,

@@ -256,6 +256,7 @@ class QueueRecords:
             chosen=gpus,
             backend=e.backend,
             lease_seconds=e.lease_seconds,
+            now=now,
         )
         e.state, e.ended, e.allocation_id = "granted", now, alloc.id
         e.end_reason = f"started after {(now - e.created).total_seconds():.0f} s"
@@ -427,6 +428,7 @@ class QueueRecords:
                 chosen=gpus,
                 backend=backend,
                 lease_seconds=lease_seconds,
+                now=now,
             )
             return Admission(allocation=_info(alloc))
         if not wait:
