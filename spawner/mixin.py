@@ -278,10 +278,19 @@ class GpuSpawnerMixin(Configurable):
                     self._progress(15, f"Your turn came after {waited:.0f} s in the queue")
                     return got.allocation
                 entry = got.entry
-        except (asyncio.CancelledError, Exception):
+        except asyncio.CancelledError:
+            # JupyterHub cancels the start when the server is stopped (the spawn page's stop
+            # button, an admin) and never calls stop() for a server that has no process yet
             await asyncio.shield(
                 asyncio.ensure_future(
-                    self._in_ledger("leave_queue", entry.id, "the spawn was stopped while it waited")
+                    self._in_ledger("leave_queue", entry.id, "the server was stopped while it waited")
+                )
+            )
+            raise
+        except Exception:
+            await asyncio.shield(
+                asyncio.ensure_future(
+                    self._in_ledger("leave_queue", entry.id, "the spawn failed while it waited")
                 )
             )
             raise
@@ -334,9 +343,10 @@ class GpuSpawnerMixin(Configurable):
     async def stop(self, now=False):
         allocation_id = self.allocation_id
         self._gpuhub_stopped = True
-        if self.queue_entry_id:  # a start still waiting in the queue leaves it
+        if self.waits_in_gpuhub_queue():  # a start still waiting in the queue leaves it
+            # (by server, not by entry id: a cancelled start may have dropped its id already)
             await self._in_ledger(
-                "leave_queue", self.queue_entry_id, "the server was stopped while it waited"
+                "leave_queue_of", self.user.name, self.name, "the server was stopped while it waited"
             )
         try:
             await super().stop(now=now)

@@ -119,9 +119,10 @@ class BrokerKernel:
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
 
-    def run(self, code: str, *, interrupt_when: str | None = None, timeout: float = 240) -> dict:
+    def run(self, code: str, *, interrupt_when: str | None = None, then=None, timeout: float = 240) -> dict:
         """Run a cell; with ``interrupt_when``, interrupt the kernel once that text has been
-        shown. Returns the reply's content, the text shown, and how long the interrupt took."""
+        shown (or call ``then()`` instead, once). Returns the reply's content, the text shown,
+        and how long the interrupt took."""
         msg_id = self.kc.execute(code)
         shown, result, interrupted_at, deadline = [], None, None, time.monotonic() + timeout
         while True:
@@ -141,7 +142,10 @@ class BrokerKernel:
                 break
             if interrupt_when and interrupted_at is None and interrupt_when in "".join(shown):
                 interrupted_at = time.monotonic()
-                self.km.interrupt_kernel()
+                if then is None:
+                    self.km.interrupt_kernel()
+                else:  # something else to do at that moment (the cell goes on)
+                    then()
         while True:  # the reply to this cell (never one left over from another request)
             msg = self.kc.get_shell_msg(timeout=30)
             if msg["parent_header"].get("msg_id") == msg_id:
