@@ -33,7 +33,9 @@ class Shares:
 def share_problem(value, where: str) -> str | None:
     """Why ``value`` is not a share (a whole number of 1 or more), naming the setting."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        return f"{where} must be a whole number of 1 or more (a user's weight in the fair share); got {value!r}"
+        return (
+            f"{where} must be a whole number of 1 or more (a user's weight in the fair share); got {value!r}"
+        )
     return None
 
 

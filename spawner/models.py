@@ -112,6 +112,9 @@ class Allocation(Base):
     # GPUs asked for; counts against the limit even before the backend has placed them
     # (a queued Slurm job). None on rows older than migration 0003: len(gpus) then.
     gpu_count: Mapped[int | None] = mapped_column(Integer)
+    # when the idle reclaim will take it back unless it is used (the owner was warned): the
+    # queue's firmest expected end; written by the broker's idle check (migration 0005)
+    idle_deadline: Mapped[datetime | None] = mapped_column(DateTime)
     gpus: Mapped[list[AllocationGpu]] = relationship(
         back_populates="allocation", cascade="all, delete-orphan"
     )

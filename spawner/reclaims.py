@@ -104,6 +104,18 @@ class ReclaimRecords:
         r = _record_of(s, allocation_id)
         return None if r is None else f"reclaimed: {r.reason}"
 
+    def set_idle_deadlines(self, deadlines: dict[int, datetime | None]) -> int:
+        """Write when each live allocation will be reclaimed unless used (None: not warned);
+        only changes are written. Returns how many changed."""
+        changed = 0
+        with self._tx() as s:
+            for allocation_id, when in deadlines.items():
+                a = s.get(Allocation, allocation_id)
+                if a is not None and a.state in ACTIVE_STATES and a.idle_deadline != when:
+                    a.idle_deadline = when
+                    changed += 1
+        return changed
+
     def reclaims(self, user: str | None = None, since: datetime | None = None) -> list[ReclaimInfo]:
         """Reclaims, newest first."""
         q = select(Reclaim).order_by(Reclaim.created.desc(), Reclaim.id.desc())

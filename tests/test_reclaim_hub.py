@@ -262,3 +262,30 @@ def test_a_report_names_only_the_callers_own_live_allocation_and_its_gpus(reclai
     assert hub.broker("DELETE", f"allocations/{burst['id']}", alice).status_code == 200
     r = hub.broker("POST", path, alice, json={"gpus": [sample]})
     assert r.status_code == 409 and r.json()["reason"] == "released"
+
+
+def test_a_waiting_spawn_counts_on_an_idle_reclaim_and_starts_when_it_comes(reclaim_hub):
+    """The queue's expected start is the warned allocation's reclaim time (firm, not a guess
+    from run lengths), and the head starts on the reclaimed GPUs within a poll of their release."""
+    hub, ledger, util_file = reclaim_hub
+    for user in ("alice", "dave"):
+        assert hub.spawn(user, {"gpus": 2}).status_code in (201, 202)
+        hub.wait_ready(user)
+    alice, dave = ledger.active(user="alice")[0], ledger.active(user="dave")[0]
+    assert hub.spawn("bob", {"gpus": 2}).status_code == 202
+    assert "a guess from recent run lengths" in hub.wait_progress("bob", "1st of 1 waiting for 2 GPUs")
+
+    set_utilization(util_file, {g.label: 85.0 for g in dave.gpus})  # alice's GPUs go idle
+    wait_for(lambda: idle_state(hub, alice.id)["state"] == "warned", 30, "alice warned")
+    line = hub.wait_progress("bob", "when a lease or an idle reclaim ends")
+    assert line.startswith("1st of 1 waiting for 2 GPUs, expected start"), line
+    [entry] = hub.broker("GET", "queue", hub.user_token("admin")).json()["queue"]
+    assert entry["expected_sure"] == "firm"
+    assert ledger.get(alice.id).idle_deadline is not None
+
+    hub.wait_ready("bob", timeout=60)  # alice's server reclaimed: bob's turn
+    assert ledger.get(alice.id).state == "released"
+    [bobs] = ledger.active(user="bob")
+    assert set(bobs.gpus) == set(alice.gpus)
+    for user in ("bob", "dave"):
+        hub.stop_server(user)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
@@ -36,6 +37,7 @@ class Reclaimer:
         self.rules = rules
         self.clock = clock
         self._stopping: dict[int, float] = {}  # allocation id -> when its stop was asked
+        self._deadlines: dict[int, object] = {}  # what the ledger was last told (idle deadlines)
 
     async def check(self) -> list[int]:
         """One pass; returns the ids reclaimed (or whose server was asked to stop)."""
@@ -53,7 +55,28 @@ class Reclaimer:
                     acted.append(a.id)
             except Exception:  # one allocation's trouble must not skip the others
                 log.exception("the idle check of allocation %s failed", a.id)
+        await self._write_deadlines(live)
         return acted
+
+    async def _write_deadlines(self, live) -> None:
+        """Tell the ledger when warned allocations will be reclaimed unless used: the queue's
+        expected starts count on those ends (only changes are written)."""
+        util = self.broker.utilization
+        wanted = {}
+        for a in live:
+            v = util.verdicts.get(a.id)
+            at = v.reclaim_at if v is not None and v.state in ("warned", "reclaim") else None
+            wanted[a.id] = (
+                None if at is None else datetime.fromtimestamp(at, UTC).replace(tzinfo=None, microsecond=0)
+            )
+        changed = {i: t for i, t in wanted.items() if self._deadlines.get(i, None) != t}
+        self._deadlines = wanted
+        if changed:
+            try:
+                await self.broker.run(self.broker.ledger.set_idle_deadlines, changed)
+            except Exception:
+                log.exception("could not write the idle deadlines to the ledger")
+                self._deadlines = {}  # try them all again next pass
 
     async def _judge(self, a, now: float) -> bool:
         broker, util = self.broker, self.broker.utilization

@@ -55,6 +55,7 @@ class AllocationInfo:
     gpus: tuple[policy.Gpu, ...]
     lease_expires: datetime | None = None
     gpu_count: int = 0  # GPUs asked for (a queued Slurm job holds its count, not yet GPUs)
+    idle_deadline: datetime | None = None  # reclaimed then unless used (its owner was warned)
 
     @property
     def active(self) -> bool:
@@ -115,6 +116,7 @@ def _info(a: Allocation) -> AllocationInfo:
         gpus=gpus,
         lease_expires=a.lease_expires,
         gpu_count=_count(a),
+        idle_deadline=a.idle_deadline,
     )
 
 

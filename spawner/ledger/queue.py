@@ -218,6 +218,9 @@ class QueueRecords:
             if a.id in reclaimed:  # being stopped for idleness: ends within moments
                 held.append(queueplan.Held(gpus, now + timedelta(minutes=1), "firm"))
                 continue
+            if a.idle_deadline is not None:  # warned: reclaimed then unless used again
+                held.append(queueplan.Held(gpus, max(a.idle_deadline, now), "firm"))
+                continue
             typical = timedelta(hours=runs.get(a.user, default_run))
             start = a.started or a.created
             ends = max(now + timedelta(minutes=5), start + typical)

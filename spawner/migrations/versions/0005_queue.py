@@ -1,4 +1,4 @@
-"""queue: requests waiting for GPUs
+"""queue: requests waiting for GPUs; allocations' idle deadlines
 
 Revision ID: 0005
 Revises: 0004
@@ -45,8 +45,12 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_queue_entries")),
     )
     op.create_index("ix_queue_entries_state_user", "queue_entries", ["state", "user"], unique=False)
+    with op.batch_alter_table("allocations") as batch:
+        batch.add_column(sa.Column("idle_deadline", sa.DateTime(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("allocations") as batch:
+        batch.drop_column("idle_deadline")
     op.drop_index("ix_queue_entries_state_user", table_name="queue_entries")
     op.drop_table("queue_entries")
