@@ -53,6 +53,8 @@ def wait_line(
     from recent run lengths)``. Times are naive UTC; shown in local time."""
     head = f"{ordinal(position)} of {waiting} waiting for {_plural(gpus)}"
     if expected is None:
+        if sure == "slurm":
+            return f"{head}; no estimate from Slurm yet (its backfill pass gives one shortly)"
         return f"{head}; no expected start yet (nothing now running has an end in sight)"
     left = (expected - now).total_seconds()
     when = f"about {local_clock(expected)}" if left > 60 else "any moment"

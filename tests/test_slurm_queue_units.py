@@ -191,7 +191,7 @@ def local(at):
      f"{local(datetime(2026, 12, 1, 14, 20))} (in 20 min; Slurm's estimate, not a promise). "
      "Slurm's reason: Resources"),
     (None, (1, 1, "gpu"),
-     "Queued in Slurm as job 42 in partition gpu: 1st of 1 waiting for 2 GPUs; no expected start yet"),
+     "Queued in Slurm as job 42 in partition gpu: 1st of 1 waiting for 2 GPUs; no estimate from Slurm yet"),
     (None, None, "Queued in Slurm as job 42 (Resources)"),  # no position (held, text fallback)
 ])  # fmt: skip
 def test_wait_message(expected, position, words):
@@ -263,7 +263,7 @@ def test_wait_in_queue_shows_each_new_line_once_and_returns_when_the_job_leaves(
     launcher.job_id = "12"
     shown = []
     launcher.wait_in_queue(shown.append, lambda: next(answers))
-    assert len(shown) == 3 and "no expected start yet" in shown[0] and "expected start" in shown[1]
+    assert len(shown) == 3 and "no estimate from Slurm yet" in shown[0] and "expected start" in shown[1]
     assert shown[2] == "Slurm job 12 left the queue; starting the engines"
     assert slept == [0.5, 1.0, 2.0]  # backing off towards QUEUE_POLL_MAX
 

@@ -68,6 +68,14 @@ class LimitRecords:
         with self._read() as s:
             return self._rules(s)
 
+    def known_groups(self, users: Iterable[str] | None = None) -> dict[str, list[str]]:
+        """The groups remembered for each known user (or for ``users``), from their last spawn."""
+        with self._read() as s:
+            q = select(KnownUser)
+            if users is not None:
+                q = q.where(KnownUser.name.in_(sorted(set(users))))
+            return {r.name: [g for g in r.groups.split(",") if g] for r in s.scalars(q)}
+
     def note_user(self, user: str, groups: Iterable[str]) -> None:
         """Remember a user and their groups (spawners call this at each start)."""
         joined = ",".join(sorted(set(groups)))[:4000]

@@ -420,8 +420,6 @@ class QueueRecords:
             adopt.state = "waiting"
         gpus = scene.plan.grants.get(NEW)
         if gpus is not None:
-            if adopt is not None:
-                self._leave(adopt, "started")
             alloc = self._book(
                 s,
                 user=user,
@@ -433,6 +431,9 @@ class QueueRecords:
                 lease_seconds=lease_seconds,
                 now=now,
             )
+            if adopt is not None:  # the start again that kept its place: granted, as any turn
+                adopt.state, adopt.ended, adopt.allocation_id = "granted", now, alloc.id
+                adopt.end_reason = f"started after {(now - adopt.created).total_seconds():.0f} s"
             return Admission(allocation=_info(alloc))
         if not wait:
             ahead = scene.plan.position(scene.order, NEW)[0] - 1
