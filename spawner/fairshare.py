@@ -89,7 +89,7 @@ def age_factor(waited_seconds: float, max_age_hours: float) -> float:
 class Weights:
     fairshare: int = 1000
     age: int = 1000
-    max_age_hours: float = 2.0
+    max_age_hours: float = 24.0
     half_life_hours: float = 168.0
 
 

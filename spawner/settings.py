@@ -195,9 +195,11 @@ class GpuHub(Configurable):
     ).tag(config=True)
 
     priority_max_age_hours = Float(
-        2.0,
-        help="""Waiting time after which the age factor is 1 (Slurm's ``PriorityMaxAge``).
-        ``c.GpuHub.priority_max_age_hours = 4``
+        24.0,
+        help="""Waiting time after which the age factor is 1 (Slurm's ``PriorityMaxAge``): a
+        request that has waited this long outranks every newer one. Shorter makes a full queue
+        first come, first served sooner (the fair share then only orders requests of the same
+        age); longer lets recent use decide for longer. ``c.GpuHub.priority_max_age_hours = 8``
         """,
     ).tag(config=True)
 

@@ -35,6 +35,7 @@ from .base import AllocationInfo, _gpu, _info
 NEW = 2**63 - 1  # the id a request not yet in the queue has in the plan (last on ties: it asked last)
 HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently
 RUNS_PER_USER = 20
+OVERDUE_MIN = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,11 @@ class QueueRecords:
                 continue
             typical = timedelta(hours=runs.get(a.user, default_run))
             start = a.started or a.created
-            ends = max(now + timedelta(minutes=5), start + typical)
+            ends = start + typical
+            if ends < now + OVERDUE_MIN:  # running past its user's usual: as long again as
+                # it has run past it, halved (never "any moment now", which would hold free
+                # GPUs back from backfill for ever)
+                ends = now + max(OVERDUE_MIN, (now - start - typical) / 2 + OVERDUE_MIN)
             if a.lease_expires is not None:
                 ends = max(ends, a.lease_expires)
             held.append(queueplan.Held(gpus, ends, "guess"))
