@@ -158,11 +158,17 @@ class LedgerBase:
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
-        """A writing transaction, holding the ledger's write lock."""
+        """A writing transaction, holding the ledger's write lock. It counts up the lock's
+        ``generation`` (what readers compare to know nothing changed) unless it sets
+        ``s.info["changed"] = False`` (a waiter's keepalive, which changes no decision)."""
         with self._sessions.begin() as s:
-            lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update())
-            lock.scalar_one()
+            lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update()).scalar_one()
             yield s
+            if s.info.get("changed", True):
+                lock.generation = (lock.generation or 0) + 1
+
+    def _generation(self, s: Session) -> int:
+        return s.scalar(select(LedgerLock.generation).where(LedgerLock.id == 1)) or 0
 
     @contextmanager
     def _read(self) -> Iterator[Session]:

@@ -36,6 +36,7 @@ NEW = 2**63 - 1  # the id a request not yet in the queue has in the plan (last o
 HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently
 RUNS_PER_USER = 20
 OVERDUE_MIN = timedelta(minutes=5)
+SCENE_SECONDS = timedelta(seconds=1)  # how long a read-only answer may reuse a computed scene
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,20 @@ class QueueRecords:
         plan = queueplan.plan([waiting[c.id] for c in ordered], self._inventory(s), held, now)
         return _Scene([c.id for c in ordered], plan, found, self._free(s))
 
+    def _cached_scene(self, s: Session, now: datetime) -> _Scene:
+        """The scene, computed at most once per ``SCENE_SECONDS`` while the ledger does not
+        change (its generation): the waiters of one process, polling each second, share it
+        instead of each recomputing the whole queue (read-only answers; a grant recomputes)."""
+        generation = self._generation(s)
+        cached = getattr(self, "_scene_cache", None)
+        if cached is not None:
+            gen, at, scene = cached
+            if gen == generation and timedelta(0) <= now - at < SCENE_SECONDS:
+                return scene
+        scene = self._scene(s, now)
+        self._scene_cache = (generation, now, scene)
+        return scene
+
     # asking ----------------------------------------------------------------------------
 
     def _waiting_gpus(self, s: Session, user: str, but: int | None = None) -> int:
@@ -282,14 +297,14 @@ class QueueRecords:
             now = self.clock()
             fresh = e.seen >= now - timedelta(seconds=self.queue_settings.keepalive_seconds / 3)
             if e.state == "waiting" and fresh:
-                scene = self._scene(s, now)
+                scene = self._cached_scene(s, now)
                 if entry_id not in scene.plan.grants:
                     return Admission(entry=scene.info(_entry_info(e)))
         with self._tx() as s:
             now = self.clock()
             self._expire(s)
             e = s.get(QueueEntry, entry_id)
-            self._end_stale(s, now)  # before this ask counts: a late waiter finds its entry ended
+            ended = self._end_stale(s, now)  # before this ask counts: a late waiter finds its entry ended
             if e.state == "waiting":
                 e.seen = now
             if e.state == "granted":
@@ -300,6 +315,7 @@ class QueueRecords:
             scene = self._scene(s, now)
             gpus = scene.plan.grants.get(e.id)
             if gpus is None:
+                s.info["changed"] = not ended  # a keepalive alone changes no decision
                 return Admission(entry=scene.info(_entry_info(e)))
             eff = policy.effective_limit(e.user, _groups(e.groups), self._rules(s))
             holdings = self._holdings(s, e.user, eff.limit)
