@@ -185,6 +185,7 @@ class Simulation:
                     fairshare=args.weight_fairshare, age=args.weight_age, max_age_hours=args.max_age_hours
                 ),
                 keepalive_seconds=10 * step_s,
+                reservations=args.reservations,
             ),
         )
         self.ledger.sync_inventory([Gpu(NODE, i, "A100", 81920) for i in range(args.gpus)])
@@ -492,7 +493,7 @@ def report(args, traces: list[list[Job]], days: dict[str, list[Day]]) -> None:
         f"({', '.join(f'{sizes[s]} x {s} GPU' for s in sorted(sizes))}), {offered:.0f} GPU-hours asked "
         f"for; {args.gpus} GPUs on one node, limit {args.limit} each; {args.hours:g} h days in "
         f"{args.step}-minute steps; priority weights fairshare {args.weight_fairshare}, age "
-        f"{args.weight_age}, max age {args.max_age_hours:g} h"
+        f"{args.weight_age}, max age {args.max_age_hours:g} h, reservations {args.reservations}"
     )
     qm, rm = measure(days["queue"], args), measure(days["retry"], args)
     print()
@@ -603,6 +604,9 @@ def main() -> None:
     ap.add_argument("--weight-fairshare", type=int, default=defaults.fairshare, help="c.GpuHub's trait")
     ap.add_argument("--weight-age", type=int, default=defaults.age, help="c.GpuHub's trait")
     ap.add_argument("--max-age-hours", type=float, default=defaults.max_age_hours, help="c.GpuHub's trait")
+    ap.add_argument(
+        "--reservations", type=int, default=1, help="c.GpuHub.queue_reservations (1: EASY backfill)"
+    )
     args = ap.parse_args()
     users = profiles(args.users, args.heavy)
     traces, days = [], {"queue": [], "retry": []}

@@ -105,41 +105,59 @@ class _Timeline:
             self.busy[g].append((start, end, sure))
 
 
+def _earliest(timeline: _Timeline, w: Waiting, inventory, now: datetime, run: timedelta):
+    """The earliest (time, GPUs) at which ``w`` fits ``timeline``; (None, None) if never."""
+    usable = [g for g in inventory if w.on_nodes is None or g.node in w.on_nodes]
+    free_now = set(timeline.free_over(now, now + run))
+    for t in timeline.times():
+        free = [g for g in timeline.free_over(t, t + run) if w.on_nodes is None or g.node in w.on_nodes]
+        placed = None
+        if t > now:  # a reservation ahead: on GPUs busy now where it can, leaving the
+            # free ones to requests that can start on them now without delaying it
+            placed = policy.place(w.request, [g for g in free if g not in free_now], usable)
+        placed = placed or policy.place(w.request, free, usable)
+        if placed is not None:
+            return t, placed
+    return None, None
+
+
 def plan(
     waiting: Sequence[Waiting],
     inventory: Sequence[policy.Gpu],
     held: Sequence[Held],
     now: datetime,
+    reservations: int = 1,
 ) -> Plan:
-    """The schedule for ``waiting``, already in the queue's order (see the module's text)."""
-    timeline = _Timeline(inventory, held, now)
+    """The schedule for ``waiting``, already in the queue's order (see the module's text).
+
+    ``reservations``: how many of the first requests that cannot start now get a reservation
+    that backfill may not delay: 1 is EASY backfill (only the head is protected, as the
+    queue promises), a large number conservative backfill (everyone ahead is). Expected
+    starts are always the conservative schedule's: where every request ahead keeps its turn."""
+    binding = _Timeline(inventory, held, now)  # what grants must respect
+    shown = _Timeline(inventory, held, now)  # every request's turn, for expected starts
     out = Plan()
-    someone_waits = False
+    protected = 0
     for w in waiting:
         run = timedelta(hours=max(w.run_hours, 1 / 60))
-        usable = [g for g in inventory if w.on_nodes is None or g.node in w.on_nodes]
-        placed = None
-        free_now = set(timeline.free_over(now, now + run))
-        for t in timeline.times():
-            free = [g for g in timeline.free_over(t, t + run) if w.on_nodes is None or g.node in w.on_nodes]
-            placed = None
-            if t > now:  # a reservation ahead: on GPUs busy now where it can, leaving the
-                # free ones to requests that can start on them now without delaying it
-                placed = policy.place(w.request, [g for g in free if g not in free_now], usable)
-            placed = placed or policy.place(w.request, free, usable)
-            if placed is not None:
-                break
-        if placed is None:
-            out.expected[w.id] = Expected(None, "unknown")
-            someone_waits = True
-            continue
-        sure = timeline.sureness(placed, t)
-        timeline.reserve(placed, t, t + run, _worse(sure, "guess"))  # its end: a run length, a guess
-        out.expected[w.id] = Expected(t, sure)
-        if t <= now:
+        t, placed = _earliest(binding, w, inventory, now, run)
+        if t is not None and t <= now:
+            sure = binding.sureness(placed, t)
+            for timeline in (binding, shown):
+                timeline.reserve(placed, t, t + run, "guess")  # its end: a run length, a guess
+            out.expected[w.id] = Expected(t, sure)
             out.grants[w.id] = placed
-            if someone_waits:
+            if protected or len(out.grants) < len(out.expected):
                 out.backfilled.add(w.id)
-        else:
-            someone_waits = True
+            continue
+        t, placed = _earliest(shown, w, inventory, now, run)
+        if t is None:
+            out.expected[w.id] = Expected(None, "unknown")
+            continue
+        sure = shown.sureness(placed, t)
+        out.expected[w.id] = Expected(t, sure)
+        shown.reserve(placed, t, t + run, _worse(sure, "guess"))
+        if protected < reservations:
+            binding.reserve(placed, t, t + run, _worse(sure, "guess"))
+            protected += 1
     return out

@@ -229,6 +229,16 @@ class GpuHub(Configurable):
         """,
     ).tag(config=True)
 
+    queue_reservations = Int(
+        1,
+        help="""How many waiting requests at the front of the queue hold a reservation that
+        backfill may not delay: 1 (EASY backfill) protects the head only, so a smaller request
+        may start ahead of the others where it does not delay the head's expected start; a
+        large number (conservative backfill) protects everyone ahead, at the cost of GPUs left
+        idle. ``c.GpuHub.queue_reservations = 3``
+        """,
+    ).tag(config=True)
+
     queue_poll_seconds = Float(
         1.0,
         help="""How often a waiting spawn or burst asks the ledger whether its turn has
@@ -284,10 +294,15 @@ class GpuHub(Configurable):
             keepalive_seconds=self.queue_keepalive_seconds,
             max_wait_hours=self.queue_max_wait_hours,
             default_run_hours=self.queue_default_run_hours,
+            reservations=self.queue_reservations,
         )
 
     def queue_weights(self) -> Weights:
         """The priority weights, checked like the shares."""
+        if self.queue_reservations < 1:
+            raise ValueError(
+                f"c.GpuHub.queue_reservations must be 1 or more; got {self.queue_reservations!r}"
+            )
         for name in ("priority_weight_fairshare", "priority_weight_age"):
             if getattr(self, name) < 0:
                 raise ValueError(f"c.GpuHub.{name} must be 0 or more; got {getattr(self, name)!r}")

@@ -33,6 +33,7 @@ class QueueSettings:
     keepalive_seconds: float = 30.0
     max_wait_hours: float = 12.0
     default_run_hours: float = 2.0
+    reservations: int = 1
 
 
 def utcnow() -> datetime:

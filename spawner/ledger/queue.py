@@ -233,7 +233,9 @@ class QueueRecords:
             if a.lease_expires is not None:
                 ends = max(ends, a.lease_expires)
             held.append(queueplan.Held(gpus, ends, "guess"))
-        plan = queueplan.plan([waiting[c.id] for c in ordered], self._inventory(s), held, now)
+        plan = queueplan.plan(
+            [waiting[c.id] for c in ordered], self._inventory(s), held, now, qs.reservations
+        )
         return _Scene([c.id for c in ordered], plan, found, self._free(s))
 
     def _cached_scene(self, s: Session, now: datetime) -> _Scene:
