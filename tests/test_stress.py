@@ -1,53 +1,95 @@
-"""Several processes allocate and release at random against one ledger file.
+"""Several processes allocate, queue, wait, leave and release at random against one ledger file.
 
 The invariant checker reads the whole history back from the database and replays it:
-no GPU is ever held by two allocations at the same moment, and no user ever holds more
-than their limit. It also runs concurrently with the workers on live snapshots.
+no GPU is ever held by two allocations at the same moment, no user ever holds more than
+their limit, nor holds and waits for more than it. It also runs concurrently with the
+workers on live snapshots.
+
+The order checker replays every grant: it rebuilds the ledger as it stood at the grant's
+moment (from the allocations' and queue entries' history, in a scratch database) and asks
+that ledger's own :meth:`Ledger.queue` whether the plan at that moment started the entry
+(its position is 0). A request granted at once is checked as a waiting entry made at that
+moment. So a grant that passed someone the policy put first (a lost lock, a scene read
+outside the write transaction, a new request ranked differently from a waiting one) shows.
 """
 
 import itertools
 import multiprocessing as mp
 import random
-from collections import defaultdict
+import sqlite3
+from collections import Counter, defaultdict
+from datetime import datetime, timedelta
 
 from sqlalchemy import create_engine, text
 
-from spawner.ledger import Ledger
+from spawner.fairshare import Shares
+from spawner.ledger import Ledger, QueueSettings
 from spawner.policy import Gpu, Limit, LimitRules, Refusal, effective_limit
 
 INV = [Gpu(f"n{n}", i, "A100") for n in range(3) for i in range(4)]
-RULES = LimitRules(default=Limit(max_gpus=2), groups={"big": Limit(max_gpus=5)})
+RULES = LimitRules(default=Limit(max_gpus=3), groups={"big": Limit(max_gpus=6)})
 USERS = {f"u{i}": (["big"] if i % 3 == 0 else []) for i in range(8)}
+# no entry goes stale and no lease runs out during a run: the order checker's replay has
+# only the ends the history shows (expiry and keepalive have their own tests)
+QUEUE = QueueSettings(shares=Shares(groups={"big": 3}), keepalive_seconds=3600, max_wait_hours=12)
+LEASE_SECONDS = 3600
+COUNTS = [1, 1, 2, 2, 3, 4]  # GPUs asked for
 
 
 def worker(url: str, seed: int, ops: int, results) -> None:
     rng = random.Random(seed)
-    ledger = Ledger(url, config_rules=RULES)
-    mine: list[int] = []
-    granted = refused = 0
-    for _ in range(ops):
-        if mine and rng.random() < 0.45:
+    ledger = Ledger(url, config_rules=RULES, queue=QUEUE)
+    mine: list[int] = []  # allocations held
+    waits: list[int] = []  # queue entries waited on
+    shapes: dict[int, int | None] = {}  # max_nodes of what was granted at once (for the replay)
+    n: Counter = Counter()
+    for k in range(ops):
+        r = rng.random()
+        if mine and r < 0.35:
             ledger.release(mine.pop(rng.randrange(len(mine))), "stress")
             continue
+        if waits and r < 0.7:
+            entry = rng.choice(waits)
+            got = ledger.wait_turn(entry)
+            if got.allocation is not None:
+                mine.append(got.allocation.id)
+                n["granted after waiting"] += 1
+            if got.entry.state != "waiting":
+                waits.remove(entry)
+            continue
+        if waits and r < 0.75:
+            assert ledger.leave_queue(waits.pop(rng.randrange(len(waits))), "stress")
+            n["left"] += 1
+            continue
         user = rng.choice(sorted(USERS))
+        max_nodes = rng.choice([1, None])
+        kw = {"max_nodes": max_nodes, "server_name": f"w{seed}-{k}"}
+        if rng.random() < 0.3:
+            kw |= {"purpose": "distributed", "lease_seconds": LEASE_SECONDS}
         try:
-            a = ledger.allocate(
-                user,
-                USERS[user],
-                rng.randint(1, 4),
-                max_nodes=rng.choice([1, None]),
-                purpose=rng.choice(["server", "distributed"]),
-            )
-            if rng.random() < 0.5:
+            if rng.random() < 0.6:
+                got = ledger.request(user, USERS[user], rng.choice(COUNTS), **kw)
+                if got.entry is not None:
+                    waits.append(got.entry.id)
+                    n["queued"] += 1
+                    continue
+                a = got.allocation
+            else:
+                a = ledger.allocate(user, USERS[user], rng.choice(COUNTS), **kw)
+            if rng.random() < 0.5 and a.state != "running":
                 ledger.mark_running(a.id, str(seed))
             mine.append(a.id)
-            granted += 1
-        except Refusal:
-            refused += 1
-    for a in mine[: len(mine) // 2]:  # leave some held at the end
+            shapes[a.id] = max_nodes
+            n["granted"] += 1
+        except Refusal as e:
+            n["refused"] += 1
+            n[e.reason] += 1
+    for e in waits[::2]:  # leave some waiting and some held at the end
+        ledger.leave_queue(e, "stress end")
+    for a in mine[: len(mine) // 2]:
         ledger.release(a, "stress end")
     ledger.close()
-    results.put((granted, refused))
+    results.put((dict(n), shapes))
 
 
 def history(url: str):
@@ -59,11 +101,12 @@ def history(url: str):
                 "FROM allocations a JOIN allocation_gpus ag ON ag.allocation_id = a.id"
             )
         ).all()
+        entries = conn.execute(text("SELECT id, user, gpu_count, created, ended FROM queue_entries")).all()
     engine.dispose()
-    return rows
+    return rows, entries
 
 
-def check_invariants(rows) -> list[str]:
+def check_invariants(rows, entries=()) -> list[str]:
     """Replay the history: problems found, empty when the ledger never broke a rule."""
     problems = []
     per_gpu = defaultdict(list)
@@ -79,41 +122,225 @@ def check_invariants(rows) -> list[str]:
         for (_s1, e1, a1), (s2, _e2, a2) in itertools.pairwise(spans):
             if s2 < e1:
                 problems.append(f"GPU {gpu_id} held by {a1} and {a2} at once")
-    events = sorted(
-        [(c, 1, u, n) for u, c, _e, n, *_ in allocs.values()]
-        + [(e, 0, u, n) for u, _c, e, n, *_ in allocs.values()]
-    )
-    holding = defaultdict(int)
-    for _t, kind, user, n in events:  # at equal times releases (0) come before grants (1)
-        holding[user] += n if kind else -n
-        limit = effective_limit(user, USERS.get(user, []), RULES).limit.max_gpus
-        if limit is not None and holding[user] > limit:
-            problems.append(f"{user} held {holding[user]} GPUs, over their limit of {limit}")
+
+    def replay(spans, what):
+        events = sorted([(c, 1, u, n) for u, c, _e, n in spans] + [(e, 0, u, n) for u, _c, e, n in spans])
+        count = defaultdict(int)
+        for _t, kind, user, n in events:  # at equal times ends (0) come before starts (1)
+            count[user] += n if kind else -n
+            limit = effective_limit(user, USERS.get(user, []), RULES).limit.max_gpus
+            if limit is not None and count[user] > limit:
+                problems.append(f"{user} {what} {count[user]} GPUs, over their limit of {limit}")
+
+    held_spans = [(u, c, e, n) for u, c, e, n, *_ in allocs.values()]
+    replay(held_spans, "held")
+    # what a user waits for counts against their limit too: held + waiting never passes it
+    waiting_spans = [(u, c, e or "9999", n) for _id, u, n, c, e in entries]
+    replay(held_spans + waiting_spans, "held and waited for")
+    return problems
+
+
+class Replay:
+    """The ledger as it stood at a past moment, rebuilt in a scratch database from the
+    history of ``source``, read through a :class:`Ledger` whose clock stands at that moment."""
+
+    def __init__(self, source: str, scratch: str):
+        self.source, self.scratch = source, scratch
+        self.moment = None
+        self.ledger = Ledger(f"sqlite:///{scratch}", config_rules=RULES, queue=QUEUE, clock=self.clock)
+        self.ledger.close()  # created at the schema's head; it reopens on each read
+        with self._connect() as db:
+            db.execute("DELETE FROM gpus")
+            db.execute("DELETE FROM nodes")
+            self._copy(db, "nodes")
+            self._copy(db, "gpus")
+
+    def clock(self):
+        return datetime.fromisoformat(self.moment)
+
+    def _connect(self):
+        db = sqlite3.connect(self.scratch)
+        db.execute("ATTACH DATABASE ? AS src", (self.source,))
+        return db
+
+    @staticmethod
+    def _copy(db, table: str, where: str = "", params=()) -> None:
+        """Copy ``table``'s rows from the source, by the columns both databases have."""
+        cols = [r[1] for r in db.execute(f"PRAGMA main.table_info({table})")]
+        have = {r[1] for r in db.execute(f"PRAGMA src.table_info({table})")}
+        names = ", ".join(f'"{c}"' for c in cols if c in have)
+        db.execute(f"INSERT INTO main.{table} ({names}) SELECT {names} FROM src.{table} {where}", params)
+
+    def queue_at(self, moment: str, new: dict | None = None):
+        """The queue as :meth:`Ledger.queue` saw it just before ``moment`` (a stored time),
+        with ``new`` (queue_entries columns) as one more entry made at that moment."""
+        t = {"t": moment}
+        with self._connect() as db:
+            for table in ("allocation_gpus", "queue_entries", "allocations"):
+                db.execute(f"DELETE FROM {table}")
+            self._copy(db, "allocations", "WHERE created < :t", t)
+            db.execute("UPDATE allocations SET started = NULL WHERE started >= :t", t)
+            db.execute(
+                "UPDATE allocations SET ended = NULL, end_reason = NULL, state = CASE WHEN started "
+                "IS NULL THEN 'starting' ELSE 'running' END WHERE ended IS NULL OR ended >= :t",
+                t,
+            )
+            db.execute(
+                "INSERT INTO allocation_gpus SELECT ag.allocation_id, ag.gpu_id, a.ended IS NULL "
+                "FROM src.allocation_gpus ag JOIN allocations a ON a.id = ag.allocation_id"
+            )
+            self._copy(db, "queue_entries", "WHERE created < :t", t)
+            db.execute(
+                "UPDATE queue_entries SET state = 'waiting', ended = NULL, end_reason = NULL, "
+                "allocation_id = NULL WHERE ended IS NULL OR ended >= :t",
+                t,
+            )
+            if new is not None:
+                cols = ", ".join(new)
+                db.execute(
+                    f"INSERT INTO queue_entries ({cols}) VALUES ({', '.join(':' + c for c in new)})",
+                    new,
+                )
+        self.moment = moment
+        led = Ledger(f"sqlite:///{self.scratch}", config_rules=RULES, queue=QUEUE, clock=self.clock)
+        try:
+            return led.queue()
+        finally:
+            led.close()
+
+
+def grants(source: str):
+    """Every grant as ``(moment, entry id or None, allocation id, user, count, purpose, server_name)``;
+    its moment is its allocation's creation, the time its transaction's plan was computed at."""
+    db = sqlite3.connect(source)
+    try:
+        waited = db.execute(
+            "SELECT a.created, e.id, a.id, a.user, a.gpu_count, a.purpose, a.server_name "
+            "FROM queue_entries e JOIN allocations a ON a.id = e.allocation_id WHERE e.state = 'granted'"
+        ).fetchall()
+        at_once = db.execute(
+            "SELECT a.created, NULL, a.id, a.user, a.gpu_count, a.purpose, a.server_name FROM allocations a "
+            "WHERE a.id NOT IN (SELECT allocation_id FROM queue_entries WHERE allocation_id IS NOT NULL)"
+        ).fetchall()
+    finally:
+        db.close()
+    return sorted(waited + at_once)
+
+
+def check_grant_order(source: str, scratch: str, shapes: dict[int, int | None]) -> list[str]:
+    """Problems: grants the queue's plan at their moment did not start."""
+    replay = Replay(source, scratch)
+    problems = []
+    for moment, entry_id, alloc_id, user, count, purpose, server_name in grants(source):
+        new = None
+        if entry_id is None:  # granted at once: as if it had joined the queue at that moment
+            new = {
+                "user": user,
+                "groups": ",".join(USERS.get(user, [])),
+                "purpose": purpose,
+                "server_name": server_name,
+                "backend": "local",
+                "gpu_count": count,
+                "max_nodes": shapes.get(alloc_id, 1),
+                "state": "waiting",
+                "created": moment,
+                "seen": moment,
+            }
+        found = {q.id: q for q in replay.queue_at(moment, new)}
+        if entry_id is None:
+            [q] = [q for q in found.values() if q.server_name == server_name and q.user == user]
+        else:
+            q = found[entry_id]
+        if q.position != 0:
+            problems.append(
+                f"allocation {alloc_id} ({user}, {count} GPUs{f', entry {entry_id}' if entry_id else ''}) "
+                f"was granted at {moment} while the queue had it {q.position} of {q.waiting}"
+            )
     return problems
 
 
 def test_concurrent_processes_never_double_book_or_exceed_limits(tmp_path):
     url = f"sqlite:///{tmp_path / 'stress.sqlite'}"
-    Ledger(url, config_rules=RULES).sync_inventory(INV)
+    Ledger(url, config_rules=RULES, queue=QUEUE).sync_inventory(INV)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(url, seed, 120, results)) for seed in range(4)]
+    procs = [ctx.Process(target=worker, args=(url, seed, 250, results)) for seed in range(4)]
     for p in procs:
         p.start()
     live_problems = []
     while any(p.is_alive() for p in procs):
-        live_problems += check_invariants(history(url))  # snapshots while they write
+        live_problems += check_invariants(*history(url))  # snapshots while they write
         for p in procs:
             p.join(timeout=0.2)
     assert all(p.exitcode == 0 for p in procs)
-    granted, refused = map(sum, zip(*[results.get(timeout=10) for _ in procs], strict=True))
-    assert granted > 50 and refused > 20, (granted, refused)  # both paths exercised
+    counts: Counter = Counter()
+    shapes: dict[int, int | None] = {}
+    for _ in procs:
+        n, s = results.get(timeout=10)
+        counts.update(n)
+        shapes.update(s)
+    # every path exercised: granted at once and after waiting, queued, left, refused
+    assert counts["granted"] > 60 and counts["refused"] > 20, counts
+    assert counts["queued"] > 25 and counts["granted after waiting"] > 10 and counts["left"] > 8, counts
     assert live_problems == []
-    assert check_invariants(history(url)) == []
+    assert check_invariants(*history(url)) == []
+    assert check_grant_order(str(tmp_path / "stress.sqlite"), str(tmp_path / "replay.sqlite"), shapes) == []
     # the invariant checker itself catches a double booking and an over-limit user
-    rows = history(url)
+    rows, entries = history(url)
     _aid, _user, created, _ended, _state, gpu_id, _held = rows[0]
     forged = [(10**6, "u1", created, None, "running", gpu_id, 1)]
-    forged += [(10**6 + k, "u1", created, None, "running", 10**6 + k, 1) for k in range(1, 3)]
-    found = check_invariants(rows + forged)
-    assert any("at once" in p for p in found) and any("over their limit" in p for p in found)
+    forged += [(10**6 + k, "u1", created, None, "running", 10**6 + k, 1) for k in range(1, 4)]
+    found = check_invariants(rows + forged, entries)
+    assert any("at once" in p for p in found) and any(
+        "held 4 GPUs, over their limit of 3" in p for p in found
+    )
+    # ... and a user waiting for more than their limit allows beside what they hold
+    holder = rows[0]
+    waited = [(10**6, holder[1], 7, holder[2], None)]  # more than any limit (6)
+    assert any("held and waited for" in p for p in check_invariants(rows, entries + waited))
+
+
+def test_the_order_checker_catches_a_grant_out_of_order(tmp_path):
+    """Two light users wait for 2 GPUs each, the first first; 2 GPUs free and the first gets
+    them. The history passes; forged so that the second got them instead, it does not."""
+    now = [datetime(2026, 11, 2, 9, 0)]
+
+    def clock():
+        return now[0]
+
+    def tick():
+        now[0] += timedelta(minutes=1)
+
+    source = tmp_path / "order.sqlite"
+    led = Ledger(f"sqlite:///{source}", config_rules=RULES, queue=QUEUE, clock=clock)
+    led.sync_inventory(INV)
+    shapes = {}
+    for user, count in [("u0", 4), ("u3", 4), ("u6", 2), ("u1", 2)]:  # all 12 held
+        shapes[led.allocate(user, USERS[user], count, max_nodes=None).id] = None
+        tick()
+    first = led.request("u2", [], 2).entry
+    tick()
+    second = led.request("u4", [], 2).entry
+    tick()
+    led.release(led.active(user="u1")[0].id)
+    tick()
+    assert led.wait_turn(second.id).allocation is None  # u2 is ahead
+    granted = led.wait_turn(first.id).allocation
+    led.close()
+    assert check_grant_order(str(source), str(tmp_path / "replay1.sqlite"), shapes) == []
+    db = sqlite3.connect(source)
+    [(moment,)] = db.execute("SELECT created FROM allocations WHERE id = ?", (granted.id,)).fetchall()
+    with db:
+        moved = ("granted", moment, granted.id, second.id)
+        db.execute("UPDATE queue_entries SET state = ?, ended = ?, allocation_id = ? WHERE id = ?", moved)
+        db.execute(
+            "UPDATE queue_entries SET state = 'waiting', ended = NULL, allocation_id = NULL WHERE id = ?",
+            (first.id,),
+        )
+        db.execute("UPDATE allocations SET user = 'u4' WHERE id = ?", (granted.id,))
+    db.close()
+    found = check_grant_order(str(source), str(tmp_path / "replay2.sqlite"), shapes)
+    assert found == [
+        f"allocation {granted.id} (u4, 2 GPUs, entry {second.id}) was granted at "
+        f"{moment} while the queue had it 1 of 1"
+    ]
