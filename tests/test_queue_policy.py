@@ -178,8 +178,8 @@ def test_factors_values():
         ([c(1, "heavy", 30), c(2, "light", 1)], {"heavy": 10.0, "light": 1.0}, {}, [2, 1]),
         # ... unless their share makes up for it (share 10 vs 1: 10/11 of the shares)
         ([c(1, "heavy", 30), c(2, "light", 1)], {"heavy": 10.0, "light": 1.0}, {"heavy": 10}, [1, 2]),
-        # no starvation: once its age factor is full (default weights), an old waiter
-        # outranks a newcomer who used nothing
+        # no starvation: once its age factor is full (weight_age >= weight_fairshare, as by
+        # default; a max age of 2 h here), an old waiter outranks a newcomer who used nothing
         ([c(1, "heavy", 120), c(2, "light", 0)], {"heavy": 10.0}, {}, [1, 2]),
         ([c(1, "heavy", 600), c(2, "light", 0)], {"heavy": 1e6}, {f"u{i}": 1 for i in range(40)}, [1, 2]),
         # ... but not before (30 min: age 0.25, fair share 0.25: 500 < 1000)
@@ -197,6 +197,14 @@ def test_factors_values():
 )
 def test_order(waiting, usage, share, expected):
     assert ranked(waiting, usage, share)[0] == expected
+
+
+def test_with_the_default_weights_a_waiter_of_the_max_age_outranks_any_newcomer():
+    old = Weights().max_age_hours * 60
+    waiting = [c(1, "heavy", old), c(2, "light", 0)]
+    heaviest = {"heavy": 1e6} | {f"u{i}": 0.0 for i in range(40)}
+    assert ranked(waiting, heaviest, weights=Weights())[0] == [1, 2]
+    assert ranked([c(1, "heavy", old / 2), c(2, "light", 0)], heaviest, weights=Weights())[0] == [2, 1]
 
 
 def test_ties_go_to_whoever_asked_first():
