@@ -188,7 +188,15 @@ class QueueRecords:
         new_groups: Iterable[str] = (),
     ) -> _Scene:
         qs = self.queue_settings
-        rows = list(s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")))
+        # an entry past its keepalive or its longest wait is gone, whether or not a write has
+        # ended it yet: a read-only answer must not plan around it
+        quiet = now - timedelta(seconds=qs.keepalive_seconds)
+        oldest = now - timedelta(hours=qs.max_wait_hours)
+        rows = [
+            e
+            for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting"))
+            if e.seen >= quiet and e.created >= oldest
+        ]
         usage, runs = self._usage_and_runs(s, now)
         known = {u.name: _groups(u.groups) for u in s.scalars(select(KnownUser))}
         groups = {**known, **{e.user: _groups(e.groups) for e in rows}}
