@@ -115,9 +115,13 @@ class Allocation(Base):
     # when the idle reclaim will take it back unless it is used (the owner was warned): the
     # queue's firmest expected end; written by the broker's idle check (migration 0005)
     idle_deadline: Mapped[datetime | None] = mapped_column(DateTime)
+    # GPUs of it beyond the user's limit when admitted (borrowed; 0: all within the limit):
+    # only such allocations are ever preempted (migration 0006)
+    borrowed: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     gpus: Mapped[list[AllocationGpu]] = relationship(
         back_populates="allocation", cascade="all, delete-orphan"
     )
+    preemption: Mapped[Preemption | None] = relationship(viewonly=True, uselist=False)
 
 
 class AllocationGpu(Base):
@@ -203,6 +207,26 @@ class QueueEntry(Base):
     ended: Mapped[datetime | None] = mapped_column(DateTime)
     end_reason: Mapped[str | None] = mapped_column(String(255))
     allocation_id: Mapped[int | None] = mapped_column(ForeignKey("allocations.id"))
+
+
+class Preemption(Base):
+    """Borrowed GPUs taken back for a request within its limit: the owner's notice, when the
+    allocation ends (``due``, after ``c.GpuHub.preempt_grace_seconds``), and for whom."""
+
+    __tablename__ = "preemptions"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id"), unique=True)
+    user: Mapped[str] = mapped_column(String(255), index=True)
+    purpose: Mapped[str] = mapped_column(String(16))
+    server_name: Mapped[str] = mapped_column(String(255), default="")
+    gpus: Mapped[int] = mapped_column(Integer)
+    borrowed: Mapped[int] = mapped_column(Integer)
+    for_user: Mapped[str] = mapped_column(String(255))
+    entry_id: Mapped[int | None] = mapped_column(ForeignKey("queue_entries.id"))
+    reason: Mapped[str] = mapped_column(String(500))
+    created: Mapped[datetime] = mapped_column(DateTime)
+    due: Mapped[datetime] = mapped_column(DateTime)
 
 
 class LedgerLock(Base):

@@ -150,6 +150,7 @@ class Refusal(Exception):
         "over_limit": 403,
         "quota_exhausted": 403,
         "no_capacity": 409,
+        "no_borrowing": 409,  # beyond the limit while someone waits: only idle GPUs are lent
         "not_found": 404,
     }
 

@@ -12,12 +12,13 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from traitlets import CaselessStrEnum, Dict, Float, Int, List, Unicode, Union
+from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, Unicode, Union
 from traitlets.config import Configurable
 
 from . import inventory, values
+from .borrowing import BorrowRules, allowance_problem
 from .fairshare import Shares, Weights, share_problem
-from .ledger import Ledger, QueueSettings
+from .ledger import BorrowSettings, Ledger, QueueSettings
 from .policy import DEFAULT_WINDOW_HOURS, Gpu, Limit, LimitRules, parse_limit_field
 
 LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
@@ -229,6 +230,42 @@ class GpuHub(Configurable):
         """,
     ).tag(config=True)
 
+    default_borrow = Int(
+        0,
+        help="""GPUs any user may borrow beyond their limit, unless a group or user entry says
+        otherwise: only GPUs free at that moment, only while nobody waits in the queue, and
+        taken back (after a notice and ``preempt_grace_seconds``) when a request within its
+        limit needs them (docs/borrowing.md). 0: no borrowing. ``c.GpuHub.default_borrow = 2``
+        """,
+    ).tag(config=True)
+
+    group_borrow = Dict(
+        help="""Borrowing allowances per JupyterHub group (a user in several gets the largest).
+        ``c.GpuHub.group_borrow = {"staff": 4}``
+        """,
+    ).tag(config=True)
+
+    user_borrow = Dict(
+        help="""Borrowing allowances per user, winning over their groups and the default.
+        ``c.GpuHub.user_borrow = {"alice": 8}``
+        """,
+    ).tag(config=True)
+
+    preempt_grace_seconds = Float(
+        300.0,
+        help="""Notice a borrower gets before borrowed GPUs are taken back: a pool with
+        ``--autosave`` saves in it, then its engines stop (a server is stopped). On Slurm,
+        the preemptible QOS's ``GraceTime``. ``c.GpuHub.preempt_grace_seconds = 120``
+        """,
+    ).tag(config=True)
+
+    borrowed_hours_count = Bool(
+        True,
+        help="""Whether borrowed GPU-hours count against a ``gpu_hours`` budget (a limit's
+        GPU-hours over its window). ``c.GpuHub.borrowed_hours_count = False``
+        """,
+    ).tag(config=True)
+
     queue_reservations = Int(
         1,
         help="""How many waiting requests at the front of the queue hold a reservation that
@@ -297,6 +334,28 @@ class GpuHub(Configurable):
             reservations=self.queue_reservations,
         )
 
+    def borrow_settings(self) -> BorrowSettings:
+        """The borrowing settings, checked (a bad one raises ``ValueError`` naming its trait)."""
+        checks = [(self.default_borrow, "c.GpuHub.default_borrow")]
+        checks += [(v, f"c.GpuHub.group_borrow[{k!r}]") for k, v in self.group_borrow.items()]
+        checks += [(v, f"c.GpuHub.user_borrow[{k!r}]") for k, v in self.user_borrow.items()]
+        for value, where in checks:
+            problem = allowance_problem(value, where)
+            if problem:
+                raise ValueError(problem)
+        grace = self.preempt_grace_seconds
+        if not grace >= 0 or grace == float("inf"):
+            raise ValueError(f"c.GpuHub.preempt_grace_seconds must be 0 or more seconds; got {grace!r}")
+        return BorrowSettings(
+            rules=BorrowRules(
+                default=self.default_borrow,
+                groups={str(k): v for k, v in self.group_borrow.items()},
+                users={str(k): v for k, v in self.user_borrow.items()},
+            ),
+            grace_seconds=grace,
+            count_borrowed_hours=self.borrowed_hours_count,
+        )
+
     def queue_weights(self) -> Weights:
         """The priority weights, checked like the shares."""
         if self.queue_reservations < 1:
@@ -354,7 +413,12 @@ class GpuHub(Configurable):
         """
         ledger = _LEDGERS.get(self.db_url)
         if ledger is None:
-            ledger = Ledger(self.db_url, config_rules=self.limit_rules(), queue=self.queue_settings())
+            ledger = Ledger(
+                self.db_url,
+                config_rules=self.limit_rules(),
+                queue=self.queue_settings(),
+                borrow=self.borrow_settings(),
+            )
             _LEDGERS[self.db_url] = ledger
         if sync and self.db_url not in _SYNCED:  # opened unsynced first (a page): sync now
             ledger.sync_inventory(self.read_inventory(), nodes=self.local_nodes())

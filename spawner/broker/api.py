@@ -146,6 +146,11 @@ class RenewHandler(APIHandler):
                 self.broker.ledger.renew, a.id, seconds or cfg.lease_seconds, active_at
             )
         except LookupError as e:
+            if "was preempted" in str(e):
+                why = str(e).split(" was ", 1)[1]
+                return self.fail(
+                    409, f"Allocation {a.id} was {why}. Stop its engines and release it.", "preempted"
+                )
             if "was reclaimed" in str(e):
                 why = str(e).split(" was ", 1)[1]
                 return self.fail(

@@ -27,6 +27,7 @@ from .api import api_handlers
 from .handlers import Broker
 from .metrics import Metrics, UtilizationCollector
 from .pages import AdminPage, MetricsHandler, UserPage
+from .preempter import Preempter
 from .reclaimer import Reclaimer
 from .settings import GpuBroker, GpuReclaim
 from .usage_api import usage_api_handlers
@@ -104,10 +105,16 @@ async def main() -> None:
     url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101"))
     make_app(broker).listen(url.port, url.hostname)
 
+    preempter = Preempter(broker)
+
     async def sweep():
         expired = await asyncio.to_thread(ledger.expire_leases)
         if expired:
             log.info("released expired leases: %s", ", ".join(map(str, expired)))
+        try:
+            await preempter.check()
+        except Exception:  # one bad pass must not end the sweeps
+            log.exception("the preemption pass failed; it runs again in %s s", settings.sweep_seconds)
 
     PeriodicCallback(sweep, settings.sweep_seconds * 1000).start()
 

@@ -194,6 +194,12 @@ class Metrics:
             ["purpose"],
             registry=self.registry,
         )
+        self.preemptions = Counter(
+            "gpuhub_preemptions",
+            "Borrowed allocations given notice to be taken back, by this service",
+            ["purpose"],
+            registry=self.registry,
+        )
         self.allocation_seconds = Histogram(
             "gpuhub_allocation_seconds",
             "Time to admit and record a burst allocation",

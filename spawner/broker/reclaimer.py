@@ -31,6 +31,32 @@ def server_url(api_url: str, user: str, server_name: str) -> str:
     return f"{base}/servers/{url_escape(server_name, plus=False)}" if server_name else f"{base}/server"
 
 
+async def stop_server(broker, user: str, server_name: str) -> bool:
+    """Ask the hub to stop a user's server (its spawner then releases the GPUs). False, and
+    logged, when the hub could not be asked or refused: the caller tries again later."""
+    req = HTTPRequest(
+        server_url(broker.api_url, user, server_name),
+        method="DELETE",
+        headers={"Authorization": f"token {broker.api_token}"},
+        request_timeout=60,
+    )
+    try:
+        resp = await AsyncHTTPClient().fetch(req, raise_error=False)
+    except (OSError, HTTPClientError) as e:
+        log.error("could not ask the hub to stop %s's server %r: %s", user, server_name, e)
+        return False
+    if resp.code not in (202, 204):
+        log.error(
+            "the hub refused to stop %s's server %r (%s %s); will retry",
+            user,
+            server_name,
+            resp.code,
+            resp.body[:200],
+        )
+        return False
+    return True
+
+
 class Reclaimer:
     def __init__(self, broker, rules: IdleRules, clock: Callable[[], float] = time.monotonic):
         self.broker = broker
@@ -138,25 +164,7 @@ class Reclaimer:
         if asked is None:
             broker.metrics.reclaims.labels(purpose=a.purpose).inc()
         self._stopping[a.id] = self.clock()
-        req = HTTPRequest(
-            server_url(broker.api_url, a.user, a.server_name),
-            method="DELETE",
-            headers={"Authorization": f"token {broker.api_token}"},
-            request_timeout=60,
-        )
-        try:
-            resp = await AsyncHTTPClient().fetch(req, raise_error=False)
-        except (OSError, HTTPClientError) as e:
-            log.error("could not ask the hub to stop %s's server %r: %s", a.user, a.server_name, e)
-            return False
-        if resp.code not in (202, 204):
-            log.error(
-                "the hub refused to stop %s's server %r (%s %s); will retry",
-                a.user,
-                a.server_name,
-                resp.code,
-                resp.body[:200],
-            )
+        if not await stop_server(broker, a.user, a.server_name):
             return False
         log.warning(
             "reclaimed %s's server %r (allocation %s): %s", a.user, a.server_name, a.id, verdict.reason

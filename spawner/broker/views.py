@@ -35,6 +35,10 @@ def allocation_json(a: AllocationInfo) -> dict[str, Any]:
         "nodes": list(a.nodes),
         "gpus": [{"node": g.node, "index": g.index, "model": g.model} for g in a.gpus],
         "gpu_count": a.gpu_count,
+        "borrowed": a.borrowed,
+        "preemption": None
+        if a.preempt_due is None
+        else {"due": iso(a.preempt_due), "reason": a.preempt_reason},
     }
 
 

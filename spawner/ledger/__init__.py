@@ -20,8 +20,18 @@ from __future__ import annotations
 
 from ..reclaims import ReclaimRecords
 from .allocations import AllocationRecords
-from .base import AllocationInfo, Allowance, GpuStatus, LedgerBase, LimitEntry, QueueSettings, utcnow
+from .base import (
+    AllocationInfo,
+    Allowance,
+    BorrowSettings,
+    GpuStatus,
+    LedgerBase,
+    LimitEntry,
+    QueueSettings,
+    utcnow,
+)
 from .inventory import InventoryRecords
+from .lending import LendingRecords, PreemptionInfo
 from .limits import LimitRecords
 from .queue import Admission, QueueInfo, QueueRecords
 from .usage import UsageRecords
@@ -30,9 +40,11 @@ __all__ = [
     "Admission",
     "AllocationInfo",
     "Allowance",
+    "BorrowSettings",
     "GpuStatus",
     "Ledger",
     "LimitEntry",
+    "PreemptionInfo",
     "QueueInfo",
     "QueueSettings",
     "utcnow",
@@ -40,6 +52,13 @@ __all__ = [
 
 
 class Ledger(
-    AllocationRecords, QueueRecords, LimitRecords, InventoryRecords, UsageRecords, ReclaimRecords, LedgerBase
+    AllocationRecords,
+    QueueRecords,
+    LendingRecords,
+    LimitRecords,
+    InventoryRecords,
+    UsageRecords,
+    ReclaimRecords,
+    LedgerBase,
 ):
     """One ledger database. Safe to use from several processes at once."""

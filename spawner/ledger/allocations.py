@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from sqlalchemy import select
@@ -27,7 +28,11 @@ class AllocationRecords:
         held = sum(_count(a) for a in self._active(s, user=user))
         hours = 0.0
         if limit.gpu_hours is not None:
-            hours = policy.gpu_hours_used(self._intervals(s, user=user), self.clock(), limit.window_hours)
+            # borrowed GPU-hours count against the budget unless c.GpuHub.borrowed_hours_count is off
+            in_limit = not self.borrow_settings.count_borrowed_hours
+            hours = policy.gpu_hours_used(
+                self._intervals(s, user=user, in_limit=in_limit), self.clock(), limit.window_hours
+            )
         return policy.Holdings(held=held, gpu_hours=hours)
 
     def allowance(self, user: str, groups: Iterable[str] = (), model: str | None = None) -> Allowance:
@@ -162,6 +167,11 @@ class AllocationRecords:
                 inventory = [g for g in inventory if g.node in on_nodes]
                 free = [g for g in free if g.node in on_nodes]
             holdings = self._holdings(s, user, eff.limit)
+            borrowed = self._borrowed_part(s, user, groups, eff, holdings, count)
+            within = max(0, (eff.limit.max_gpus or 0) - holdings.held)  # what the limit leaves
+            if borrowed:  # beyond the limit, within the allowance: the limit check counts it
+                limit = replace(eff.limit, max_gpus=eff.limit.max_gpus + self._allowance(user, groups)[0])
+                eff = policy.EffectiveLimit(limit, eff.source)
             # the limit and what could ever fit; capacity is the queue's (or the scheduler's)
             policy.check_request(request, eff, holdings, inventory, inventory)
             if count == 0:
@@ -184,8 +194,23 @@ class AllocationRecords:
                     backend=backend,
                     lease_seconds=lease_seconds,
                     deferred=True,
+                    borrowed=borrowed,
                 )
                 return Admission(allocation=_info(alloc))
+            if borrowed:
+                return self._borrow_now(
+                    s,
+                    user=user,
+                    request=request,
+                    free=free,
+                    inventory=inventory,
+                    purpose=purpose,
+                    server_name=server_name,
+                    backend=backend,
+                    lease_seconds=lease_seconds,
+                    borrowed=borrowed,
+                    within=within,
+                )
             return self._admit_or_queue(
                 s,
                 user=user,
@@ -215,6 +240,7 @@ class AllocationRecords:
         lease_seconds,
         deferred: bool = False,
         now: datetime | None = None,
+        borrowed: int = 0,
     ) -> Allocation:
         """Write an allocation holding ``chosen`` (checked by the caller, in this transaction).
         ``now``: the moment the caller decided at (the queue's plan), recorded as its creation."""
@@ -234,6 +260,7 @@ class AllocationRecords:
             backend=backend,
             lease_expires=now + timedelta(seconds=lease_seconds) if leased else None,
             gpu_count=count,
+            borrowed=borrowed,
         )
         alloc.gpus = [AllocationGpu(gpu=by_key[(g.node, g.index)], held=True) for g in chosen]
         s.add(alloc)
@@ -331,7 +358,8 @@ class AllocationRecords:
             a = s.get(Allocation, allocation_id)
             if a is None or a.state not in ACTIVE_STATES:
                 return False
-            self._end(a, self._reclaim_reason(s, a.id) or reason)
+            taken = self._reclaim_reason(s, a.id) or self._preempt_reason(s, a.id, self.clock())
+            self._end(a, taken or reason)
             return True
 
     def renew(
@@ -352,6 +380,9 @@ class AllocationRecords:
             reclaimed = self._reclaim_reason(s, a.id)
             if reclaimed and not self._undo_if_used(s, a.id, active_at):
                 raise LookupError(f"allocation {allocation_id} was {reclaimed}")
+            preempted = self._preempt_reason(s, a.id, self.clock())
+            if preempted:  # due: its kernel must stop the engines and release it
+                raise LookupError(f"allocation {allocation_id} was {preempted}")
             a.lease_expires = self.clock() + timedelta(seconds=lease_seconds)
             return _info(a)
 
@@ -364,7 +395,8 @@ class AllocationRecords:
         )
         for a in expired:
             # usage counts up to the end of the lease, not up to when someone noticed
-            self._end(a, self._reclaim_reason(s, a.id) or "lease expired", when=a.lease_expires)
+            taken = self._reclaim_reason(s, a.id) or self._preempt_reason(s, a.id, now)
+            self._end(a, taken or "lease expired", when=a.lease_expires)
         return [a.id for a in expired]
 
     def expire_leases(self) -> list[int]:

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from .. import fairshare, policy
+from .. import borrowing, fairshare, policy
 from ..db import ensure_schema, make_engine, make_session_factory
 from ..models import (
     ACTIVE_STATES,
@@ -36,6 +36,15 @@ class QueueSettings:
     reservations: int = 1
 
 
+@dataclass(frozen=True)
+class BorrowSettings:
+    """Borrowing beyond the limit (``c.GpuHub``'s, checked by ``GpuHub.open_ledger``)."""
+
+    rules: borrowing.BorrowRules = field(default_factory=borrowing.BorrowRules)
+    grace_seconds: float = 300.0
+    count_borrowed_hours: bool = True
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
@@ -57,6 +66,9 @@ class AllocationInfo:
     lease_expires: datetime | None = None
     gpu_count: int = 0  # GPUs asked for (a queued Slurm job holds its count, not yet GPUs)
     idle_deadline: datetime | None = None  # reclaimed then unless used (its owner was warned)
+    borrowed: int = 0  # GPUs of it beyond the limit (lent while idle; may be taken back)
+    preempt_due: datetime | None = None  # taken back then (the owner was given notice)
+    preempt_reason: str | None = None
 
     @property
     def active(self) -> bool:
@@ -118,6 +130,9 @@ def _info(a: Allocation) -> AllocationInfo:
         lease_expires=a.lease_expires,
         gpu_count=_count(a),
         idle_deadline=a.idle_deadline,
+        borrowed=a.borrowed or 0,
+        preempt_due=a.preemption.due if a.preemption is not None else None,
+        preempt_reason=a.preemption.reason if a.preemption is not None else None,
     )
 
 
@@ -139,10 +154,12 @@ class LedgerBase:
         config_rules: policy.LimitRules | None = None,
         clock: Callable[[], datetime] = utcnow,
         queue: QueueSettings | None = None,
+        borrow: BorrowSettings | None = None,
     ):
         self.url = url
         self.config_rules = config_rules or policy.LimitRules()
         self.queue_settings = queue or QueueSettings()
+        self.borrow_settings = borrow or BorrowSettings()
         self.clock = clock
         self.engine = make_engine(url)
         ensure_schema(self.engine, url)
@@ -188,7 +205,10 @@ class LedgerBase:
         q = (
             select(Allocation)
             .where(Allocation.state.in_(ACTIVE_STATES))
-            .options(selectinload(Allocation.gpus).selectinload(AllocationGpu.gpu).selectinload(Gpu.node))
+            .options(
+                selectinload(Allocation.gpus).selectinload(AllocationGpu.gpu).selectinload(Gpu.node),
+                selectinload(Allocation.preemption),
+            )
             .order_by(Allocation.id)
         )
         for key, value in where.items():

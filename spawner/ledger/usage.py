@@ -16,13 +16,14 @@ from ..models import (
 class UsageRecords:
     """What was used, from the allocations' history."""
 
-    def _intervals(self, s: Session, user: str | None = None):
+    def _intervals(self, s: Session, user: str | None = None, in_limit: bool = False):
+        """``(start, end, GPUs)`` of every allocation (``in_limit``: borrowed GPUs left out)."""
         q = select(Allocation).options(selectinload(Allocation.gpus))
         if user is not None:
             q = q.where(Allocation.user == user)
         for a in s.scalars(q):
             start = a.started or a.created
-            yield start, a.ended, len(a.gpus)
+            yield start, a.ended, len(a.gpus) - ((a.borrowed or 0) if in_limit else 0)
 
     def usage_series(
         self, since: datetime, until: datetime, bucket_hours: float = 24.0, user: str | None = None

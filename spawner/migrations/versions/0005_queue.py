@@ -45,8 +45,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_queue_entries")),
     )
     op.create_index("ix_queue_entries_state_user", "queue_entries", ["state", "user"], unique=False)
-    with op.batch_alter_table("allocations") as batch:
-        batch.add_column(sa.Column("idle_deadline", sa.DateTime(), nullable=True))
+    op.add_column("allocations", sa.Column("idle_deadline", sa.DateTime(), nullable=True))
 
 
 def downgrade() -> None:

@@ -1,0 +1,104 @@
+"""Borrowing idle GPUs beyond the limit, and taking them back: the decisions, as pure functions.
+
+- A user at their limit may take up to their **borrowing allowance** more
+  (``c.GpuHub.default_borrow``, ``group_borrow``, ``user_borrow``), but only GPUs that are free
+  now and only while nobody waits in the queue: a borrowing request never waits.
+- An allocation records how many of its GPUs were borrowed when it was admitted. Borrowed
+  allocations are the only ones ever preempted.
+- When a request waits that only borrowed GPUs could serve now, borrowed allocations are
+  taken back, newest first, as few GPUs as will do; each owner gets a notice and
+  ``c.GpuHub.preempt_grace_seconds`` before it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from . import policy
+
+
+@dataclass(frozen=True)
+class BorrowRules:
+    default: int = 0
+    groups: Mapping[str, int] = field(default_factory=dict)
+    users: Mapping[str, int] = field(default_factory=dict)
+
+
+def allowance_problem(value, where: str) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return f"{where} must be a whole number of GPUs, 0 or more (0: no borrowing); got {value!r}"
+    return None
+
+
+def effective_borrow(user: str, groups: Iterable[str], rules: BorrowRules) -> tuple[int, str]:
+    """A user's borrowing allowance and where it comes from (as limits: the user's entry wins,
+    then their groups' most generous, then the default)."""
+    if user in rules.users:
+        return rules.users[user], f"user {user}"
+    found = [(rules.groups[g], g) for g in set(groups) if g in rules.groups]
+    if found:
+        value, group = max(found)
+        return value, f"group {group}"
+    return rules.default, "default"
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a request of ``count`` GPUs stands against the limit: how many are borrowed."""
+
+    count: int
+    borrowed: int  # GPUs of this request beyond the limit (0: all within it)
+
+
+def split(count: int, held: int, held_borrowed: int, max_gpus: int | None, allowance: int) -> Split | None:
+    """The request's borrowed part, or None when it is beyond even the allowance.
+
+    ``held`` counts every GPU the user holds, ``held_borrowed`` those of them borrowed."""
+    if max_gpus is None:
+        return Split(count, 0)
+    over = max(0, held + count - max_gpus)  # beyond the limit once this is granted
+    borrowed = max(0, over - held_borrowed)  # of which this request adds
+    if held_borrowed + borrowed > allowance:
+        return None
+    return Split(count, borrowed)
+
+
+@dataclass(frozen=True)
+class Borrowed:
+    """A live allocation holding borrowed GPUs (a candidate for preemption)."""
+
+    id: int
+    created: datetime
+    gpus: tuple[policy.Gpu, ...]
+
+
+def victims(
+    request: policy.Request,
+    free: Sequence[policy.Gpu],
+    inventory: Sequence[policy.Gpu],
+    borrowed: Sequence[Borrowed],
+) -> list[int] | None:
+    """The borrowed allocations to take back so that ``request`` can be placed: newest
+    borrowing first, then as few GPUs as will do. None when even all of them would not let
+    it be placed (preempting then would help nobody); [] when it fits as it is."""
+    if policy.place(request, free, inventory) is not None:
+        return []
+    newest_first = sorted(borrowed, key=lambda b: (b.created, b.id), reverse=True)
+    chosen: list[Borrowed] = []
+    pool = list(free)
+    for b in newest_first:
+        chosen.append(b)
+        pool.extend(b.gpus)
+        if policy.place(request, pool, inventory) is not None:
+            break
+    else:
+        return None
+    # then drop any chosen one the request can do without: the oldest first, biggest first
+    for b in sorted(chosen, key=lambda b: (-len(b.gpus), b.created, b.id)):
+        rest = [c for c in chosen if c is not b]
+        gpus = list(free) + [g for c in rest for g in c.gpus]
+        if policy.place(request, gpus, inventory) is not None:
+            chosen = rest
+    return sorted(c.id for c in chosen)

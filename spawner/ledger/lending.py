@@ -1,0 +1,236 @@
+"""Borrowing beyond the limit and taking it back (a part of :class:`spawner.ledger.Ledger`).
+
+The decisions are :mod:`spawner.borrowing`'s. Here: a request beyond the limit but within the
+allowance is booked only on GPUs free now and only while nobody waits (it never queues); the
+broker's pass calls :meth:`preempt_for_queue`, which gives the owners of borrowed allocations
+that stand between the head of the queue and its GPUs a notice with a due time. Until it is
+due the allocation lives on (its kernel saves); then a burst's renewals are refused and a
+server is stopped by the broker, and the allocation ends with the preemption's reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from .. import borrowing, policy
+from ..models import ACTIVE_STATES, Allocation, Preemption, QueueEntry
+from .base import _gpu, _info
+from .queue import Admission, _nodes
+
+
+@dataclass(frozen=True)
+class PreemptionInfo:
+    id: int
+    allocation_id: int
+    user: str
+    purpose: str
+    server_name: str
+    gpus: int
+    borrowed: int
+    for_user: str
+    entry_id: int | None
+    reason: str
+    created: datetime
+    due: datetime
+
+
+def _preemption_info(p: Preemption) -> PreemptionInfo:
+    return PreemptionInfo(
+        p.id,
+        p.allocation_id,
+        p.user,
+        p.purpose,
+        p.server_name,
+        p.gpus,
+        p.borrowed,
+        p.for_user,
+        p.entry_id,
+        p.reason,
+        p.created,
+        p.due,
+    )
+
+
+class LendingRecords:
+    """Methods of the Ledger (it provides ``_tx``, ``_read``, ``_active``, ``_scene``,
+    ``_free``, ``_inventory``, ``_book``, ``_end_stale``, ``clock``)."""
+
+    def _allowance(self, user: str, groups: Iterable[str]) -> tuple[int, str]:
+        return borrowing.effective_borrow(user, groups, self.borrow_settings.rules)
+
+    def _borrowed_part(self, s: Session, user, groups, eff, holdings, count: int) -> int:
+        """GPUs of a request beyond the limit (0: within it), or a refusal beyond the allowance."""
+        allowance, source = self._allowance(user, groups)
+        max_gpus = eff.limit.max_gpus
+        if not allowance or max_gpus is None or holdings.held + count <= max_gpus:
+            return 0
+        held_borrowed = sum(a.borrowed or 0 for a in self._active(s, user=user))
+        got = borrowing.split(count, holdings.held, held_borrowed, max_gpus, allowance)
+        if got is None:
+            most = max(0, max_gpus + allowance - holdings.held)
+            raise policy.Refusal(
+                f"You asked for {count} GPU(s), but you hold {holdings.held} of "
+                f"{policy._describe_limit(eff)} and may borrow at most {allowance} beyond it "
+                f"({source}): at most {most} more.",
+                reason="over_limit",
+                fits=most,
+            )
+        return got.borrowed
+
+    def _borrow_now(
+        self,
+        s: Session,
+        *,
+        user,
+        request,
+        free,
+        inventory,
+        purpose,
+        server_name,
+        backend,
+        lease_seconds,
+        borrowed,
+        within,
+    ) -> Admission:
+        now = self.clock()
+        self._end_stale(s, now)
+        quiet = now - timedelta(seconds=self.queue_settings.keepalive_seconds)
+        waiting = [
+            e for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")) if e.seen >= quiet
+        ]
+        if waiting:
+            raise policy.Refusal(
+                f"{borrowed} of the {request.count} GPU(s) you asked for are beyond your limit: GPUs "
+                f"are lent beyond a limit only while nobody waits for them, and {len(waiting)} "
+                f"request(s) wait now. Ask for {within} or fewer to wait in the queue within your limit.",
+                reason="no_borrowing",
+                fits=within,
+            )
+        placed = policy.place(request, free, inventory)
+        if placed is None:
+            fits = policy.largest_placeable(free, request.model, request.max_nodes)
+            raise policy.Refusal(
+                f"{borrowed} of the {request.count} GPU(s) you asked for are beyond your limit, and "
+                f"only GPUs free now are lent: {fits} {'is' if fits == 1 else 'are'} free. Ask for "
+                f"{min(fits, request.count)} or fewer, or for {within} or fewer to wait in the queue.",
+                reason="no_borrowing",
+                fits=fits,
+            )
+        alloc = self._book(
+            s,
+            user=user,
+            purpose=purpose,
+            server_name=server_name,
+            count=request.count,
+            chosen=placed,
+            backend=backend,
+            lease_seconds=lease_seconds,
+            now=now,
+            borrowed=borrowed,
+        )
+        return Admission(allocation=_info(alloc))
+
+    # taking back ------------------------------------------------------------------------
+
+    def preempt_for_queue(self) -> list[PreemptionInfo]:
+        """Give notice to the borrowed allocations standing between the head of the queue
+        and GPUs it could start on now (newest borrowing first, as few GPUs as will do).
+
+        Only the first entry that cannot start is served per call; nothing is preempted when
+        what is already being taken back will do, or when no choice of borrowed allocations
+        would let it start."""
+        with self._tx() as s:
+            now = self.clock()
+            self._expire(s)
+            self._end_stale(s, now)
+            scene = self._scene(s, now)
+            head = next((i for i in scene.order if i not in scene.plan.grants), None)
+            if head is None:
+                return []
+            e = s.get(QueueEntry, head)
+            live = self._active(s)
+            taken = [a for a in live if a.preemption is not None]
+            nodes = _nodes(e.on_nodes)
+            inventory = [g for g in self._inventory(s) if nodes is None or g.node in nodes]
+            coming = list(scene.free) + [_gpu(ag.gpu) for a in taken for ag in a.gpus if ag.held]
+            coming = [g for g in coming if nodes is None or g.node in nodes]
+            candidates = [
+                borrowing.Borrowed(a.id, a.created, tuple(_gpu(ag.gpu) for ag in a.gpus if ag.held))
+                for a in live
+                if (a.borrowed or 0) > 0 and a.preemption is None and a.user != e.user
+            ]
+            request = policy.Request(e.user, e.gpu_count, e.model, e.max_nodes, e.gpus_per_node)
+            chosen = borrowing.victims(request, coming, inventory, candidates)
+            if not chosen:
+                return []
+            grace = timedelta(seconds=self.borrow_settings.grace_seconds)
+            by_id = {a.id: a for a in live}
+            made = []
+            for allocation_id in chosen:
+                a = by_id[allocation_id]
+                p = Preemption(
+                    allocation_id=a.id,
+                    user=a.user,
+                    purpose=a.purpose,
+                    server_name=a.server_name,
+                    gpus=max(a.gpu_count or 0, len(a.gpus)),
+                    borrowed=a.borrowed or 0,
+                    for_user=e.user,
+                    entry_id=e.id,
+                    reason=(
+                        f"preempted: {a.borrowed} borrowed GPU(s) taken back for {e.user}'s request "
+                        f"within their limit ({e.gpu_count} GPU(s), waiting since "
+                        f"{e.created:%H:%M} UTC)"
+                    ),
+                    created=now,
+                    due=now + grace,
+                )
+                s.add(p)
+                made.append(p)
+            s.flush()
+            return [_preemption_info(p) for p in made]
+
+    def _preempt_reason(self, s: Session, allocation_id: int, now: datetime | None = None) -> str | None:
+        """The preemption's reason once it is due (None before, or when there is none)."""
+        p = s.scalar(select(Preemption).where(Preemption.allocation_id == allocation_id))
+        if p is None or (now is not None and now < p.due):
+            return None
+        return p.reason
+
+    def due_preemptions(self) -> list[tuple[PreemptionInfo, bool]]:
+        """Preemptions due now whose allocation still lives, with whether it is a server's
+        (the broker stops those servers; a burst's kernel is refused its next renewal)."""
+        with self._read() as s:
+            now = self.clock()
+            q = (
+                select(Preemption, Allocation)
+                .join(Allocation, Allocation.id == Preemption.allocation_id)
+                .where(Preemption.due <= now, Allocation.state.in_(ACTIVE_STATES))
+            )
+            return [(_preemption_info(p), a.purpose == "server") for p, a in s.execute(q)]
+
+    def preemptions(self, user: str | None = None, since: datetime | None = None) -> list[PreemptionInfo]:
+        with self._read() as s:
+            q = select(Preemption).order_by(Preemption.id)
+            if user is not None:
+                q = q.where(Preemption.user == user)
+            if since is not None:
+                q = q.where(Preemption.created >= since)
+            return [_preemption_info(p) for p in s.scalars(q)]
+
+    def borrowed_hours(self, since: datetime, until: datetime | None = None) -> dict[str, float]:
+        """Borrowed GPU-hours per user between ``since`` and ``until`` (default: now)."""
+        until = until or self.clock()
+        out: dict[str, float] = {}
+        with self._read() as s:
+            q = select(Allocation).where(Allocation.borrowed > 0)
+            for a in s.scalars(q):
+                start, end = max(a.started or a.created, since), min(a.ended or until, until)
+                if end > start:
+                    out[a.user] = out.get(a.user, 0.0) + a.borrowed * (end - start).total_seconds() / 3600
+        return out
