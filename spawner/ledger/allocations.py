@@ -16,6 +16,7 @@ from ..models import (
     Allocation,
     AllocationGpu,
     Gpu,
+    QueueEntry,
 )
 from .base import AllocationInfo, Allowance, _count, _info
 from .queue import Admission
@@ -36,12 +37,25 @@ class AllocationRecords:
         return policy.Holdings(held=held, gpu_hours=hours)
 
     def allowance(self, user: str, groups: Iterable[str] = (), model: str | None = None) -> Allowance:
+        groups = list(groups)
         with self._read() as s:
             eff = policy.effective_limit(user, groups, self._rules(s))
             holdings = self._holdings(s, user, eff.limit)
             inventory, free = self._inventory(s), self._free(s)
+            borrowed = sum(a.borrowed or 0 for a in self._active(s, user=user))
+            now = self.clock()
+            quiet = now - timedelta(seconds=self.queue_settings.keepalive_seconds)
+            waiting = sum(
+                1
+                for seen in s.scalars(select(QueueEntry.seen).where(QueueEntry.state == "waiting"))
+                if seen >= quiet
+            )
         room = policy.remaining(eff, holdings)
         free_now = policy.largest_placeable(free, model, 1)
+        allowance = self._allowance(user, groups)[0] if eff.limit.max_gpus is not None else 0
+        beyond = max(0, free_now - (room or 0))  # free GPUs one request could take past the limit
+        quota_left = room != 0 or eff.limit.gpu_hours is None or holdings.gpu_hours < eff.limit.gpu_hours
+        may_borrow_now = 0 if waiting or not quota_left else min(max(0, allowance - borrowed), beyond)
         by_model: dict[str, int] = {}
         for g in free:
             by_model[g.model] = by_model.get(g.model, 0) + 1
@@ -54,6 +68,10 @@ class AllocationRecords:
             free=len(free),
             free_by_model=by_model,
             fits=free_now if room is None else min(room, free_now),
+            borrow_allowance=allowance,
+            borrowed=borrowed,
+            waiting=waiting,
+            may_borrow_now=may_borrow_now,
         )
 
     def allocate(

@@ -95,6 +95,10 @@ class Allowance:
     free: int
     free_by_model: dict[str, int] = field(default_factory=dict)
     fits: int = 0  # what one request on one server could get now
+    borrow_allowance: int = 0  # GPUs the user may hold beyond the limit (c.GpuHub.*_borrow)
+    borrowed: int = 0  # of those held, how many are borrowed
+    waiting: int = 0  # requests waiting in the queue now (borrowing needs none)
+    may_borrow_now: int = 0  # more GPUs a request could borrow right now (free, nobody waits)
 
 
 @dataclass(frozen=True)
