@@ -180,6 +180,21 @@ def make_parser() -> argparse.ArgumentParser:
     usage.add_argument("--since", default="30d", help="start: a date or a span such as 7d (default 30d)")
     usage.add_argument("--until", help="end (default: now)")
     usage.add_argument("--user")
+    queue = sub.add_parser("queue", help="requests waiting for GPUs").add_subparsers(
+        dest="action", required=True
+    )
+    command(
+        queue, "show", json_output=True, help="the queue in its order, with places and fair-share factors"
+    )
+    for action, text in (
+        ("cancel", "end a waiting request"),
+        ("front", "move a request ahead of every other"),
+    ):
+        command(queue, action, help=text).add_argument(
+            "entry",
+            type=values.argparse_type(values.parse_count, "ENTRY", lo=1, hi=10**18),
+            help="the entry's id",
+        )
     slurm = sub.add_parser("slurm", help="the Slurm backend").add_subparsers(dest="action", required=True)
     sscript = command(slurm, "script", help="preview the batch script of a user's server")
     sscript.add_argument("--user", required=True)
@@ -329,6 +344,12 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         if args.action != "show":
             _sync_slurm_after(settings, ledger, args, out)
         return code
+    if args.command == "queue":
+        from .cli_queue import run_queue
+
+        return run_queue(
+            args, ledger, out, print_json=_print_json, format_table=format_table, usage_error=UsageError
+        )
     if args.command == "gpus":
         table = ledger.gpu_table()
         if args.json:

@@ -233,3 +233,44 @@ def test_slurm_script_preview_uses_the_hubs_settings_and_template(tmp_path):
     # a value that cannot go on an #SBATCH line is an error that says so
     r = gpuhub(tmp_path, "slurm", "script", "--user", "nobody", "--partition", "a b", ok=False)
     assert r.returncode == 2 and "partition must be one word" in r.stderr
+
+
+def test_queue_show_cancel_and_front(hubdir):
+    """`gpuhub queue`: the waiting requests in their order, the same as the ledger's; cancel and
+    front change them; an entry that no longer waits is refused with exit code 2."""
+    from spawner.ledger import QueueSettings
+
+    url = f"sqlite:///{hubdir / 'gpuhub.sqlite'}"
+    from spawner.policy import LimitRules
+
+    ledger = Ledger(
+        url, config_rules=LimitRules(default=Limit(2)), queue=QueueSettings(keepalive_seconds=3600)
+    )
+    ledger.sync_inventory(parse_simulated([{"node": "n1", "count": 2, "model": "A100"}]))
+    ledger.allocate("alice", ["students"], 2, purpose="server")
+    bob = ledger.request("bob", ["students"], 1, purpose="distributed", lease_seconds=60).entry
+    carol = ledger.request("carol", ["students"], 2, purpose="distributed", lease_seconds=60).entry
+    assert [q.id for q in ledger.queue()] == [bob.id, carol.id]
+
+    out = gpuhub(hubdir, "queue", "show").stdout.splitlines()
+    assert [line.split()[:3] for line in out[2:]] == [
+        ["1", str(bob.id), "bob"],
+        ["2", str(carol.id), "carol"],
+    ]
+    shown = json.loads(gpuhub(hubdir, "queue", "show", "--json").stdout)
+    assert [(q["user"], q["position"]) for q in shown] == [("bob", 1), ("carol", 2)]
+
+    assert (
+        f"queue entry {carol.id} (carol) goes ahead" in gpuhub(hubdir, "queue", "front", str(carol.id)).stdout
+    )
+    assert [q.user for q in ledger.queue()] == ["carol", "bob"]
+    assert "cancelled" in gpuhub(hubdir, "queue", "cancel", str(bob.id)).stdout
+    assert [q.user for q in ledger.queue()] == ["carol"]
+    assert ledger.queue_entry(bob.id).end_reason.startswith("cancelled by an admin")
+
+    again = gpuhub(hubdir, "queue", "cancel", str(bob.id), ok=False)
+    assert again.returncode == 2 and "no longer waits (cancelled by an admin" in again.stderr
+    assert gpuhub(hubdir, "queue", "front", "99", ok=False).returncode == 2
+    assert gpuhub(hubdir, "queue", "cancel", "x", ok=False).returncode == 2  # argparse: a whole number
+    ledger.leave_queue(carol.id)
+    assert gpuhub(hubdir, "queue", "show").stdout.strip() == "nobody waits for GPUs"

@@ -1,0 +1,51 @@
+"""``gpuhub queue``: the waiting requests, as the GPU admin page shows them; cancel, front."""
+
+from __future__ import annotations
+
+from .ledger import Ledger, utcnow
+from .queueview import in_words, local_clock
+
+
+def run_queue(args, ledger: Ledger, out, *, print_json, format_table, usage_error) -> int:
+    if args.action == "show":
+        now = utcnow()
+        entries = ledger.queue()
+        if args.json:
+            from .broker.views import queue_json
+
+            return print_json([queue_json(q, now) for q in entries], out)
+        rows = []
+        for q in entries:
+            f = q.factors
+            expected = "" if q.expected is None else f"{local_clock(q.expected)} ({q.sure})"
+            rows.append(
+                (
+                    q.position,
+                    q.id,
+                    q.user + (" *front" if q.front else ""),
+                    f"{q.gpu_count}" + (f" {q.model}" if q.model else ""),
+                    q.purpose + (f" {q.server_name}" if q.server_name else ""),
+                    in_words((now - q.created).total_seconds()),
+                    expected,
+                    "" if f is None else f"{f.priority:.0f}",
+                    "" if f is None else f"{f.fairshare:.3f}",
+                    "" if f is None else f"{f.age:.3f}",
+                )
+            )
+        if not rows:
+            print("nobody waits for GPUs", file=out)
+            return 0
+        head = ("#", "ID", "USER", "GPUS", "FOR", "WAITED", "EXPECTED", "PRIORITY", "FAIRSHARE", "AGE")
+        print(format_table(head, rows), file=out)
+        return 0
+    entry = ledger.queue_entry(args.entry)
+    if entry is None or entry.state != "waiting":
+        why = "does not exist" if entry is None else f"no longer waits ({entry.end_reason})"
+        raise usage_error(f"queue entry {args.entry} {why}")
+    if args.action == "cancel":
+        ledger.leave_queue(args.entry, "cancelled by an admin (gpuhub queue cancel)")
+        print(f"cancelled queue entry {args.entry} ({entry.user}, {entry.gpu_count} GPU(s))", file=out)
+        return 0
+    ledger.move_to_front(args.entry)
+    print(f"queue entry {args.entry} ({entry.user}) goes ahead of every other", file=out)
+    return 0
