@@ -83,8 +83,7 @@ def wait_for_turn(
                 show(f"{magic}: your turn came after {got['entry']['waited_seconds']:.0f} s in the queue")
                 return got["allocation"]
             entry = got["entry"]
-    except KeyboardInterrupt:
-        show(f"{magic}: left the queue")
+    except KeyboardInterrupt:  # the line stays as it was; the report says what happened
         raise QueueInterrupt(leave(client, entry, magic)) from None
 
 

@@ -172,7 +172,9 @@ class GpuSpawnerMixin(Configurable):
         allowance, models = await asyncio.to_thread(
             lambda: (self.ledger.allowance(self.user.name, groups), self.ledger.models())
         )
-        return form.render_form(allowance, models, self.default_gpus)
+        return form.render_form(
+            allowance, models, self.default_gpus, grace_seconds=self.gpuhub.preempt_grace_seconds
+        )
 
     # lifecycle ------------------------------------------------------------------------
 
@@ -256,7 +258,7 @@ class GpuSpawnerMixin(Configurable):
             while True:
                 if entry.state == "left":
                     raise policy.Refusal(
-                        f"Your request for {entry.gpu_count} GPU(s) left the queue: {entry.end_reason}. "
+                        f"Your request for {entry.gpu_count} GPU(s) no longer waits: {entry.end_reason}. "
                         "Start the server again to wait anew.",
                         reason="left_queue",
                     )

@@ -28,17 +28,20 @@ def _plural(n: int, word: str = "GPU") -> str:
 
 
 def local_clock(at: datetime) -> str:
-    """``HH:MM`` in this machine's time zone of a naive-UTC ``at``."""
-    return at.replace(tzinfo=UTC).astimezone().strftime("%H:%M")
+    """``HH:MM ZONE`` in this machine's time zone of a naive-UTC ``at`` (the zone named: the
+    reader's browser may be elsewhere)."""
+    return at.replace(tzinfo=UTC).astimezone().strftime("%H:%M %Z").strip()
 
 
 def in_words(seconds: float) -> str:
+    """``under a minute``, ``12 min``, ``2 h 5 min``."""
     minutes = max(0, round(seconds / 60))
     if minutes < 1:
         return "under a minute"
-    if minutes < 90:
+    if minutes < 60:
         return f"{minutes} min"
-    return f"{minutes / 60:.1f} h"
+    hours, rest = divmod(minutes, 60)
+    return f"{hours} h" if rest == 0 else f"{hours} h {rest} min"
 
 
 def wait_line(

@@ -216,8 +216,8 @@ def test_admins_see_reorder_and_cancel_the_queue_and_users_leave_it(hub, tokens,
     assert queue_ids(hub, tokens) == [carol["id"]]
     poll = checked(hub.broker("POST", f"queue/{dave['id']}/wait", tokens["dave"])).json()
     assert poll["allocation"] is None
-    assert poll["entry"]["state"] == "left" and poll["entry"]["end_reason"] == "cancelled by admin admin"
-    assert poll["entry"]["line"] == "cancelled by admin admin" and poll["entry"]["position"] == 0
+    assert poll["entry"]["state"] == "left" and poll["entry"]["end_reason"] == "an admin (admin) cancelled it"
+    assert poll["entry"]["line"] == "an admin (admin) cancelled it" and poll["entry"]["position"] == 0
     assert ledger.active(user="dave") == []
     # an ended entry cannot be moved or cancelled again
     for method, path in [("POST", f"queue/{dave['id']}/front"), ("DELETE", f"queue/{dave['id']}")]:
@@ -237,7 +237,7 @@ def test_admins_see_reorder_and_cancel_the_queue_and_users_leave_it(hub, tokens,
     expect_rows(mine, "#my-queue", [])
     expect(mine.locator("#my-queue tbody")).to_contain_text("You are not waiting for GPUs.")
     gone = ledger.queue_entry(carol["id"])
-    assert gone.state == "left" and gone.end_reason == "left the queue (its owner)"
+    assert gone.state == "left" and gone.end_reason == "its owner left the queue"
     assert len(ledger.active(user="carol")) == 1  # her burst is untouched
     expect(page.locator("#queue tbody")).to_contain_text("Nobody is waiting for GPUs.")
 
@@ -317,7 +317,7 @@ def test_the_owner_leaves_the_queue_with_delete(hub, tokens, ledger):
     assert queue_ids(hub, tokens) == [entry["id"]]
     r = checked(hub.broker("DELETE", f"queue/{entry['id']}", tokens["bob"]))
     assert r.status_code == 200
-    assert r.json()["state"] == "left" and r.json()["end_reason"] == "left the queue (its owner)"
+    assert r.json()["state"] == "left" and r.json()["end_reason"] == "its owner left the queue"
     assert r.json()["ended"] and r.json()["factors"] is None
     again = checked(hub.broker("DELETE", f"queue/{entry['id']}", tokens["bob"]))
     assert again.status_code == 409 and again.json()["reason"] == "not_waiting"

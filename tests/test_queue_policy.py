@@ -427,7 +427,7 @@ def utc_tz(monkeypatch):
             2,
             at(minutes=12),
             "guess",
-            "2nd of 4 waiting for 2 GPUs, expected start about 09:12 "
+            "2nd of 4 waiting for 2 GPUs, expected start about 09:12 UTC "
             "(in 12 min; a guess from recent run lengths, not a promise)",
         ),
         (
@@ -436,8 +436,8 @@ def utc_tz(monkeypatch):
             1,
             at(hours=2, minutes=30),
             "firm",
-            "1st of 1 waiting for 1 GPU, expected start about 11:30 "
-            "(in 2.5 h; when a lease or an idle reclaim ends, not a promise)",
+            "1st of 1 waiting for 1 GPU, expected start about 11:30 UTC "
+            "(in 2 h 30 min; when a lease or an idle reclaim ends, not a promise)",
         ),
         (
             3,
@@ -445,8 +445,8 @@ def utc_tz(monkeypatch):
             1,
             at(hours=3),
             "guess",
-            "3rd of 3 waiting for 1 GPU, expected start about 12:00 "
-            "(in 3.0 h; a guess from recent run lengths, not a promise)",
+            "3rd of 3 waiting for 1 GPU, expected start about 12:00 UTC "
+            "(in 3 h; a guess from recent run lengths, not a promise)",
         ),
         (
             1,
@@ -485,7 +485,7 @@ def test_wait_line_shows_local_time(monkeypatch):
     time.tzset()
     try:
         line = queueview.wait_line(1, 1, 1, at(hours=1), "guess", T)  # 10:00 UTC in November
-        assert "about 11:00 " in line and queueview.local_clock(at(hours=1)) == "11:00"
+        assert "about 11:00 CET " in line and queueview.local_clock(at(hours=1)) == "11:00 CET"
     finally:
         monkeypatch.undo()
         time.tzset()
@@ -498,9 +498,10 @@ def test_wait_line_shows_local_time(monkeypatch):
         (29, "under a minute"),
         (31, "1 min"),
         (600, "10 min"),
-        (5340, "89 min"),
-        (5400, "1.5 h"),
-        (36000, "10.0 h"),
+        (3540, "59 min"),
+        (3600, "1 h"),
+        (5400, "1 h 30 min"),
+        (36000, "10 h"),
     ],
 )
 def test_in_words(seconds, words):

@@ -182,7 +182,7 @@ NOW = datetime(2026, 12, 1, 14, 0)
 
 
 def local(at):
-    return at.replace(tzinfo=UTC).astimezone().strftime("%H:%M")
+    return at.replace(tzinfo=UTC).astimezone().strftime("%H:%M %Z").strip()
 
 
 @pytest.mark.parametrize("expected, position, words", [
