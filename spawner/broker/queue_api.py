@@ -44,7 +44,9 @@ class QueueEntryHandler(_QueueHandler):
 
     async def delete(self, entry_id: str):
         caller, q = await self.find_entry(entry_id)
-        why = "its owner left the queue" if caller.name == q.user else f"an admin ({caller.name}) cancelled it"
+        why = (
+            "its owner left the queue" if caller.name == q.user else f"an admin ({caller.name}) cancelled it"
+        )
         if not await self.broker.run(self.broker.ledger.leave_queue, q.id, why):
             q = await self.broker.run(self.broker.ledger.queue_entry, q.id)
             return self.fail(409, f"Queue entry {q.id} no longer waits ({q.end_reason}).", "not_waiting")
