@@ -215,7 +215,9 @@ class QueueRecords:
             candidates.append(new[0])
             waiting[new[0].id] = new[1]
             groups[new[0].user] = list(new_groups)  # its share as it will have once it waits
-        users = set(usage) | {c.user for c in candidates}
+        # shares are parts of every known user's (as Slurm's of every association): who waits
+        # now does not move anyone's factor
+        users = set(usage) | set(known) | {c.user for c in candidates}
         share = {u: fairshare.effective_share(u, groups.get(u, ()), qs.shares)[0] for u in users}
         found = fairshare.factors(candidates, usage, share, now, qs.weights)
         ordered = fairshare.order(candidates, found)
