@@ -285,3 +285,62 @@ def engine_apply_restore(token: str, ns: dict | None = None) -> dict:
 
 def engine_discard(token: str) -> None:
     _PENDING.pop(token, None)
+
+
+# preemption: the engine's own save at Slurm's SIGTERM (gpu_magics.enginemain) ---------------
+
+
+AUTOSAVE_NAMES = "GPUHUB_AUTOSAVE_NAMES"  # the engines' job: names saved at Slurm's SIGTERM
+AUTOSAVE_DIR = "GPUHUB_AUTOSAVE_DIR"
+
+
+def preempt_rank(environ) -> tuple[int, int]:
+    """(rank, world size) of this engine: the pool's ``RANK``/``WORLD_SIZE`` once it set them,
+    else Slurm's task id and count."""
+    rank = environ.get("RANK") or environ.get("SLURM_PROCID") or "0"
+    world = environ.get("WORLD_SIZE") or environ.get("SLURM_NTASKS") or "1"
+    return (int(rank) if rank.isdigit() else 0), (int(world) if world.isdigit() else 1)
+
+
+def preempt_report_path(directory: str, job_id: str) -> str:
+    """Where the engines' save at preemption is recorded (JSON) for the kernel to show."""
+    return os.path.join(directory, f".gpuhub-preempted-{job_id or 'nojob'}.json")
+
+
+def engine_preempt_save(names: list[str], directory: str, ns: dict, environ) -> dict:
+    """At preemption: rank 0 saves the names it has (as ``--autosave`` does: a name this rank
+    lacks is skipped), into ``directory`` in the ``%distributed save`` format, and records the
+    answer in :func:`preempt_report_path`; other ranks save nothing. Answers
+    ``{"rank", "saved": [names], "skipped": [names], "ok", "text"}``."""
+    import json
+    import time
+
+    rank, world = preempt_rank(environ)
+    job = environ.get("SLURM_JOB_ID", "")
+    if rank != 0:
+        return {"rank": rank, "ok": True, "saved": [], "skipped": [],
+                "text": f"gpuhub: engine rank {rank} preempted (rank 0 saves)"}  # fmt: skip
+    have = [n for n in names if n in ns]
+    skipped = [n for n in names if n not in ns]
+    meta = {"saved": time.time(), "rank": 0, "world_size": world, "reason": "preempted"}
+    result = engine_save(have, directory, meta, ns) if have else {"ok": True, "files": []}
+    saved = [f["name"] for f in result.get("files", [])] if result["ok"] else []
+    if result["ok"]:
+        text = (
+            f"gpuhub: engine rank 0 preempted by Slurm (job {job}): saved {', '.join(saved) or 'nothing'}"
+            f" to {directory}" + (f"; not defined: {', '.join(skipped)}" if skipped else "")
+        )
+    else:
+        text = f"gpuhub: engine rank 0 preempted by Slurm (job {job}): autosave failed: {result}"
+    report = {"job": job, "rank": 0, "ok": result["ok"], "saved": saved, "skipped": skipped,
+              "directory": directory, "time": meta["saved"], "text": text}  # fmt: skip
+    try:
+        _make_dir(directory)
+        path = preempt_report_path(directory, job)
+        fd, tmp = tempfile.mkstemp(prefix=".gpuhub-preempted.", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        report["text"] += f" (report not written: {e})"
+    return {"rank": 0, **report}

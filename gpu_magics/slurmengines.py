@@ -131,6 +131,9 @@ class SlurmLauncher:
         self.job_id = ""
         self.step = ""
         self.on_submitted = None  # called with the job id once sbatch accepted the engines' job
+        self.borrowed = 0  # GPUs of the burst beyond the limit: the job runs preemptible
+        self.borrow_qos = os.environ.get("GPUHUB_SLURM_BORROW_QOS", "")
+        self.autosave: tuple[list[str], str] | None = None  # the pool's --autosave: saved at SIGTERM
 
     @property
     def location(self) -> str:
@@ -158,13 +161,42 @@ class SlurmLauncher:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
+                env={**os.environ, **autosave_env(self.autosave)},
             )
             return
+        from spawner.slurm import jobs
+
+        argv = jobs.sbatch_argv(self.allocation_id)
+        out = subprocess.run(
+            [shutil.which("sbatch") or "sbatch", *argv[1:]],
+            input=self.job_script(engine_argv),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=self.job_environ(os.environ),
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"Slurm refused the engines' job: {out.stderr.strip()[-400:]}")
+        self.job_id = jobs.parse_sbatch(out.stdout)
+        if self.on_submitted is not None:
+            self.on_submitted(self.job_id)
+
+    @property
+    def qos(self) -> str:
+        """The QOS of the engines' job: the borrow QOS when the burst borrowed GPUs."""
+        from spawner.slurm.accounting import job_qos
+
+        return job_qos(self.borrowed, self.borrow_qos)
+
+    def job_script(self, engine_argv: list[str]) -> str:
+        """The engines' batch script (``--qos=<borrow QOS>`` when the burst borrowed GPUs:
+        Slurm then preempts the whole job, after ``GraceTime``)."""
         from spawner.slurm import jobs, script
 
-        text = script.render(
+        return script.render(
             script.ENGINES_TEMPLATE,
             command=engine_argv,
+            directives=[f"--qos={self.qos}"] if self.qos else [],
             user=os.environ.get("USER", ""),
             job_name=ENGINES_NAME,
             output=os.path.join(self.workdir, "gpuhub-engines-%j.log"),
@@ -177,20 +209,11 @@ class SlurmLauncher:
             memory="",
             account=self.account,
         )
-        argv = jobs.sbatch_argv(self.allocation_id)
-        out = subprocess.run(
-            [shutil.which("sbatch") or "sbatch", *argv[1:]],
-            input=text,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=job_env(os.environ),
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"Slurm refused the engines' job: {out.stderr.strip()[-400:]}")
-        self.job_id = jobs.parse_sbatch(out.stdout)
-        if self.on_submitted is not None:
-            self.on_submitted(self.job_id)
+
+    def job_environ(self, environ) -> dict[str, str]:
+        """sbatch's environment (:func:`job_env`), with the pool's autosave names and
+        directory, which the engines save at Slurm's SIGTERM (``gpu_magics.enginemain``)."""
+        return job_env(environ) | autosave_env(self.autosave)
 
     @property
     def target(self) -> str:
@@ -343,6 +366,32 @@ def job_env(environ) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))} | (
         {"SLURM_CONF": environ["SLURM_CONF"]} if "SLURM_CONF" in environ else {}
     )
+
+
+def autosave_env(autosave: tuple[list[str], str] | None) -> dict[str, str]:
+    """The engines' ``GPUHUB_AUTOSAVE_NAMES`` / ``GPUHUB_AUTOSAVE_DIR`` (pure): always both,
+    empty without autosave (so a value inherited from the server's own environment never
+    reaches the engines)."""
+    from .checkpoint_engine import AUTOSAVE_DIR, AUTOSAVE_NAMES
+
+    names, directory = autosave if autosave and autosave[0] else ([], "")
+    return {AUTOSAVE_NAMES: " ".join(names), AUTOSAVE_DIR: directory}
+
+
+def preemption_report(directory: str, job_id: str) -> str | None:
+    """What the engines of ``job_id`` saved when Slurm preempted them (their line), or None
+    when they recorded nothing (not preempted, or no autosave)."""
+    import json
+
+    from .checkpoint_engine import preempt_report_path
+
+    try:
+        with open(preempt_report_path(directory, str(job_id))) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    text = report.get("text") if isinstance(report, dict) else None
+    return text if isinstance(text, str) else None
 
 
 def free_port() -> int:

@@ -12,6 +12,14 @@ Who writes: the spawner before each submission (for its user, whose groups it kn
 ``gpuhub limits set/unset`` and the broker's limit API (for every user the change touches).
 GPU-hours quotas stay gpuhub's own (Slurm's ``GrpTRESMins`` counts differently).
 
+Borrowing (``c.GpuHub.*_borrow``): a job whose GPUs go beyond its user's limit runs under the
+preemptible QOS ``c.SlurmAccounting.borrow_qos`` (:func:`borrow_qos_plan`): ``PreemptMode=cancel``,
+``GraceTime`` = ``c.GpuHub.preempt_grace_seconds``, ``GrpTRES=gres/gpu=<every GPU>`` (a QOS's
+``GrpTRES`` takes precedence over the association's, so the over-limit job is not refused
+as ``AssocGrpGRES``; measured, Slurm 22.05.8: its ``MaxTRESPerUser`` alone does not), and
+``MaxTRESPerUser=gres/gpu=<the largest limit + allowance>``; the QOS in ``c.SlurmAccounting.qos``
+(``normal``) gets ``Preempt=<borrow QOS>``, and the account may use the borrow QOS.
+
 Names reach ``sacctmgr`` as arguments (no shell), where ``,`` separates a list, ``=`` sets a
 field and a leading ``-`` reads as an option: a user or account name with such a character
 (or a space, a quote, a control character; :func:`spawner.values.parse_name`) is refused
@@ -127,6 +135,143 @@ def plan(
     return commands
 
 
+@dataclass(frozen=True)
+class Qos:
+    name: str
+    preempt: tuple[str, ...] = ()  # the QOS it may preempt
+    preempt_mode: str = ""  # lower case: "cancel", "requeue", "cluster" (Slurm's global), ""
+    grace_seconds: int | None = None
+    gpus_per_user: int = UNLIMITED  # MaxTRESPerUser gres/gpu
+    gpus_total: int = UNLIMITED  # GrpTRES gres/gpu
+    flags: tuple[str, ...] = ()
+
+
+QOS_FORMAT = "format=name,preempt,preemptmode,gracetime,maxtrespu,grptres,flags"
+
+
+def _gpu_tres(text: str) -> int:
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key == "gres/gpu" and value.lstrip("-").isdigit():
+            return int(value)
+    return UNLIMITED
+
+
+def slurm_seconds(text: str) -> int | None:
+    """Slurm's ``[days-]hh:mm:ss`` (``00:05:00``, ``1-00:00:00``) as seconds; None if it is not one."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if (not days.isdigit() and days) or not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 3:
+        return None
+    seconds = 0
+    for p in parts:
+        seconds = seconds * 60 + int(p)
+    return seconds + int(days or 0) * 86400
+
+
+def parse_qos(text: str) -> dict[str, Qos]:
+    """``sacctmgr -n -P show qos`` with :data:`QOS_FORMAT` to name -> :class:`Qos`."""
+    out = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) != 7 or not fields[0]:
+            continue
+        name, preempt, mode, grace, per_user, total, flags = fields
+        out[name] = Qos(
+            name,
+            tuple(sorted(p for p in preempt.split(",") if p)),
+            mode.strip().lower(),
+            slurm_seconds(grace) if grace else None,
+            _gpu_tres(per_user),
+            _gpu_tres(total),
+            tuple(sorted(f for f in flags.split(",") if f)),
+        )
+    return out
+
+
+def borrow_ceiling(limits: Mapping[str, EffectiveLimit], allowances: Mapping[str, int]) -> int:
+    """The borrow QOS's ``MaxTRESPerUser``: the largest limit + allowance of a user who may
+    borrow (one QOS serves everyone; gpuhub's own admission holds each user to theirs). 0:
+    nobody may borrow."""
+    most = 0
+    for user, eff in limits.items():
+        allowance = allowances.get(user, 0)
+        if allowance > 0 and eff.limit.max_gpus is not None:
+            most = max(most, eff.limit.max_gpus + allowance)
+    return most
+
+
+def borrow_qos_plan(
+    qos: Mapping[str, Qos],
+    *,
+    name: str,
+    preemptor: str,
+    account: str,
+    grace_seconds: float,
+    per_user: int,
+    total_gpus: int,
+    account_qos: Iterable[str] | None,
+) -> list[list[str]]:
+    """The ``sacctmgr`` commands that make the borrow QOS ``name`` and its preemptor match
+    (pure): ``name`` preemptible (``PreemptMode=cancel``: a notebook server or an engines job
+    started again from its script has lost its state anyway), ``GraceTime`` the grace period
+    (whole seconds, rounded up), ``MaxTRESPerUser=gres/gpu=per_user``,
+    ``GrpTRES=gres/gpu=total_gpus`` (which takes precedence over each user's association
+    limit), ``DenyOnLimit``; ``preemptor`` may preempt it; ``account`` may use it
+    (``account_qos``: the account's QOS list now, None when unknown)."""
+    sacctmgr_name(name, "QOS")
+    sacctmgr_name(preemptor, "QOS")
+    sacctmgr_name(account, "account")
+    if name == preemptor:
+        raise SlurmError(f"the borrow QOS {name!r} cannot be the QOS that preempts it")
+    if not grace_seconds >= 0 or grace_seconds == float("inf"):
+        raise SlurmError(f"GraceTime must be 0 or more seconds; got {grace_seconds!r}")
+    grace = int(-(-grace_seconds // 1))
+    per_user, total = max(0, int(per_user)), max(1, int(total_gpus))
+    commands = []
+    have = qos.get(name)
+    if have is None:
+        commands.append(["sacctmgr", "-i", "add", "qos", name])
+    want = {
+        "PreemptMode": ("cancel", have.preempt_mode if have else None),
+        "GraceTime": (grace, have.grace_seconds if have else None),
+        "MaxTRESPerUser": (per_user, have.gpus_per_user if have else None),
+        "GrpTRES": (total, have.gpus_total if have else None),
+        "Flags": (("DenyOnLimit",), have.flags if have else None),
+    }
+    changes = []
+    for key, (value, current) in want.items():
+        if value == current:
+            continue
+        if key in ("MaxTRESPerUser", "GrpTRES"):
+            changes.append(f"{key}=gres/gpu={value}")
+        elif key == "Flags":
+            changes.append("Flags=DenyOnLimit")
+        else:
+            changes.append(f"{key}={value}")
+    if changes:
+        commands.append(["sacctmgr", "-i", "modify", "qos", "where", f"name={name}", "set", *changes])
+    boss = qos.get(preemptor)
+    if boss is None or name not in boss.preempt:
+        commands.append(
+            ["sacctmgr", "-i", "modify", "qos", "where", f"name={preemptor}", "set", f"Preempt+={name}"]
+        )
+    if account_qos is None or name not in set(account_qos):
+        commands.append(
+            [
+                "sacctmgr", "-i", "modify", "account", "where", f"name={account}",
+                "set", f"QOS+={name}",
+            ]
+        )  # fmt: skip
+    return commands
+
+
+def job_qos(borrowed: int, borrow_qos: str) -> str:
+    """The QOS a job is submitted under: the borrow QOS when any of its GPUs is borrowed
+    (Slurm preempts whole jobs), else none (the association's default)."""
+    return borrow_qos if borrowed > 0 and borrow_qos else ""
+
+
 class SlurmAccounting(LoggingConfigurable):
     """``c.SlurmAccounting.*``: gpuhub limits written to Slurm associations."""
 
@@ -147,6 +292,21 @@ class SlurmAccounting(LoggingConfigurable):
     timeout = Float(
         30.0,
         help="""Seconds one ``sacctmgr`` call may take. ``c.SlurmAccounting.timeout = 30``""",
+    ).tag(config=True)
+
+    borrow_qos = Unicode(
+        "gpuhub-borrow",
+        help="""The preemptible QOS gpuhub writes (with accounting on) and submits jobs with GPUs
+        beyond their user's limit under (``c.GpuHub.*_borrow``): ``PreemptMode=cancel``,
+        ``GraceTime`` = ``c.GpuHub.preempt_grace_seconds``. Needs ``PreemptType=preempt/qos``
+        in slurm.conf. "": never written nor used (borrowed jobs then run unpreemptible, under
+        the association's limit). ``c.SlurmAccounting.borrow_qos = "gpuhub-borrow"``""",
+    ).tag(config=True)
+
+    qos = Unicode(
+        "normal",
+        help="""The QOS in-limit jobs run under (the association's default), given
+        ``Preempt=<borrow_qos>``. ``c.SlurmAccounting.qos = "normal"``""",
     ).tag(config=True)
 
     @property
@@ -206,12 +366,57 @@ class SlurmAccounting(LoggingConfigurable):
                 refused[user] = str(e)
                 del limits[user]
         commands = plan(limits, self.associations(), self.account, fairshares) if limits else []
+        if self.borrow_qos:
+            commands += _borrow_qos_commands(self, ledger)
         for argv in commands:
             self.log.info("gpuhub: %s", " ".join(argv))
             self._run(argv)
         if refused:  # the others' limits are written; these names never reach sacctmgr
             raise SlurmError("; ".join(refused[u] for u in sorted(refused)))
         return commands
+
+
+def _account_qos(text: str, account: str) -> list[str] | None:
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) == 3 and fields[0] == account and not fields[1]:
+            return [q for q in fields[2].split(",") if q]
+    return None
+
+
+def _borrow_qos_commands(self: SlurmAccounting, ledger) -> list[list[str]]:
+    """The commands that bring the borrow QOS in line with the hub's settings (not run here)."""
+    from ..settings import GpuHub
+
+    hub = GpuHub(config=self.config)
+    settings = hub.borrow_settings()  # a bad allowance or grace is refused, trait named
+    everyone = ledger.effective_limits(None)
+    known = known_groups(ledger, everyone)
+    allowances = {u: _allowance(u, known.get(u, ()), settings) for u in everyone}
+    ceiling = borrow_ceiling(everyone, allowances)
+    if ceiling == 0:  # nobody may borrow: gpuhub submits nothing under the QOS, and writes none
+        return []
+    qos = parse_qos(self._run(["sacctmgr", "-n", "-P", "show", "qos", QOS_FORMAT]))
+    assoc = self._run(
+        ["sacctmgr", "-n", "-P", "show", "assoc", f"account={self.account}", "format=account,user,qos"]
+    )
+    total = max(1, sum(1 for st in ledger.gpu_table() if st.present))
+    return borrow_qos_plan(
+        qos,
+        name=self.borrow_qos,
+        preemptor=self.qos,
+        account=self.account,
+        grace_seconds=settings.grace_seconds,
+        per_user=ceiling,
+        total_gpus=total,
+        account_qos=_account_qos(assoc, self.account),
+    )
+
+
+def _allowance(user, groups, settings) -> int:
+    from ..borrowing import effective_borrow
+
+    return effective_borrow(user, list(groups), settings.rules)[0]
 
 
 def known_groups(ledger, users: Iterable[str]) -> dict[str, list[str]]:

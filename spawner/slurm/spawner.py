@@ -32,7 +32,7 @@ from ..ledger import AllocationInfo
 from ..mixin import GpuSpawnerMixin
 from ..refusals import make_refusal
 from . import callback, jobs, priority, script
-from .accounting import SlurmAccounting
+from .accounting import SlurmAccounting, job_qos
 from .cluster import read_cluster
 from .watcher import get_watcher, run_command
 
@@ -191,10 +191,24 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
 
     def gpu_env(self, allocation):
         env = {**slurm_gpu_env(allocation), **self.gpuhub.report_env()}
-        account = self.req_account or self._accounting().account_for_jobs
+        accounting = self._accounting()
+        account = self.req_account or accounting.account_for_jobs
         if account:  # %%distributed submits its engines' jobs under the same account
             env["GPUHUB_SLURM_ACCOUNT"] = account
+        if accounting.enabled and accounting.borrow_qos:  # a burst that borrows runs under it
+            env["GPUHUB_SLURM_BORROW_QOS"] = accounting.borrow_qos
         return env
+
+    def _borrowed(self) -> int:
+        allocation = getattr(self, "gpu_allocation", None)
+        return int(getattr(allocation, "borrowed", 0) or 0)
+
+    def job_qos(self, borrowed: int | None = None) -> str:
+        """The QOS of the server's job: the borrow QOS when any of its GPUs is borrowed (with
+        accounting on, which writes that QOS), else the association's default."""
+        accounting = self._accounting()
+        qos = accounting.borrow_qos if accounting.enabled else ""
+        return job_qos(self._borrowed() if borrowed is None else borrowed, qos)
 
     @property
     def watcher(self):
@@ -218,14 +232,19 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             [self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args()],
             opts,
             self.chosen_partition(self.cluster(), opts.partition),
+            self.job_qos(),
         )
 
-    def script_for(self, user, homedir, env_names, command, opts: form.GpuOptions, partition: str) -> str:
-        """The server's batch script from explicit inputs (``gpuhub slurm script`` previews it)."""
+    def script_for(
+        self, user, homedir, env_names, command, opts: form.GpuOptions, partition: str, qos: str = ""
+    ) -> str:
+        """The server's batch script from explicit inputs (``gpuhub slurm script`` previews it).
+        ``qos``: the borrow QOS of a server with borrowed GPUs (``--qos=``, after the admin's
+        ``extra_directives``, so it wins over a ``--qos`` there)."""
         return script.render(
             self.batch_script,
             command=command,
-            directives=self.extra_directives,
+            directives=[*self.extra_directives, *([f"--qos={qos}"] if qos else [])],
             user=user,
             job_name="gpuhub-server",
             output=self.output_template.format(homedir=homedir, username=user),
@@ -333,8 +352,11 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
                 await self._in_ledger("attach_job", self.allocation_id, self.job_id)
             except (LookupError, ValueError) as e:  # released meanwhile: the watcher cancels the job
                 self.log.warning("gpuhub: job %s of %s not attached: %s", self.job_id, self.user.name, e)
-        self._progress(30, f"Submitted to Slurm as job {self.job_id}")
+        self._progress(30, submitted_message(self.job_id, self._borrowed(), self.job_qos(), self._grace()))
         return self.job_id
+
+    def _grace(self) -> float:
+        return float(self.gpuhub.preempt_grace_seconds)
 
     async def _cancel_when_submitted(self, submitted) -> None:
         with contextlib.suppress(Exception):
@@ -419,6 +441,19 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         super().load_state(state)
         if self.job_id and _in_hub_loop():
             self.watcher.track(self.job_id)
+
+
+def submitted_message(job_id: str, borrowed: int, qos: str, grace_seconds: float) -> str:
+    """The spawn page's line once ``sbatch`` answered (pure); a job with borrowed GPUs says
+    that it is preemptible, and how much notice it gets."""
+    line = f"Submitted to Slurm as job {job_id}"
+    if borrowed and qos:
+        line += (
+            f" (preemptible: {borrowed} GPU{'s' if borrowed != 1 else ''} borrowed beyond your limit, "
+            f"Slurm QOS {qos}; when a job within its limit needs the GPUs, Slurm ends this server "
+            f"after {grace_seconds:g} s)"
+        )
+    return line
 
 
 def preview_script(config, user: str, gpus: int, model: str | None = None, partition: str = "") -> str:
