@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping
 
 import requests
@@ -115,33 +116,85 @@ class LeaseKeeper:
 
     ``lost`` turns True when the broker says the allocation is gone (its lease expired, or an
     admin released it): the pool must then stop using those GPUs.
+
+    An allocation with borrowed GPUs may be taken back with notice (``preemption``: the
+    broker's ``{"due", "reason"}``): it is also looked at (``GET allocations/{id}``) every
+    ``check_seconds`` between renewals, so that a grace period shorter than a third of the
+    lease is not missed; ``on_notice(preemption)`` is called once, from this thread.
     """
 
-    def __init__(self, client: BrokerClient, allocation: dict, lease_seconds: float, log=None, activity=None):
+    def __init__(
+        self,
+        client: BrokerClient,
+        allocation: dict,
+        lease_seconds: float,
+        log=None,
+        activity=None,
+        check_seconds: float | None = None,
+        on_notice=None,
+    ):
         self.client, self.allocation, self.lease_seconds, self.log = client, allocation, lease_seconds, log
         self.activity = activity  # () -> seconds since the engines last ran a cell (0: busy)
         self.expires = allocation.get("lease_expires")
         self.lost = False
         self.reason = ""  # why the broker ended it, once lost
+        self.preemption: dict | None = allocation.get("preemption")
+        self.check_seconds = check_seconds
+        self.on_notice = on_notice
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="gpuhub-lease")
         self._thread.start()
 
+    @property
+    def borrowed(self) -> int:
+        return int(self.allocation.get("borrowed") or 0)
+
     def _run(self) -> None:
-        while not self._stop.wait(self.lease_seconds / 3):
+        every = self.lease_seconds / 3
+        next_renewal = time.monotonic() + every
+        while True:
+            wait = next_renewal - time.monotonic()
+            if self.borrowed and self.check_seconds:  # only borrowed GPUs are ever taken back
+                wait = min(wait, self.check_seconds)
+            if self._stop.wait(max(0.0, wait)):
+                return
             try:
-                idle = self.activity() if self.activity else None
-                self.expires = self.client.renew(self.allocation["id"], self.lease_seconds, idle)[
-                    "lease_expires"
-                ]
+                if time.monotonic() >= next_renewal:
+                    idle = self.activity() if self.activity else None
+                    answer = self.client.renew(self.allocation["id"], self.lease_seconds, idle)
+                    self.expires = answer["lease_expires"]
+                    next_renewal = time.monotonic() + every
+                else:
+                    answer = self.client.get(self.allocation["id"])
+                    if answer.get("ended") or answer.get("state") == "released":
+                        self.reason = answer.get("end_reason") or "released by the hub"
+                        self._noticed(answer)
+                        self.lost = True
+                        return
+                self._noticed(answer)
             except BrokerError as e:
                 if e.status in (404, 409):  # released: renewing again cannot bring it back
-                    self.reason = self._end_reason() or e.message
+                    if e.reason == "preempted" and self.preemption:
+                        self.reason = self.preemption.get("reason") or e.message
+                    else:
+                        self.reason = self._end_reason() or e.message
                     self.lost = True
                     return
                 self._say(f"could not renew the lease of allocation {self.allocation['id']}: {e}")
             except Exception as e:  # a renewal thread that dies silently would lose the GPUs
                 self._say(f"could not renew the lease of allocation {self.allocation['id']}: {e!r}")
+
+    def _noticed(self, answer: dict) -> None:
+        """A preemption notice in the broker's answer, passed on once."""
+        notice = answer.get("preemption")
+        if not notice or self.preemption:
+            return
+        self.preemption = notice
+        if self.on_notice is not None:
+            try:
+                self.on_notice(notice)
+            except Exception as e:  # never let it end the renewals
+                self._say(f"while showing the preemption notice of allocation {self.allocation['id']}: {e!r}")
 
     def _end_reason(self) -> str:
         try:

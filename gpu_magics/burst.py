@@ -36,10 +36,20 @@ class Burst:
         *,
         activity: Callable[[], float | None] | None = None,
         log: Callable[[str], None] | None = print,
+        check_seconds: float | None = None,
+        on_notice: Callable[[Burst, dict], None] | None = None,
     ):
         self.client = client
         self.allocation = allocation  # the broker's JSON, kept up to date (attach_job)
-        self.lease = LeaseKeeper(client, allocation, lease_seconds, log=log, activity=activity)
+        self.lease = LeaseKeeper(
+            client,
+            allocation,
+            lease_seconds,
+            log=log,
+            activity=activity,
+            check_seconds=check_seconds,
+            on_notice=(lambda notice: on_notice(self, notice)) if on_notice else None,
+        )
         self.log = log
         self.released = False
         self._lock = threading.Lock()
@@ -62,6 +72,8 @@ class Burst:
         log: Callable[[str], None] | None = print,
         wait: bool = True,
         show: Callable[[str], None] | None = None,
+        check_seconds: float | None = None,
+        on_notice: Callable[[Burst, dict], None] | None = None,
     ) -> Burst:
         """Ask the broker for ``gpus`` GPUs (``node``: all on that node, beside the server's own).
 
@@ -73,6 +85,10 @@ class Burst:
         ``wait``: when the GPUs are all taken, wait in gpuhub's queue with the place shown
         (``show``, default a line of the cell's output updated in place); Ctrl-C leaves it
         (:class:`~gpu_magics.queuewait.QueueInterrupt`), holding nothing.
+
+        ``check_seconds``/``on_notice``: for borrowed GPUs, how often to look for a preemption
+        notice, and whom to tell (``on_notice(burst, {"due", "reason"})``, from the lease's
+        thread).
         """
         wanted = gpus if wanted is None else wanted
         client = BrokerClient.from_env()
@@ -92,7 +108,15 @@ class Burst:
                 )
         except BrokerError as e:
             raise refused(magic, gpus, wanted, held, e) from None
-        return cls(client, alloc, lease_seconds, activity=activity, log=log)
+        return cls(
+            client,
+            alloc,
+            lease_seconds,
+            activity=activity,
+            log=log,
+            check_seconds=check_seconds,
+            on_notice=on_notice,
+        )
 
     # what it holds ----------------------------------------------------------------------
 
@@ -107,6 +131,25 @@ class Burst:
     @property
     def slots(self) -> list[Slot]:
         return [Slot(g["node"], g["index"]) for g in self.allocation.get("gpus") or ()]
+
+    @property
+    def parts(self) -> list[Burst]:
+        """The allocations it is made of (one; a :class:`SplitBurst` has more)."""
+        return [self]
+
+    @property
+    def borrowed(self) -> int:
+        """GPUs of it beyond the user's limit (lent while idle; the only ones ever taken back)."""
+        return int(self.allocation.get("borrowed") or 0)
+
+    @property
+    def preemption(self) -> dict | None:
+        """The broker's notice that its borrowed GPUs are taken back: ``{"due", "reason"}``."""
+        return self.lease.preemption
+
+    def report_ids(self) -> list[int]:
+        """The allocation each of its GPUs (``slots``, in order) belongs to."""
+        return [self.id] * len(self.slots)
 
     @property
     def lost(self) -> bool:
@@ -168,6 +211,85 @@ class Burst:
                     f"by {self.expires or 'its expiry'}."
                 )
         return True
+
+
+class SplitBurst:
+    """One pool's burst held as several allocations: the GPUs within the user's limit, then
+    those borrowed beyond it, so that a preemption takes back only the borrowed ones (and the
+    ledger never shows an in-limit GPU preempted). Used like a :class:`Burst`."""
+
+    def __init__(self, parts: list[Burst]):
+        self._parts = list(parts)
+
+    @property
+    def parts(self) -> list[Burst]:
+        return list(self._parts)
+
+    @property
+    def id(self) -> int:
+        return self._parts[0].id
+
+    @property
+    def allocation(self) -> dict:
+        return self._parts[0].allocation
+
+    @property
+    def lease(self) -> LeaseKeeper:
+        return self._parts[0].lease
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self._parts)
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [s for p in self._parts for s in p.slots]
+
+    @property
+    def borrowed(self) -> int:
+        return sum(p.borrowed for p in self._parts)
+
+    @property
+    def preemption(self) -> dict | None:
+        return next((p.preemption for p in self._parts if p.preemption), None)
+
+    @property
+    def lost(self) -> bool:
+        return any(p.lost for p in self._parts)
+
+    @property
+    def reason(self) -> str:
+        return next((p.reason for p in self._parts if p.lost), "")
+
+    @property
+    def expires(self) -> str | None:
+        return min((p.expires for p in self._parts if p.expires), default=None)
+
+    @property
+    def released(self) -> bool:
+        return all(p.released for p in self._parts)
+
+    def report_ids(self) -> list[int]:
+        return [i for p in self._parts for i in p.report_ids()]
+
+    def report_here(self, labels: list[str] | None = None) -> None:
+        for p in self._parts:
+            p.report_here()
+
+    def watch(self, on_lost: Callable, interval: float) -> None:
+        fired = threading.Event()
+
+        def once(_part):
+            if not fired.is_set():
+                fired.set()
+                on_lost(self)
+
+        for p in self._parts:
+            p.watch(once, interval)
+
+    def release(self) -> bool:
+        done = [p.release() for p in self._parts]
+        return any(done)
 
 
 def queue_poll_seconds() -> float:

@@ -244,6 +244,7 @@ WHY = {
     "exit": "kernel shutdown",
     "resize": "the resize",
     "restart": "restarting the engines",
+    "preempt": "the borrowed GPUs are taken back",
 }
 
 
@@ -331,17 +332,18 @@ class CheckpointCommands:
             return "resize"  # the resize saved first, then stops the pool
         return "restart"
 
-    def _save_before_stop(self, why: str) -> None:
+    def _save_before_stop(self, why: str) -> Saved | None:
         """Save the autosave names of the pool before its processes end (``why``: a key of
         ``WHY``). Raises UsageError when it could not (the callers that stop anyway report it);
-        saves once however often it is called while no cell ran."""
+        saves once however often it is called while no cell ran. Answers what it wrote (the
+        earlier save when that one still holds; None when there was nothing to save)."""
         pool, names = self.pool, [n for n in self.autosave if n not in self._pending]
         if self.autosave and not names:
             say(f"gpuhub: not autosaved: {', '.join(self.autosave)} not restored since the resize.", err=True)
         if pool is None or not names or getattr(pool, "client", None) is None:
-            return
+            return None
         if self._autosaved and self._autosaved[0] is pool and self._autosaved[1] == self.last_used:
-            return
+            return getattr(self, "_last_saved", None)
         before = WHY.get(why, why)
         if pool.broken:
             raise UsageError(
@@ -351,11 +353,13 @@ class CheckpointCommands:
             )
         saved = Checkpointer(pool).save(names, self.autosave_dir, autosave=True)
         self._autosaved = (pool, self.last_used, why)
+        self._last_saved = saved
         self.last_autosave = ([f["name"] for f in saved.files], self.autosave_dir)
         say(saved.text(before))
         if self._pending & set(self.autosave):
             later = ", ".join(sorted(self._pending & set(self.autosave)))
             say(f"  not saved: {later} (not restored since the resize: the checkpoints are kept)")
+        return saved
 
     def _save_then_forget(self, why: str | None) -> str:
         """For ``_stop_pool``: the autosave, never failing the stop; answers the reason."""

@@ -19,6 +19,8 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
@@ -28,9 +30,9 @@ from traitlets import Float
 
 from .arguments import COUNT, SECONDS
 from .brokerclient import LeaseKeeper
-from .burst import Burst, burst_size
+from .burst import Burst, SplitBurst, burst_size
 from .checkpoint import DEFAULT_DIR, check_names
-from .checkpointer import CheckpointCommands
+from .checkpointer import CheckpointCommands, Saved, say
 from .plan import (
     OTHER_SETTINGS,
     describe_settings,
@@ -144,6 +146,54 @@ DistributedInterrupt.__name__ = DistributedInterrupt.__qualname__ = (
 )
 
 
+class PreemptNow(KeyboardInterrupt):
+    """Raised in the running cell's loop when the borrowed GPUs' time is up: the cell is
+    interrupted as the stop button does, every rank keeping its state."""
+
+
+class DistributedPreempted(DistributedError):
+    """The pool was stopped because its borrowed GPUs were taken back."""
+
+    def _render_traceback_(self):
+        return ["Preempted: the pool's borrowed GPUs were taken back.", *self.report.splitlines()]
+
+
+DistributedPreempted.__name__ = DistributedPreempted.__qualname__ = "Preempted"
+
+
+@dataclass
+class Notice:
+    """The broker's notice that a part of the pool's burst (its borrowed GPUs) is taken back."""
+
+    part: Burst  # the allocation with the borrowed GPUs
+    reason: str
+    due: float  # Unix time
+    shown: bool = False  # printed in the cell that runs now
+    acted: bool = False  # saved (with autosave) and stopped
+    interrupted: bool = False  # the running cell was interrupted for it
+
+    @property
+    def due_text(self) -> str:
+        return datetime.fromtimestamp(self.due, UTC).strftime("%H:%M:%S UTC")
+
+
+def parse_due(text: str | None) -> float:
+    """The broker's ISO time (UTC) as Unix time; now when there is none."""
+    if not text:
+        return time.time()
+    when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
+
+
+NOT_RUN = "This cell did not run; run it again to start new engines."
+
+
+def _names(names) -> str:
+    return ", ".join(names) or "none"
+
+
 @magics_class
 class DistributedMagics(CheckpointCommands, Magics):
     idle_seconds = Float(
@@ -160,6 +210,18 @@ class DistributedMagics(CheckpointCommands, Magics):
         300.0,
         help="Default collective timeout in seconds (--timeout). %config DistributedMagics.timeout = 60",
     ).tag(config=True)
+    notice_check_seconds = Float(
+        5.0,
+        help="How often a pool on borrowed GPUs asks the broker whether they are being taken back "
+        "(between lease renewals); a grace period shorter than this may be seen late. "
+        "%config DistributedMagics.notice_check_seconds = 2",
+    ).tag(config=True)
+    preempt_save_seconds = Float(
+        30.0,
+        help="With --autosave: how long before a preemption is due the running cell is interrupted "
+        "and the names saved (at once when the notice leaves less). "
+        "%config DistributedMagics.preempt_save_seconds = 60",
+    ).tag(config=True)
 
     def __init__(self, shell=None, **kw):
         super().__init__(shell=shell, **kw)
@@ -171,6 +233,9 @@ class DistributedMagics(CheckpointCommands, Magics):
         self.last_used = time.monotonic()
         self.lock = threading.RLock()
         self._idle_timer: threading.Timer | None = None
+        self._notice: Notice | None = None  # a preemption notice for the pool's burst
+        self._preempt_report: str | None = None  # a preemption that stopped the idle pool
+        self._releasing: list[Burst] = []  # preempted parts released at their due time
         import atexit
 
         atexit.register(self.shutdown)  # kernel shutdown: no orphaned engines, GPUs back
@@ -205,8 +270,48 @@ class DistributedMagics(CheckpointCommands, Magics):
             held=held,
             wanted=wanted,
             activity=self._idle_seconds,
+            check_seconds=self.notice_check_seconds,
+            on_notice=self._on_notice,
             **where,
         )
+
+    def _room(self) -> int | None:
+        """GPUs the user may still take within their limit (None: no limit, or unknown)."""
+        from .brokerclient import BrokerClient
+
+        client = BrokerClient.from_env()
+        if client is None:
+            return None
+        try:
+            room = client.me().get("may_take")
+        except Exception:  # unknown: asked for as one allocation, as before
+            return None
+        return room if isinstance(room, int) else None
+
+    def _request_local_burst(self, n: int, held: int, wanted: int, wait: bool, node: str | None):
+        """A local burst of ``n`` GPUs on one node. Where only part of it fits the user's limit
+        it is asked for as two allocations, the part within the limit and the borrowed rest
+        (a :class:`SplitBurst`): a preemption then takes back only the borrowed GPUs."""
+        room = self._room()
+        if room is None or room <= 0 or room >= n:
+            return self._request_burst(n, held, wanted, wait=wait, nodes=1, node=node)
+        first = self._request_burst(room, held, wanted, wait=wait, nodes=1, node=node)
+        try:
+            node = node or (first.slots[0].node if first.slots else None)
+            second = self._request_burst(n - room, held + room, wanted, wait=False, nodes=1, node=node)
+        except UsageError as e:
+            first.release()
+            text = str(e).split(": ", 1)[-1]
+            err = UsageError(
+                f"gpuhub refused the {n - room} GPU(s) beyond your limit for %%distributed --gpus "
+                f"{wanted} ({room} within it were granted and are given back): {text}"
+            )
+            err.refusal = getattr(e, "refusal", None)
+            raise err from None
+        except BaseException:
+            first.release()
+            raise
+        return SplitBurst([first, second])
 
     def _acquire(self, gpus: int, old: Burst | None = None) -> tuple[tuple[Slot, ...], Burst | None]:
         """The GPUs of a local pool of ``gpus`` ranks: the server's own, and a burst of only
@@ -225,9 +330,7 @@ class DistributedMagics(CheckpointCommands, Magics):
         ):
             return plan.own, old
         # engines run on this machine: the burst on one node, the server's own when it has GPUs
-        burst = self._request_burst(
-            plan.burst, len(plan.own), gpus, wait=old is None, nodes=1, node=plan.node
-        )
+        burst = self._request_local_burst(plan.burst, len(plan.own), gpus, old is None, plan.node)
         return plan.own, burst
 
     def _release_burst(self) -> None:
@@ -391,7 +494,13 @@ class DistributedMagics(CheckpointCommands, Magics):
                     # a burst's engines report their own GPUs; beside the server's own GPUs
                     # (which the server reports) this kernel reports the burst's
                     mixed = bool(self._own) and self._burst is not None
-                    pool.report_allocation = self.burst["id"] if self.burst and not mixed else 0
+                    pool.report_allocation = (
+                        0
+                        if not self.burst or mixed
+                        else self._burst.report_ids()
+                        if len(self._burst.parts) > 1
+                        else self.burst["id"]
+                    )
                     if mixed:
                         self._burst.report_here()
                     handle = display(
@@ -465,7 +574,9 @@ class DistributedMagics(CheckpointCommands, Magics):
         with self.lock:
             if self.pool is None:
                 return
-            if self._lease_lost() and not self.busy:
+            if self._current_notice() is not None:
+                pass  # a preemption: _act_on_notice saves and stops the pool at its time
+            elif self._lease_lost() and not self.busy:
                 why = self.lease.reason or "released by the hub"
                 print(f"gpuhub: the burst allocation was ended ({why}); stopping the engines.")
                 self._stop_pool(why="reclaim")
@@ -481,6 +592,181 @@ class DistributedMagics(CheckpointCommands, Magics):
             if self._idle_timer:
                 self._idle_timer.cancel()
             self._stop_pool(why=why)
+            self._release_preempted()
+
+    # preemption -----------------------------------------------------------------------
+
+    def _on_notice(self, part: Burst, notice: dict) -> None:
+        """The lease's thread saw a preemption notice for ``part``: remember it, and act at
+        its time even if no cell runs then."""
+        self._notice = Notice(part, notice.get("reason") or "preempted", parse_due(notice.get("due")))
+        self._arm_notice_timer(self._notice)
+
+    def _arm_notice_timer(self, n: Notice, delay: float | None = None) -> None:
+        if delay is None:
+            delay = max(0.0, self._act_at(n) - time.time())
+        t = threading.Timer(delay, self._act_on_notice, args=(n,))
+        t.daemon = True
+        t.start()
+
+    def _act_at(self, n: Notice) -> float:
+        """When the pool saves and stops: ``preempt_save_seconds`` before the due time with
+        autosave (so that the save is done before it), else at the due time."""
+        return n.due - (self.preempt_save_seconds if self.autosave else 0.0)
+
+    def _current_notice(self) -> Notice | None:
+        """The notice for the pool's burst, if any; a burst whose renewal was refused as
+        preempted before any notice was seen counts as one due now."""
+        b = self._burst
+        if b is None:
+            return None
+        n = self._notice
+        if n is not None and any(n.part is p for p in b.parts):
+            return n
+        for p in b.parts:
+            if p.lost and (p.preemption or "preempted" in p.reason):
+                got = p.preemption or {}
+                self._notice = Notice(p, got.get("reason") or p.reason, parse_due(got.get("due")))
+                return self._notice
+        return None
+
+    def _notice_text(self, n: Notice) -> str:
+        left = max(0, n.due - time.time())
+        head = (
+            f"gpuhub: NOTICE: {n.part.borrowed} borrowed GPU(s) of this pool (allocation #{n.part.id}) "
+            f"are taken back at {n.due_text} (in {left:.0f} s): {n.reason}."
+        )
+        if self.autosave:
+            at = max(time.time(), self._act_at(n))
+            when = datetime.fromtimestamp(at, UTC).strftime("%H:%M:%S UTC")
+            tail = (
+                f"A pool cannot go on without some of its ranks: at {when} a running cell is "
+                f"interrupted, {_names(self.autosave)} autosaved to {self.autosave_dir}, and the "
+                "engines stopped."
+            )
+        else:
+            tail = (
+                f"At {n.due_text} the engines stop and their variables are lost (this pool has no "
+                "--autosave): run %distributed save NAME... before then to keep them."
+            )
+        return f"{head}\n{tail}"
+
+    def _tick(self) -> None:
+        """Called in the running cell's loop: shows a notice that came during the cell, and
+        interrupts the cell once its time to save and stop has come."""
+        n = self._current_notice()
+        if n is None or n.acted:
+            return
+        if not n.shown:
+            n.shown = True
+            say(self._notice_text(n), err=True)
+        if time.time() >= self._act_at(n):
+            n.interrupted = True
+            what = f"save {_names(self.autosave)}" if self.autosave else "stop the engines"
+            say(f"gpuhub: interrupting the cell to {what} before the borrowed GPUs are taken back.", err=True)
+            raise PreemptNow()
+
+    def _act_on_notice(self, n: Notice) -> None:
+        """The notice's timer: with no cell running, save and stop the pool at its time."""
+        with self.lock:
+            if n.acted or self._current_notice() is not n:
+                return
+            if self.busy or time.time() < self._act_at(n):  # a cell's _tick acts; or autosave changed
+                self._arm_notice_timer(n, min(1.0, max(0.05, self._act_at(n) - time.time())))
+                return
+            text = self._preempt_stop(n)
+            self._preempt_report = text
+        say(text, err=True)
+
+    def _preempt_stop(self, n: Notice) -> str:
+        """Save (with autosave), stop the engines, release what is within the limit now and
+        the preempted part at its due time (so that the hub records it as preempted); the
+        report of what was kept and what was lost. Called under ``self.lock``."""
+        n.acted = True
+        pool, burst = self.pool, self._burst
+        names, where = list(self.autosave), self.autosave_dir
+        defined = self._user_names() if pool is not None and pool.view is not None else None
+        saved: Saved | None = None
+        problem = None
+        if pool is not None and names:
+            try:
+                saved = self._save_before_stop("preempt")
+            except BaseException as e:  # never keeps the engines running past the due time
+                problem = str(e)
+        self.autosave = []  # saved above: the stop below does not try again
+        parts = burst.parts if burst is not None else []
+        if pool is not None:
+            self._stop_pool(release=False, why="preempt")
+        self._set_burst(None)
+        now = [p for p in parts if not p.preemption and not p.lost]
+        for p in now:
+            p.release()
+        later = [p for p in parts if p not in now]
+        self._releasing += later
+        delay = max(0.0, n.due - time.time()) + 0.5
+        t = threading.Timer(delay, self._release_preempted)
+        t.daemon = True
+        t.start()
+
+        lines = [
+            f"gpuhub: the pool's {n.part.borrowed} borrowed GPU(s) (allocation #{n.part.id}) are taken "
+            f"back at {n.due_text}: {n.reason}."
+        ]
+        kept = [f["name"] for f in saved.files] if saved else []
+        if saved:
+            lines.append(f"Kept: {_names(kept)}, saved from rank {saved.rank} before the due time:")
+            lines += [f"  {f['name']}: {f['path']}" for f in saved.files]
+        elif names:
+            lines.append(f"Not saved: the autosave of {_names(names)} failed: {problem or 'nothing to save'}")
+        else:
+            lines.append("Nothing was saved: this pool had no --autosave.")
+        others = [x for x in (defined or []) if x not in kept]
+        if defined is None:
+            lines.append("Lost: every variable of the ranks" + (" not saved above." if kept else "."))
+        else:
+            lines.append(f"Lost: the ranks' other variables: {_names(others)}.")
+        if n.interrupted:
+            lines.append("The running cell was interrupted (its work up to then is in what was saved).")
+        held = ", ".join(f"#{p.id}" for p in now)
+        lines.append(
+            "The engines were stopped"
+            + (f"; allocation {held} (within your limit) was released" if held else "")
+            + "; the borrowed GPUs go back at "
+            + f"{n.due_text}."
+        )
+        if kept:
+            lines.append(
+                "To go on: start a pool within your limit, re-run the cells that define "
+                f"{_names(kept)}, then %distributed restore {' '.join(kept)} --dir {where}"
+            )
+        else:
+            lines.append(
+                "Next time start the pool with --autosave NAME... (saved by itself before such a "
+                "stop), or run %distributed save NAME... when a notice comes."
+            )
+        return "\n".join(lines)
+
+    def _release_preempted(self) -> None:
+        """Give back the preempted parts (at their due time, or at shutdown)."""
+        while self._releasing:
+            self._releasing.pop().release()
+
+    def _before_cell(self) -> None:
+        """At the start of a cell: a preemption that stopped the idle pool is reported (and the
+        cell does not run on new engines unasked); a pending notice is shown; one whose time
+        has come is acted on now."""
+        if self._preempt_report:
+            text, self._preempt_report = self._preempt_report, None
+            raise DistributedPreempted(f"{text}\n{NOT_RUN}")
+        with self.lock:
+            n = self._current_notice()
+            if n is None or n.acted:
+                return
+            if time.time() >= self._act_at(n):
+                text = self._preempt_stop(n)
+                raise DistributedPreempted(f"{text}\n{NOT_RUN}")
+        n.shown = True
+        say(self._notice_text(n), err=True)
 
     # the magic ------------------------------------------------------------------------
 
@@ -571,17 +857,26 @@ class DistributedMagics(CheckpointCommands, Magics):
                 "this server runs every engine on its own machine: --nodes 1 only (multi-node "
                 "%%distributed needs the Slurm backend)"
             )
+        self._before_cell()  # a preemption notice, or the report of one that stopped the pool
         pool = self._ensure_pool(args)  # marks the pool busy
         self._set_autosave(args.autosave, args.dir, quiet=True)  # remembered for this pool
         self._hook_exit()  # a new pool: the kernel-exit autosave goes after its own exit hook
         try:
             targets = parse_targets(args.targets, pool.size) if args.targets else None
             grace = min(args.timeout or self.timeout, 30)
-            outcome = pool.run(cell, output=args.output, grace=grace, ranks=targets)
+            outcome = pool.run(cell, output=args.output, grace=grace, ranks=targets, tick=self._tick)
         finally:
             with self.lock:
                 self.busy -= 1
                 self._touch()
+        with self.lock:
+            n = self._current_notice()
+            if n is not None and not n.acted and (n.interrupted or time.time() >= self._act_at(n)):
+                ranks = report(outcome, pool) if outcome.failed and not outcome.interrupted else ""
+                text = self._preempt_stop(n)
+                raise DistributedPreempted("\n".join(filter(None, [ranks, text]))) from None
+            if n is not None:
+                n.shown = False  # the next cell shows it again
         if outcome.interrupted:
             raise DistributedInterrupt(report(outcome, pool)) from None
         if outcome.failed:
@@ -602,12 +897,22 @@ class DistributedMagics(CheckpointCommands, Magics):
             for spec, info in zip(self.pool.specs, self.pool.infos, strict=False):
                 lines.append(f"rank {spec.rank}: GPU {spec.slot.label}, pid {info['pid']}, {info['backend']}")
         if self.burst:
-            expires = self.lease.expires if self.lease else self.burst.get("lease_expires")
-            lines.append(
-                f"burst allocation #{self.burst['id']}: {_burst_size(self.burst)} GPUs"
-                + (f" (Slurm job {self.burst['backend_job_id']})" if self.burst.get("backend_job_id") else "")
-                + f", lease until {expires}"
-            )
+            for part in self._burst.parts if self._burst is not None else []:
+                a = part.allocation
+                borrowed = (
+                    f", {part.borrowed} borrowed beyond your limit (may be taken back with notice)"
+                    if part.borrowed
+                    else ""
+                )
+                lines.append(
+                    f"burst allocation #{a['id']}: {_burst_size(a)} GPUs"
+                    + (f" (Slurm job {a['backend_job_id']})" if a.get("backend_job_id") else "")
+                    + borrowed
+                    + f", lease until {part.expires}"
+                )
+        n = self._current_notice()
+        if n is not None and not n.acted:
+            lines.append(self._notice_text(n).replace("gpuhub: ", "", 1))
         if self._autosave_text():
             lines.append(self._autosave_text())
         return "\n".join(lines)

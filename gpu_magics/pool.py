@@ -180,7 +180,9 @@ class EnginePool:
         self.engine_ids = sorted(self.client.ids)[:n]
         envs, kernel_pid = self.launcher.ranks(self, timeout)  # and the engines' rank order
         if self.report_allocation:  # a burst's engines report their GPUs' use themselves
-            envs = [dict(env, GPUHUB_REPORT_ALLOCATION=str(self.report_allocation)) for env in envs]
+            ids = self.report_allocation  # one allocation, or each rank's (a split burst)
+            ids = [ids] * len(envs) if isinstance(ids, int) else list(ids)
+            envs = [dict(env, GPUHUB_REPORT_ALLOCATION=str(ids[int(env["RANK"])])) for env in envs]
         envs, rendezvous = self._open_rendezvous(envs, timeout)
         setups = [
             self.client[eid].apply_async(
@@ -238,13 +240,23 @@ class EnginePool:
     # running a cell ---------------------------------------------------------------------
 
     def run(
-        self, code: str, *, output: str = "all", grace: float = 10.0, ranks: list[int] | None = None
+        self,
+        code: str,
+        *,
+        output: str = "all",
+        grace: float = 10.0,
+        ranks: list[int] | None = None,
+        tick: Callable[[], None] | None = None,
     ) -> CellOutcome:
         """Run ``code`` on the ranks. After a rank fails, the others get ``grace`` seconds, then
         SIGINT; after an interrupt every rank gets SIGINT. A rank still running ``FREE_AFTER``
         seconds later is stuck (in a collective): SIGUSR1 frees it (``recovery``); only one
         still running ``KILL_AFTER`` seconds after that is killed, and only a lost process costs
-        state. A failed or interrupted cell then settles the process group (``settle``)."""
+        state. A failed or interrupted cell then settles the process group (``settle``).
+
+        ``tick()`` is called in this thread every 0.1 s while the cell runs (it may print into
+        the cell's output); a KeyboardInterrupt it raises interrupts the cell as the stop
+        button does (every rank keeps its state)."""
         targets = ranks if ranks is not None else list(range(self.size))
         gone = self._gone(targets)
         if gone:  # killed between cells: the cell cannot run, the pool cannot go on
@@ -259,6 +271,8 @@ class EnginePool:
             while True:
                 ar.wait(0.1)
                 stream.feed(ar.metadata)
+                if tick is not None:
+                    tick()
                 done = [md["status"] is not None for md in ar.metadata]
                 if all(done):
                     break

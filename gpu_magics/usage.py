@@ -1,5 +1,6 @@
 """What ``%gpus`` says about the use of the user's GPUs: the latest reading of each and
-any idle warning, from the broker's ``me`` and ``utilization`` answers (pure)."""
+any idle warning, which allocations hold borrowed GPUs and any notice that they are taken
+back, from the broker's ``me`` and ``utilization`` answers (pure)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def describe_use(me: dict, grid: dict) -> str:
     readings = {(g["node"], g["index"]): g for g in grid.get("gpus", [])}
     for a in me.get("allocations", []):
         what = "server" if a["purpose"] == "server" else "burst"
+        if a.get("borrowed"):
+            what += f", {a['borrowed']} borrowed"
         for g in a.get("gpus", []):
             r = readings.get((g["node"], g["index"]), {})
             if r.get("utilization") is None:
@@ -31,6 +34,12 @@ def describe_use(me: dict, grid: dict) -> str:
                 else "its owner is warned only (servers are not stopped here)."
             )
             lines.append(f"  WARNING: allocation #{a['id']}: {idle.get('reason')}; {tail}")
+        notice = a.get("preemption")
+        if notice:
+            lines.append(
+                f"  NOTICE: allocation #{a['id']}: its {a.get('borrowed') or ''} borrowed GPU(s) are "
+                f"taken back at {notice['due']}: {notice['reason']}."
+            )
     for r in me.get("reclaimed", []):
         name = f" {r['server_name']!r}" if r.get("server_name") else ""
         lines.append(f"  Your server{name} was reclaimed at {r['created']}: {r['reason']}.")

@@ -142,7 +142,7 @@ class FakeBroker:
         self.next_id = 10
         self.free = [("n", 2), ("n", 3)]
 
-    def request(self, gpus, nodes, gpus_per_node, lease_seconds, node=None):
+    def request(self, gpus, nodes, gpus_per_node, lease_seconds, node=None, wait=False):
         self.calls.append(("request", gpus, nodes, node))
         if callable(self.refuse):
             err = self.refuse(gpus)

@@ -1,0 +1,153 @@
+"""A borrowed burst taken back from a running `%%distributed --autosave` pool, end to end: a real
+hub and proxy with 4 simulated GPUs, a real kernel (outside any server: every GPU of its pool
+is a burst), real engines (gloo on CPU), a real spawn that waits for the GPUs.
+
+alice (limit 2, may borrow 2) runs a 4-rank pool on a quiet hub: it is held as two bursts, 2
+GPUs within her limit and 2 borrowed. bob's in-limit spawn of 2 then waits; the broker gives
+notice to the borrowed burst only; alice's running training cell shows the notice, is
+interrupted, saves `model` before the due time, stops its engines and releases both bursts (the
+borrowed one recorded as preempted, the in-limit one as released by its owner); bob's server
+starts; `%distributed restore model` in a new 2-rank pool gives exactly the saved parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spawner.ledger import Ledger
+
+from .hubtools import Hub, wait_for
+from .kerneltools import BrokerKernel
+from .test_checkpoint import DIGEST
+
+pytestmark = pytest.mark.hub
+
+CONFIG = """
+c.GpuHub.default_limit = 2
+c.GpuHub.group_limits = {}
+c.GpuHub.user_limits = {}  # the demo's alice may have 3
+c.GpuHub.default_borrow = 2
+c.GpuHub.preempt_grace_seconds = 20
+c.GpuHub.queue_keepalive_seconds = 20
+"""
+
+DEFINE = """%%distributed --gpus 4 --timeout 30 --autosave model --dir {dir}
+import time
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+""" + DIGEST.replace("{", "{{").replace("}", "}}")
+
+# trains until something stops it (at most 240 s: without a preemption the cell just ends)
+TRAIN = """%%distributed --gpus 4 --timeout 30
+g = torch.Generator().manual_seed(rank)
+X = torch.randn(64, 8, generator=g)
+y = X.sum(dim=1, keepdim=True)
+if rank == 0:
+    print("TRAINING", flush=True)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 240:
+    opt.zero_grad()
+    ((model(X) - y) ** 2).mean().backward()
+    opt.step()
+    time.sleep(0.02)
+"""
+
+RESTORE = """%%distributed --gpus 2 --timeout 30
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(1)  # other parameters than the saved ones, until restored
+model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+""" + DIGEST.replace("{", "{{").replace("}", "}}")
+
+PRINT = """%%distributed --gpus 2 --timeout 30
+prints = [None] * world_size
+dist.all_gather_object(prints, digest(model.module.state_dict()))
+if rank == 0:
+    print("DIGESTS", prints)
+"""
+
+
+def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tmp_path):
+    hub = Hub(tmp_path, extra_config=CONFIG).start()
+    ledger = Ledger(hub.ledger_url)
+    kernel = None
+    ckpt = tmp_path / "ckpt"
+    try:
+        hub.wait_for_broker()
+        kernel = BrokerKernel(hub, tmp_path, "alice")
+        out = kernel.run("%config DistributedMagics.notice_check_seconds = 1")
+        assert out["status"] == "ok", out["text"]
+        out = kernel.run(DEFINE.format(dir=ckpt))
+        assert out["status"] == "ok", out["text"]
+
+        # two bursts: 2 GPUs within alice's limit, 2 borrowed beyond it
+        held = sorted(ledger.active(user="alice"), key=lambda a: a.borrowed or 0)
+        assert [(len(a.gpus), a.borrowed or 0, a.purpose) for a in held] == [
+            (2, 0, "distributed"),
+            (2, 2, "distributed"),
+        ]
+        in_limit, borrowed = held
+        out = kernel.run("%gpus")
+        assert f"burst allocation #{borrowed.id}: 2 GPUs, 2 borrowed beyond your limit" in out["text"]
+        assert f"burst allocation #{in_limit.id}: 2 GPUs, lease" in out["text"]
+
+        spawned = {}
+
+        def bob_asks():  # while alice's cell trains: bob's in-limit spawn waits for her GPUs
+            spawned["status"] = hub.spawn("bob", {"gpus": 2}).status_code
+            spawned["line"] = hub.wait_progress("bob", "waiting for 2 GPUs")
+
+        out = kernel.run(TRAIN, interrupt_when="TRAINING", then=bob_asks, timeout=240)
+        text = out["text"]
+        assert spawned["status"] == 202 and "waiting for 2 GPUs" in spawned["line"], spawned
+        # the notice, in the running cell's output
+        assert f"NOTICE: 2 borrowed GPU(s) of this pool (allocation #{borrowed.id})" in text, text
+        assert "interrupting the cell to save model before the borrowed GPUs are taken back" in text
+        assert "autosaved before the borrowed GPUs are taken back from rank 0" in text
+        assert out["status"] == "error" and out["ename"] == "Preempted", text
+        assert f"Kept: model, saved from rank 0 before the due time:\n  model: {ckpt / 'model.pt'}" in text
+        assert "Lost: the ranks' other variables: " in text and "opt" in text.split("Lost:")[1]
+        assert "The running cell was interrupted" in text
+        assert f"allocation #{in_limit.id} (within your limit) was released" in text
+        assert f"%distributed restore model --dir {ckpt}" in text
+        assert "TRAINING" in text and "Traceback" not in text
+
+        # only the borrowed allocation was preempted; the in-limit one was released by alice
+        [p] = ledger.preemptions(user="alice")
+        assert p.allocation_id == borrowed.id and p.borrowed == 2 and p.for_user == "bob"
+        wait_for(lambda: not ledger.active(user="alice"), 60, "alice's bursts to end")
+        assert ledger.get(borrowed.id).end_reason.startswith("preempted: 2 borrowed GPU(s) taken back")
+        assert ledger.get(borrowed.id).end_reason == p.reason
+        assert not ledger.get(in_limit.id).end_reason.startswith("preempted")
+
+        # saved within the grace period: the checkpoint was written before the due time
+        saved = torch.load(ckpt / "model.pt", weights_only=True)
+        assert saved["name"] == "model" and saved["kind"] == "ddp" and saved["world_size"] == 4
+        assert saved["saved"] < p.due.timestamp()
+
+        # bob's spawn starts on the freed GPUs
+        hub.wait_ready("bob")
+        bobs = {(g.node, g.index) for a in ledger.active(user="bob") for g in a.gpus}
+        assert bobs and bobs <= {(g.node, g.index) for g in borrowed.gpus + in_limit.gpus}
+
+        # a new pool within alice's limit gets exactly the saved parameters back
+        out = kernel.run(RESTORE)
+        assert out["status"] == "ok", out["text"]
+        out = kernel.run(f"%distributed restore model --dir {ckpt}")
+        assert out["status"] == "ok" and "restored into 2 ranks" in out["text"], out["text"]
+        out = kernel.run(PRINT)
+        assert out["status"] == "ok", out["text"]
+        [line] = [ln for ln in out["text"].splitlines() if "DIGESTS" in ln]
+        scope: dict = {"torch": torch}
+        exec(DIGEST, scope)
+        want = scope["digest"](saved["state"])
+        assert eval(line.split("DIGESTS", 1)[1]) == [want, want]
+    finally:
+        if kernel is not None:
+            kernel.close()
+        ledger.close()
+        hub.stop()
