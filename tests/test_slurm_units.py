@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+from traitlets.config import Config
 
 from spawner.ledger import AllocationInfo, Ledger
 from spawner.policy import EffectiveLimit, Gpu, Limit, LimitRules
@@ -635,9 +636,14 @@ def test_plan_launch_refuses_an_uneven_split_and_the_engines_job_drops_the_serve
 
 def test_queue_positions_by_priority_then_age_per_partition():
     Q = jobs.QueuedJob
-    queue = [Q("30", ("gpu",), 100), Q("31", ("gpu",), 500), Q("32", ("gpu",), 100),
-             Q("33", ("interactive",), 1), Q("34", ("gpu", "interactive"), 900),
-             Q("35", ("gpu",), 0)]  # fmt: skip  (35: held, competes for nothing)
+    queue = [
+        Q("30", ("gpu",), 100),
+        Q("31", ("gpu",), 500),
+        Q("32", ("gpu",), 100),
+        Q("33", ("interactive",), 1),
+        Q("34", ("gpu", "interactive"), 900),
+        Q("35", ("gpu",), 0),
+    ]  # fmt: skip  (35: held, competes for nothing)
     assert jobs.queue_positions(queue, {"30", "32", "33", "35", "99"}) == {
         "30": (3, 4, "gpu"),  # behind 34 (900) and 31 (500); older than 32 at the same priority
         "32": (4, 4, "gpu"),
@@ -650,3 +656,202 @@ def test_queue_positions_by_priority_then_age_per_partition():
     )
     assert [jobs._ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th"]  # fmt: skip
+
+
+# borrowing: the borrow QOS, the jobs' QOS, the engines' save at preemption -------------------
+
+QOS_TEXT = (
+    "normal|gpuhub-borrow|cluster|00:00:00|||DenyOnLimit\n"
+    "gpuhub-borrow||cancel|00:00:05|gres/gpu=3|gres/gpu=8|DenyOnLimit\n"
+    "odd|a,b|requeue|1-00:00:01|cpu=2,gres/gpu=1||\n"
+    "short|line\n"
+)
+
+
+def test_parse_qos():
+    got = accounting.parse_qos(QOS_TEXT)
+    assert got == {
+        "normal": accounting.Qos("normal", ("gpuhub-borrow",), "cluster", 0, -1, -1, ("DenyOnLimit",)),
+        "gpuhub-borrow": accounting.Qos("gpuhub-borrow", (), "cancel", 5, 3, 8, ("DenyOnLimit",)),
+        "odd": accounting.Qos("odd", ("a", "b"), "requeue", 86401, 1, -1, ()),
+    }
+
+
+@pytest.mark.parametrize("text, want", [
+    ("00:00:05", 5), ("00:05:00", 300), ("1-00:00:01", 86401), ("05", 5), ("1:02", 62),
+    ("x", None), ("1-x", None), ("a-00:00:01", None), ("1:2:3:4", None),
+])  # fmt: skip
+def test_slurm_seconds(text, want):
+    assert accounting.slurm_seconds(text) == want
+
+
+@pytest.mark.parametrize("limits, allowances, want", [
+    ({"a": 2, "b": 4}, {"a": 2}, 4),
+    ({"a": 2, "b": 4}, {"a": 2, "b": 1}, 5),
+    ({"a": 2}, {}, 0),  # nobody may borrow
+    ({"a": None}, {"a": 3}, 0),  # unlimited users never borrow
+    ({"a": 0}, {"a": 1}, 1),
+])  # fmt: skip
+def test_borrow_ceiling(limits, allowances, want):
+    assert accounting.borrow_ceiling({u: eff(n) for u, n in limits.items()}, allowances) == want
+
+
+BORROW = dict(
+    name="gpuhub-borrow", preemptor="normal", account="gpuhub", grace_seconds=5, per_user=3, total_gpus=8
+)
+MODIFY_QOS = "sacctmgr -i modify qos where name=gpuhub-borrow set".split()
+
+
+@pytest.mark.parametrize("changes, account_qos, want", [
+    ({}, ["normal", "gpuhub-borrow"], []),  # as wanted: nothing
+    ({"grace_seconds": 4.2}, ["gpuhub-borrow"], []),  # rounded up: 5 s, as written
+    ({"grace_seconds": 120}, ["gpuhub-borrow"], [[*MODIFY_QOS, "GraceTime=120"]]),
+    ({"per_user": 5, "total_gpus": 16}, ["gpuhub-borrow"],
+     [[*MODIFY_QOS, "MaxTRESPerUser=gres/gpu=5", "GrpTRES=gres/gpu=16"]]),
+    ({}, ["normal"], [["sacctmgr", "-i", "modify", "account", "where", "name=gpuhub", "set", "QOS+=gpuhub-borrow"]]),
+    ({}, None, [["sacctmgr", "-i", "modify", "account", "where", "name=gpuhub", "set", "QOS+=gpuhub-borrow"]]),
+    ({"preemptor": "high"}, ["gpuhub-borrow"],
+     [["sacctmgr", "-i", "modify", "qos", "where", "name=high", "set", "Preempt+=gpuhub-borrow"]]),
+])  # fmt: skip
+def test_borrow_qos_plan_changes_only_what_differs(changes, account_qos, want):
+    qos = accounting.parse_qos(QOS_TEXT)
+    assert accounting.borrow_qos_plan(qos, **{**BORROW, **changes}, account_qos=account_qos) == want
+
+
+def test_borrow_qos_plan_from_nothing():
+    assert accounting.borrow_qos_plan({}, **BORROW, account_qos=[]) == [
+        ["sacctmgr", "-i", "add", "qos", "gpuhub-borrow"],
+        [*MODIFY_QOS, "PreemptMode=cancel", "GraceTime=5", "MaxTRESPerUser=gres/gpu=3",
+         "GrpTRES=gres/gpu=8", "Flags=DenyOnLimit"],
+        ["sacctmgr", "-i", "modify", "qos", "where", "name=normal", "set", "Preempt+=gpuhub-borrow"],
+        ["sacctmgr", "-i", "modify", "account", "where", "name=gpuhub", "set", "QOS+=gpuhub-borrow"],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"name": "a,b"}, "QOS name"),
+    ({"preemptor": "-x"}, "starts with '-'"),
+    ({"preemptor": "gpuhub-borrow"}, "cannot be the QOS that preempts it"),
+    ({"grace_seconds": -1}, "GraceTime must be 0 or more"),
+    ({"grace_seconds": float("nan")}, "GraceTime must be 0 or more"),
+])  # fmt: skip
+def test_borrow_qos_plan_refuses(changes, words):
+    with pytest.raises(SlurmError) as e:
+        accounting.borrow_qos_plan({}, **{**BORROW, **changes}, account_qos=[])
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "borrowed, qos, want", [(0, "gpuhub-borrow", ""), (1, "gpuhub-borrow", "gpuhub-borrow"), (2, "", "")]
+)
+def test_job_qos(borrowed, qos, want):
+    assert accounting.job_qos(borrowed, qos) == want
+
+
+def test_sync_writes_the_borrow_qos_only_when_someone_may_borrow(monkeypatch):
+    class Ledger:
+        def effective_limits(self, users=None):
+            return {"alice": eff(2)}
+
+        def known_groups(self, users):
+            return {u: [] for u in users}
+
+        def gpu_table(self):
+            return [type("G", (), {"present": True})()] * 4
+
+    for borrow, wanted in ((0, False), (1, True)):
+        config = Config()
+        config.GpuHub.user_borrow = {"alice": borrow}
+        config.GpuHub.preempt_grace_seconds = 7.5
+        acc = accounting.SlurmAccounting(enabled=True, config=config)
+        ran = []
+        monkeypatch.setattr(acc, "_run", lambda argv, ran=ran: ran.append(argv) or "")
+        acc.sync(Ledger())
+        modify = [
+            a for a in ran if a[:4] == ["sacctmgr", "-i", "modify", "qos"] and "name=gpuhub-borrow" in a
+        ]
+        assert bool(modify) == wanted
+        if wanted:
+            assert (
+                "GraceTime=8" in modify[0]
+                and "MaxTRESPerUser=gres/gpu=3" in modify[0]
+                and "GrpTRES=gres/gpu=4" in modify[0]
+            )
+
+
+def test_a_borrowed_server_is_submitted_under_the_borrow_qos():
+    from spawner import form
+    from spawner.slurm.spawner import GpuSlurmSpawner, submitted_message
+
+    sp = GpuSlurmSpawner(config=Config())
+    opts = form.GpuOptions(count=2, model=None, partition="gpu")
+    text = sp.script_for(
+        "alice", "/home/alice", ["PATH"], ["jupyterhub-singleuser"], opts, "gpu", "gpuhub-borrow"
+    )
+    assert "#SBATCH --qos=gpuhub-borrow\n" in text
+    assert "--qos" not in sp.script_for("alice", "/home/alice", ["PATH"], ["x"], opts, "gpu")
+    assert submitted_message("7", 0, "", 300) == "Submitted to Slurm as job 7"
+    assert submitted_message("7", 1, "gpuhub-borrow", 300) == (
+        "Submitted to Slurm as job 7 (preemptible: 1 GPU borrowed beyond your limit, Slurm QOS "
+        "gpuhub-borrow; when a job within its limit needs the GPUs, Slurm ends this server after 300 s)"
+    )
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"GPUHUB_AUTOSAVE_NAMES": "model opt", "GPUHUB_AUTOSAVE_DIR": "/d"}, (["model", "opt"], "/d")),
+    ({"GPUHUB_AUTOSAVE_NAMES": "model 1x", "GPUHUB_AUTOSAVE_DIR": "/d"}, (["model"], "/d")),
+    ({"GPUHUB_AUTOSAVE_NAMES": "", "GPUHUB_AUTOSAVE_DIR": "/d"}, None),
+    ({"GPUHUB_AUTOSAVE_NAMES": "model", "GPUHUB_AUTOSAVE_DIR": "rel"}, None),
+    ({}, None),
+])  # fmt: skip
+def test_autosave_request(env, want):
+    from gpu_magics.enginemain import autosave_request
+
+    assert autosave_request(env) == want
+
+
+def test_the_engines_job_carries_qos_and_autosave():
+    from gpu_magics.slurmengines import SlurmLauncher, autosave_env
+
+    assert autosave_env(None) == {"GPUHUB_AUTOSAVE_NAMES": "", "GPUHUB_AUTOSAVE_DIR": ""}
+    launcher = SlurmLauncher("job", 1, 2, "/home/alice", "gpu", "gpuhub")
+    launcher.borrow_qos = "gpuhub-borrow"
+    assert "--qos" not in launcher.job_script(["python"])
+    launcher.borrowed, launcher.autosave = 1, (["model"], "/ck")
+    assert "#SBATCH --qos=gpuhub-borrow\n" in launcher.job_script(["python"])
+    env = launcher.job_environ({"SLURM_JOB_ID": "3", "GPUHUB_AUTOSAVE_NAMES": "stale", "PATH": "/bin"})
+    assert env == {"PATH": "/bin", "GPUHUB_AUTOSAVE_NAMES": "model", "GPUHUB_AUTOSAVE_DIR": "/ck"}
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"RANK": "1", "WORLD_SIZE": "4", "SLURM_PROCID": "0"}, (1, 4)),
+    ({"SLURM_PROCID": "2", "SLURM_NTASKS": "3"}, (2, 3)),
+    ({}, (0, 1)),
+])  # fmt: skip
+def test_preempt_rank(env, want):
+    from gpu_magics.checkpoint_engine import preempt_rank
+
+    assert preempt_rank(env) == want
+
+
+def test_the_sigterm_handler_saves_once_from_rank_0_and_ends(tmp_path):
+    import torch
+
+    from gpu_magics.enginemain import on_sigterm
+    from gpu_magics.slurmengines import preemption_report
+
+    exits = []
+    ns = {"w": torch.ones(2)}
+    os.environ.update(SLURM_JOB_ID="55", SLURM_PROCID="0")
+    try:
+        handler = on_sigterm(["w", "gone"], str(tmp_path), lambda: ns, exit=exits.append)
+        handler(15, None)
+        handler(15, None)  # srun forwards the signal too
+    finally:
+        del os.environ["SLURM_JOB_ID"], os.environ["SLURM_PROCID"]
+    assert exits == [0]
+    assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["state"], torch.ones(2))
+    assert preemption_report(str(tmp_path), "55") == (
+        f"gpuhub: engine rank 0 preempted by Slurm (job 55): saved w to {tmp_path}; not defined: gone"
+    )
+    assert preemption_report(str(tmp_path), "56") is None
