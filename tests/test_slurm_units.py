@@ -700,6 +700,7 @@ BORROW = dict(
     name="gpuhub-borrow", preemptor="normal", account="gpuhub", grace_seconds=5, per_user=3, total_gpus=8
 )
 MODIFY_QOS = "sacctmgr -i modify qos where name=gpuhub-borrow set".split()
+ADD_TO_ACCOUNT = "sacctmgr -i modify account where name=gpuhub set QOS+=gpuhub-borrow".split()
 
 
 @pytest.mark.parametrize("changes, account_qos, want", [
@@ -708,8 +709,8 @@ MODIFY_QOS = "sacctmgr -i modify qos where name=gpuhub-borrow set".split()
     ({"grace_seconds": 120}, ["gpuhub-borrow"], [[*MODIFY_QOS, "GraceTime=120"]]),
     ({"per_user": 5, "total_gpus": 16}, ["gpuhub-borrow"],
      [[*MODIFY_QOS, "MaxTRESPerUser=gres/gpu=5", "GrpTRES=gres/gpu=16"]]),
-    ({}, ["normal"], [["sacctmgr", "-i", "modify", "account", "where", "name=gpuhub", "set", "QOS+=gpuhub-borrow"]]),
-    ({}, None, [["sacctmgr", "-i", "modify", "account", "where", "name=gpuhub", "set", "QOS+=gpuhub-borrow"]]),
+    ({}, ["normal"], [ADD_TO_ACCOUNT]),
+    ({}, None, [ADD_TO_ACCOUNT]),
     ({"preemptor": "high"}, ["gpuhub-borrow"],
      [["sacctmgr", "-i", "modify", "qos", "where", "name=high", "set", "Preempt+=gpuhub-borrow"]]),
 ])  # fmt: skip
