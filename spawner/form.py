@@ -114,19 +114,92 @@ def _allowance_text(a: Allowance) -> str:
     )
 
 
+def in_words(seconds: float) -> str:
+    """A notice period in words: "5 seconds", "1 minute", "2.5 hours"."""
+
+    def unit(n: float, name: str) -> str:
+        shown = f"{n:.1f}".rstrip("0").rstrip(".")
+        return f"{shown} {name}{'' if shown == '1' else 's'}"
+
+    if seconds < 120:
+        return unit(seconds, "second")
+    if seconds < 2 * 3600:
+        return unit(seconds / 60, "minute")
+    return unit(seconds / 3600, "hour")
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU{'' if n == 1 else 's'}"
+
+
+def borrow_text(a: Allowance, grace_seconds: float | None) -> str:
+    """What the form says about borrowing beyond the limit ("" without an allowance)."""
+    if not a.borrow_allowance or a.effective.limit.max_gpus is None:
+        return ""
+    if grace_seconds is None:
+        notice = "with notice"
+    elif grace_seconds <= 0:
+        notice = "without notice"
+    else:
+        words = in_words(grace_seconds)
+        notice = f"with {words}{chr(39) if words.endswith('s') else chr(39) + 's'} notice"
+    taken_back = (
+        " Borrowed GPUs can be taken back when a request within its limit needs them, "
+        f'<span data-gpuhub="preempt-notice">{notice}</span>: the server is then stopped '
+        "(your files stay)."
+    )
+    lim = a.effective.limit
+    if a.may_borrow_now > 0:
+        return (
+            '<span data-gpuhub="borrow" data-why="free">You may also borrow '
+            f'<span data-gpuhub="may-borrow">{a.may_borrow_now}</span> '
+            f"GPU{'' if a.may_borrow_now == 1 else 's'} beyond your limit right now, up to "
+            f'<span data-gpuhub="most">{a.fits + a.may_borrow_now}</span> for this server '
+            f"(your borrowing allowance is {_gpus(a.borrow_allowance)}; GPUs are lent while they "
+            f"are free and nobody waits).{taken_back}</span>"
+        )
+    if a.waiting:
+        why, reason = (
+            "waiting",
+            (
+                f"{a.waiting} request{' waits' if a.waiting == 1 else 's wait'} for GPUs, and GPUs are "
+                "lent beyond a limit only while nobody waits"
+            ),
+        )
+    elif a.borrowed >= a.borrow_allowance:
+        why, reason = "allowance", f"you already borrow {_gpus(a.borrowed)}, all of your borrowing allowance"
+    elif lim.gpu_hours is not None and a.gpu_hours >= lim.gpu_hours:
+        why, reason = "quota", "your GPU-hours for this period are used up"
+    elif a.free == 0:
+        why, reason = "none_free", "no GPU is free"
+    else:
+        why, reason = "none_free", "no GPU is free beyond what your limit leaves you"
+    return (
+        f'<span data-gpuhub="borrow" data-why="{why}">You may borrow up to '
+        f"{_gpus(a.borrow_allowance)} beyond your limit, but "
+        f'<span data-gpuhub="may-borrow">0</span> now: {escape(reason)}.{taken_back}</span>'
+    )
+
+
 def render_form(
     allowance: Allowance,
     models: Sequence[str],
     default_gpus: int,
     partitions: Mapping[str, int] | None = None,
     default_partition: str = "",
+    grace_seconds: float | None = None,
 ) -> str:
     """The spawn form's HTML (Bootstrap 5 classes, as JupyterHub 5+ pages use).
 
     ``partitions`` (Slurm): partition name to GPUs free in it now; a request larger than
     what is free waits in the queue, so the count is capped by the limit only.
+
+    ``grace_seconds``: ``c.GpuHub.preempt_grace_seconds``, the notice borrowed GPUs are taken
+    back with (said in words when the user may borrow). The count has no ``max``: what the
+    limit and the borrowing allowance allow is the server's call, and its refusal says why.
     """
     value = min(default_gpus, allowance.fits)
+    borrow = borrow_text(allowance, grace_seconds)
     parts = [
         '<div class="mb-3" id="gpuhub-form">',
         '  <label for="gpuhub-gpus" class="form-label">GPUs</label>',
@@ -135,7 +208,8 @@ def render_form(
         '  <div class="form-text" id="gpuhub-gpus-help">',
         f'    <span data-gpuhub="free">{allowance.free}</span> of '
         f'<span data-gpuhub="total">{allowance.total}</span> GPUs are free now. '
-        + _allowance_text(allowance),
+        + _allowance_text(allowance)
+        + (" " + borrow if borrow else ""),
         "  </div>",
         "</div>",
     ]

@@ -100,3 +100,119 @@ def test_render_form_single_model_has_no_select_and_shows_quota():
     html = render_form(a, ["A100"], default_gpus=1)
     assert "<select" not in html
     assert "no limit (default)" in html and "2.5</span> of 10 GPU-hours" in html
+
+
+# ---- borrowing beyond the limit -----------------------------------------------------------
+
+
+def lender(**kw):
+    """alice: limit 1 (default), holding nothing, a borrowing allowance of 2, 4 GPUs free."""
+    base = dict(
+        effective=EffectiveLimit(Limit(max_gpus=1), "default"),
+        held=0,
+        gpu_hours=0.0,
+        may_take=1,
+        total=4,
+        free=4,
+        free_by_model={"A100": 4},
+        fits=1,
+        borrow_allowance=2,
+        borrowed=0,
+        waiting=0,
+        may_borrow_now=2,
+    )
+    return Allowance(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "facts, grace, shown",
+    [
+        # free GPUs, nobody waits: how many now, and how many in all for this server
+        (
+            {},
+            5,
+            [
+                'data-why="free"',
+                'You may also borrow <span data-gpuhub="may-borrow">2</span> GPUs beyond your limit',
+                'up to <span data-gpuhub="most">3</span> for this server',
+                "your borrowing allowance is 2 GPUs",
+                "with 5 seconds' notice",
+                "the server is then stopped",
+            ],
+        ),
+        (
+            {"may_borrow_now": 1, "free": 2, "fits": 1},
+            60,
+            ['<span data-gpuhub="may-borrow">1</span> GPU beyond', "with 60 seconds' notice"],
+        ),
+        ({}, 300, ["with 5 minutes' notice"]),
+        ({}, 60 * 60, ["with 60 minutes' notice"]),
+        ({}, 3 * 3600, ["with 3 hours' notice"]),
+        ({}, 1, ["with 1 second's notice"]),
+        ({}, 0, ["without notice"]),
+        ({}, None, ["with notice"]),
+        # why none can be borrowed now
+        (
+            {"may_borrow_now": 0, "waiting": 1, "free": 1},
+            5,
+            [
+                'data-why="waiting"',
+                'You may borrow up to 2 GPUs beyond your limit, but <span data-gpuhub="may-borrow">0</span>',
+                "1 request waits for GPUs, and GPUs are lent beyond a limit only while nobody waits",
+            ],
+        ),
+        ({"may_borrow_now": 0, "waiting": 3}, 5, ["3 requests wait for GPUs"]),
+        (
+            {"may_borrow_now": 0, "held": 3, "borrowed": 2, "may_take": 0, "fits": 0, "free": 1},
+            5,
+            ['data-why="allowance"', "you already borrow 2 GPUs, all of your borrowing allowance"],
+        ),
+        (
+            {
+                "may_borrow_now": 0,
+                "effective": EffectiveLimit(Limit(max_gpus=1, gpu_hours=10), "default"),
+                "gpu_hours": 10.0,
+                "held": 1,
+                "may_take": 0,
+                "fits": 0,
+            },
+            5,
+            ['data-why="quota"', "your GPU-hours for this period are used up"],
+        ),
+        ({"may_borrow_now": 0, "free": 0, "fits": 0}, 5, ['data-why="none_free"', "now: no GPU is free."]),
+        (
+            {"may_borrow_now": 0, "free": 1, "fits": 1},
+            5,
+            ['data-why="none_free"', "no GPU is free beyond what your limit leaves you"],
+        ),
+    ],
+)
+def test_the_form_says_what_can_be_borrowed_now_and_why_not(facts, grace, shown):
+    html = render_form(lender(**facts), ["A100"], default_gpus=1, grace_seconds=grace)
+    for words in shown:
+        assert words in html, (words, html)
+    assert html.count('data-gpuhub="borrow"') == 1
+    assert "can be taken back when a request within its limit needs them" in html
+
+
+@pytest.mark.parametrize(
+    "facts",
+    [
+        {"borrow_allowance": 0, "may_borrow_now": 0},  # no allowance: not a word of borrowing
+        {"effective": EffectiveLimit(Limit(max_gpus=None), "default"), "may_take": None},  # no limit
+    ],
+)
+def test_the_form_says_nothing_of_borrowing_without_an_allowance(facts):
+    html = render_form(lender(**facts), ["A100"], default_gpus=1, grace_seconds=5)
+    assert "borrow" not in html and "taken back" not in html
+
+
+@pytest.mark.parametrize(
+    "facts",
+    [{}, {"may_borrow_now": 0, "waiting": 1}, {"held": 3, "borrowed": 2, "may_take": 0, "fits": 0}],
+)
+def test_the_count_is_not_capped_below_what_may_be_borrowed(facts):
+    """The count has no max: the limit and the allowance are the server's call (its refusal
+    says why), so a borrowable count is never blocked by the browser."""
+    html = render_form(lender(**facts), ["A100"], default_gpus=3, grace_seconds=5)
+    assert " max=" not in html and 'min="0"' in html

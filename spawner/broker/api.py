@@ -29,9 +29,10 @@ class MeHandler(APIHandler):
         allowance = await self.broker.run(ledger.allowance, caller.name, groups)
         allocations = await self.broker.run(ledger.active, user=caller.name)
         notices = await self.broker.run(ledger.reclaim_notices, caller.name)
+        preempted = await self.broker.run(ledger.preemption_notices, caller.name)
         util = self.broker.utilization
         idle = {a.id: views.idle_json(util.verdicts.get(a.id), util.clock()) for a in allocations}
-        self.finish(views.me_json(caller.name, groups, allowance, allocations, idle, notices))
+        self.finish(views.me_json(caller.name, groups, allowance, allocations, idle, notices, preempted))
 
 
 class AllocationsHandler(APIHandler):
@@ -231,7 +232,8 @@ class UsageHandler(APIHandler):
         ledger = self.broker.ledger
         totals = await self.broker.run(ledger.usage, since, until, who)
         starts, series = await self.broker.run(ledger.usage_series, since, until, bucket, who)
-        usage = views.usage_json(since, until, totals, starts, series)
+        borrowing = await self.broker.run(ledger.borrowing_totals, since, until, who)
+        usage = views.usage_json(since, until, totals, starts, series, borrowing)
         if fmt == "csv":
             self.set_header("Content-Type", "text/csv; charset=utf-8")
             self.set_header("Content-Disposition", 'attachment; filename="gpuhub-usage.csv"')

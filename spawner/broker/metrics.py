@@ -5,6 +5,11 @@ allocated (hub spawner, this service). Refusals and allocation latency are count
 requests this service handles; refusals of spawns are in JupyterHub's own
 ``jupyterhub_server_spawn_duration_seconds{status="failure", reason="gpuhub_<reason>"}``.
 
+Borrowing: ``gpuhub_borrowed_gpus{purpose}`` (GPUs of live allocations beyond their users'
+limits), ``gpuhub_borrowed_gpu_hours{user}`` and ``gpuhub_preempted_allocations{user}`` (since
+the ledger began) are read from the ledger at each scrape; ``gpuhub_preemptions_total{purpose}``
+counts the notices this service gave.
+
 The queue: ``gpuhub_queue_length{purpose}`` is a gauge read from the ledger at each scrape
 (``Ledger.queue()``), like the others. ``gpuhub_queue_wait_seconds{outcome}`` is a histogram
 of how long entries waited, by how their wait ended: ``granted`` (they got their GPUs) or
@@ -58,13 +63,36 @@ class LedgerCollector:
         held = GaugeMetricFamily(
             "gpuhub_allocated_gpus", "GPUs held by live allocations by purpose", labels=["purpose"]
         )
+        borrowed = GaugeMetricFamily(
+            "gpuhub_borrowed_gpus",
+            "GPUs of live allocations borrowed beyond their users' limits, by purpose",
+            labels=["purpose"],
+        )
         live = self.ledger.active()
         for purpose in PURPOSES:
             mine = [a for a in live if a.purpose == purpose]
             allocations.add_metric([purpose], len(mine))
             held.add_metric([purpose], sum(len(a.gpus) for a in mine))
+            borrowed.add_metric([purpose], sum(a.borrowed for a in mine))
         yield allocations
         yield held
+        yield borrowed
+
+        borrowed_hours = GaugeMetricFamily(
+            "gpuhub_borrowed_gpu_hours",
+            "GPU-hours borrowed beyond the limit, per user, since the ledger began",
+            labels=["user"],
+        )
+        preempted = GaugeMetricFamily(
+            "gpuhub_preempted_allocations",
+            "Borrowed allocations given notice to be taken back, per user, since the ledger began",
+            labels=["user"],
+        )
+        for user, t in self.ledger.borrowing_totals(BEGINNING).items():
+            borrowed_hours.add_metric([user], t["borrowed_gpu_hours"])
+            preempted.add_metric([user], t["preemptions"])
+        yield borrowed_hours
+        yield preempted
 
         reclaimed = GaugeMetricFamily(
             "gpuhub_reclaimed_gpu_hours",
@@ -88,6 +116,7 @@ PURPOSES = ("server", "distributed")
 OUTCOMES = ("granted", "left")
 WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200)
 HISTORY_MARGIN = timedelta(minutes=2)
+BEGINNING = datetime(1970, 1, 1)  # "since the ledger began"
 
 
 class QueueWaitCollector:

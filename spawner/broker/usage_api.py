@@ -8,6 +8,8 @@
   GPUs they hold.
 - ``GET reclaims``: reclaims with their reasons and the idle GPU-hours they ended, per user
   and in total (a user sees their own).
+- ``GET preemptions``: borrowed allocations taken back, with their reasons, and per user the
+  borrowed GPU-hours and the preemptions of the period (a user sees their own).
 """
 
 from __future__ import annotations
@@ -98,10 +100,37 @@ class ReclaimsHandler(APIHandler):
         )
 
 
+class PreemptionsHandler(APIHandler):
+    async def get(self):
+        who = self.whose("preemptions")
+        now = utcnow()
+        try:
+            since = self.time_argument("since", f"{self.broker.settings.usage_days}d", now)
+        except values.BadValue as e:
+            return self.fail(400, str(e), "bad_request")
+        if since > now + timedelta(seconds=1):
+            return self.fail(400, "'since' is in the future.", "bad_request")
+        ledger = self.broker.ledger
+        found = await self.broker.run(ledger.preemption_records, who, since)
+        per_user = await self.broker.run(ledger.borrowing_totals, since, now, who)
+        self.finish(
+            {
+                "since": views.iso(since),
+                "preemptions": [views.preemption_json(n) for n in found],
+                "users": per_user,
+                "total": {
+                    "preemptions": len(found),
+                    "borrowed_gpu_hours": round(sum(t["borrowed_gpu_hours"] for t in per_user.values()), 4),
+                },
+            }
+        )
+
+
 def usage_api_handlers(prefix: str) -> list[tuple]:
     api = f"{prefix}api/v1"
     return [
         (rf"{api}/allocations/(\d{{1,18}})/samples", SamplesHandler),
         (f"{api}/utilization", UtilizationHandler),
         (f"{api}/reclaims", ReclaimsHandler),
+        (f"{api}/preemptions", PreemptionsHandler),
     ]

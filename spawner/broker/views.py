@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..idle import Verdict
-from ..ledger import AllocationInfo, Allowance, GpuStatus, LimitEntry
+from ..ledger import AllocationInfo, Allowance, GpuStatus, LimitEntry, PreemptionNotice
 from ..policy import Limit
 from ..reclaims import ReclaimInfo
 from .utilization import Reading, Utilization, epoch
@@ -16,6 +16,10 @@ from .utilization import Reading, Utilization, epoch
 
 def iso(t: datetime | None) -> str | None:
     return None if t is None else t.isoformat(timespec="seconds") + "Z"
+
+
+def preemption_of(a: AllocationInfo) -> dict[str, Any] | None:
+    return None if a.preempt_due is None else {"due": iso(a.preempt_due), "reason": a.preempt_reason}
 
 
 def allocation_json(a: AllocationInfo) -> dict[str, Any]:
@@ -36,9 +40,7 @@ def allocation_json(a: AllocationInfo) -> dict[str, Any]:
         "gpus": [{"node": g.node, "index": g.index, "model": g.model} for g in a.gpus],
         "gpu_count": a.gpu_count,
         "borrowed": a.borrowed,
-        "preemption": None
-        if a.preempt_due is None
-        else {"due": iso(a.preempt_due), "reason": a.preempt_reason},
+        "preemption": preemption_of(a),
     }
 
 
@@ -88,6 +90,7 @@ def me_json(
     allocations: list[AllocationInfo],
     idle: dict[int, dict] | None = None,
     notices: list[ReclaimInfo] = (),
+    preempted: list[PreemptionNotice] = (),
 ) -> dict:
     idle = idle or {}
     return {
@@ -102,6 +105,32 @@ def me_json(
         "total": allowance.total,
         "allocations": [{**allocation_json(a), "idle": idle.get(a.id)} for a in allocations],
         "reclaimed": [reclaim_json(r) for r in notices],
+        "borrow": {
+            "allowance": allowance.borrow_allowance,
+            "borrowed": allowance.borrowed,
+            "may_borrow_now": allowance.may_borrow_now,
+            "waiting": allowance.waiting,
+        },
+        "preempted": [preemption_json(n) for n in preempted],
+    }
+
+
+def preemption_json(n: PreemptionNotice) -> dict[str, Any]:
+    """A preemption, with when its allocation ended (null while it lives: the notice runs)."""
+    p = n.preemption
+    return {
+        "id": p.id,
+        "allocation_id": p.allocation_id,
+        "user": p.user,
+        "purpose": p.purpose,
+        "server_name": p.server_name,
+        "gpus": p.gpus,
+        "borrowed": p.borrowed,
+        "for_user": p.for_user,
+        "reason": p.reason,
+        "created": iso(p.created),
+        "due": iso(p.due),
+        "ended": iso(n.ended),
     }
 
 
@@ -128,6 +157,9 @@ def cluster_json(table: list[GpuStatus]) -> dict[str, Any]:
                     "purpose": h.purpose,
                     "server_name": h.server_name,
                     "since": iso(h.started or h.created),
+                    "gpu_count": h.gpu_count,
+                    "borrowed": h.borrowed,
+                    "preemption": preemption_of(h),
                 },
             }
         )
@@ -140,14 +172,24 @@ def cluster_json(table: list[GpuStatus]) -> dict[str, Any]:
 
 
 def usage_json(
-    since: datetime, until: datetime, totals: dict[str, float], starts: list[datetime], series: dict
+    since: datetime,
+    until: datetime,
+    totals: dict[str, float],
+    starts: list[datetime],
+    series: dict,
+    borrowing: dict[str, dict[str, float]] | None = None,
 ) -> dict[str, Any]:
+    """``borrowing``: ``Ledger.borrowing_totals`` of the period (per user: borrowed GPU-hours,
+    preemptions); its users appear in both maps, with 0 where they had none."""
+    borrowing = borrowing or {}
     return {
         "since": iso(since),
         "until": iso(until),
         "total": {u: round(h, 4) for u, h in sorted(totals.items())},
         "buckets": [iso(t) for t in starts],
         "series": {u: [round(h, 4) for h in hs] for u, hs in sorted(series.items())},
+        "borrowed_gpu_hours": {u: t["borrowed_gpu_hours"] for u, t in sorted(borrowing.items())},
+        "preemptions": {u: int(t["preemptions"]) for u, t in sorted(borrowing.items())},
     }
 
 
@@ -211,7 +253,14 @@ def utilization_json(table: list[GpuStatus], util: Utilization, fresh_for: float
                 "present": st.present,
                 "holder": None
                 if h is None
-                else {"user": h.user, "allocation_id": h.id, "purpose": h.purpose},
+                else {
+                    "user": h.user,
+                    "allocation_id": h.id,
+                    "purpose": h.purpose,
+                    "borrowed": h.borrowed,
+                    "gpu_count": h.gpu_count,
+                    "preemption": preemption_of(h),
+                },
                 **reading_json(latest),
                 "history": history,
             }
@@ -231,6 +280,8 @@ def utilization_json(table: list[GpuStatus], util: Utilization, fresh_for: float
                 "gpus": [g.label for g in a.gpus],
                 "mean_utilization": None if mean is None else round(mean, 1),
                 "idle": idle_json(util.verdicts.get(a.id), now),
+                "borrowed": a.borrowed,
+                "preemption": preemption_of(a),
             }
         )
         u = users.setdefault(a.user, {"user": a.user, "gpus": 0, "_sum": 0.0, "_n": 0})

@@ -32,6 +32,7 @@ from .base import (
 )
 from .inventory import InventoryRecords
 from .lending import LendingRecords, PreemptionInfo
+from .lending_reads import LendingReads, PreemptionNotice
 from .limits import LimitRecords
 from .queue import Admission, QueueInfo, QueueRecords
 from .usage import UsageRecords
@@ -45,6 +46,7 @@ __all__ = [
     "Ledger",
     "LimitEntry",
     "PreemptionInfo",
+    "PreemptionNotice",
     "QueueInfo",
     "QueueSettings",
     "utcnow",
@@ -55,6 +57,7 @@ class Ledger(
     AllocationRecords,
     QueueRecords,
     LendingRecords,
+    LendingReads,
     LimitRecords,
     InventoryRecords,
     UsageRecords,

@@ -1,6 +1,6 @@
 // gpuhub pages: release buttons, the in-place limit editor, the usage chart, the admin's
-// live GPU grid, reclaims and queue (cancel, move to front), and a user's own GPU use, idle
-// warnings and waits in the queue (leave).
+// live GPU grid, reclaims, borrowing and preemptions, and queue (cancel, move to front), and a
+// user's own GPU use, idle warnings, preemption notices and waits in the queue (leave).
 // Everything goes through the broker's REST API with JupyterHub's XSRF token.
 // The usage chart is chart.js, served by the broker (static/vendor/, put there by
 // scripts/setup: no CDN); the sparklines are small SVG drawn here.
@@ -238,6 +238,22 @@ function badgeEl(idle) {
   return span;
 }
 
+function borrowBadges(h) {
+  // an allocation's borrowed GPUs ("2 of 3 borrowed") and its preemption ("taken back at ...")
+  const out = [];
+  if (!h) return out;
+  if (h.borrowed) {
+    out.push(el("span", { class: "badge text-bg-warning gpu-borrowed", "data-borrowed": h.borrowed,
+      title: "beyond its user's limit: lent while idle, taken back when a request within its limit needs them" },
+    `${h.borrowed} of ${h.gpu_count} borrowed`));
+  }
+  if (h.preemption) {
+    out.push(el("span", { class: "badge text-bg-danger gpu-preempted", "data-preempt-due": h.preemption.due,
+      title: h.preemption.reason }, `taken back at ${utcTime(h.preemption.due)}`));
+  }
+  return out;
+}
+
 function sparkline(history) {
   // utilization (0-100 %) over the readings the broker keeps, newest at the right
   const W = 120, H = 24;
@@ -280,6 +296,12 @@ function gpuCell(g, idle) {
   const badge = badgeEl(idle);
   if (badge) head.append(badge);
   body.append(head, el("div", { class: "gpu-model small text-muted" }, g.present ? g.model : `${g.model} (gone)`));
+  const lent = borrowBadges(g.holder);
+  if (lent.length) {
+    const box = el("div", { class: "gpu-borrow" });
+    box.append(...lent);
+    body.append(box);
+  }
   const holder = el("div", { class: "gpu-holder small" });
   if (g.holder) {
     holder.append(
@@ -358,6 +380,23 @@ function fillReclaims(rec) {
   users.replaceChildren(...(userRows.length ? userRows : [emptyRow(3, "None.")]));
   const total = document.getElementById("reclaim-total");
   total.replaceChildren(el("th", {}, "Total"), el("th", {}, rec.total.reclaims), el("th", {}, fmt(rec.total.gpu_hours)));
+}
+
+function fillPreemptions(pre) {
+  const body = document.querySelector("#preemptions tbody");
+  if (!body) return;
+  const rows = pre.preemptions.map((p) => row(
+    [utcTime(p.created), p.user, allocationWhat(p), `${p.borrowed} of ${p.gpus}`, p.for_user, utcTime(p.due),
+      p.ended ? utcTime(p.ended) : "not yet", p.reason],
+    { "data-preemption": p.id, "data-user": p.user }));
+  body.replaceChildren(...(rows.length ? rows : [emptyRow(8, "No preemptions in this period.")]));
+  const users = document.querySelector("#borrowing-users tbody");
+  const userRows = Object.entries(pre.users).map(([u, t]) => row(
+    [u, el("span", { class: "borrowed-hours" }, fmt(t.borrowed_gpu_hours)),
+      el("span", { class: "preemption-count" }, t.preemptions)], { "data-user": u }));
+  users.replaceChildren(...(userRows.length ? userRows : [emptyRow(3, "Nobody borrowed GPUs in this period.")]));
+  document.getElementById("borrowing-total").replaceChildren(el("th", {}, "Total"),
+    el("th", {}, fmt(pre.total.borrowed_gpu_hours)), el("th", {}, pre.total.preemptions));
 }
 
 let refreshLive = null; // the page's live update, run at once after a button changed something
@@ -460,15 +499,18 @@ function fillMyQueue(queue) {
 
 function startAdminGrid(grid) {
   livePoll(grid, async () => {
-    const [util, rec, queue] = await Promise.all([
+    const days = grid.dataset.reclaimDays || 7;
+    const [util, rec, queue, pre] = await Promise.all([
       api("GET", "utilization"),
-      api("GET", `reclaims?since=${grid.dataset.reclaimDays || 7}d`),
+      api("GET", `reclaims?since=${days}d`),
       api("GET", "queue"),
+      api("GET", `preemptions?since=${days}d`),
     ]);
     drawGrid(grid, util);
     fillUserUtilization(util);
     fillReclaims(rec);
     fillQueue(queue.queue);
+    fillPreemptions(pre);
   });
 }
 
@@ -490,6 +532,28 @@ function reclaimNotice(r) {
   return el("div", { class: "alert alert-info", role: "status", "data-reclaim": r.id },
     `${which} was stopped by gpuhub at ${utcTime(r.created)} because ${r.reason}. ` +
     "Your notebooks and files are saved; start the server again when you need GPUs.");
+}
+
+function preemptionNotice(p) {
+  // as spawner/notices.py says it on the hub's home page
+  const which = p.purpose === "server"
+    ? (p.server_name ? `Your server ${p.server_name}'s` : "Your server's")
+    : `Your burst #${p.allocation_id}'s`;
+  const gpus = `${p.borrowed} borrowed GPU${p.borrowed === 1 ? "" : "s"}`;
+  let text;
+  if (p.ended) {
+    text = `${which} ${gpus} ${p.borrowed === 1 ? "was" : "were"} taken back at ${utcTime(p.ended)} for a request within its limit` +
+      (p.purpose === "server" ? ": gpuhub stopped the server. Your notebooks and files are saved." : ".");
+  } else {
+    const left = (Date.parse(p.due) - Date.now()) / 1000;
+    const when = left > 0 ? `will be taken back at ${utcTime(p.due)} (in ${duration(left)})` : `${p.borrowed === 1 ? "is" : "are"} being taken back now`;
+    const then = p.purpose === "server" ? "gpuhub stops the server then" : "its engines stop then";
+    text = `${which} ${gpus} ${when} for a request within its limit: ${then}. Save your work now.`;
+  }
+  const box = el("div", { class: `alert ${p.ended ? "alert-info" : "alert-warning"}`, role: "status",
+    "data-preemption": p.id, "data-state": p.ended ? "done" : "pending" });
+  box.append(el("strong", {}, text), el("div", { class: "small preemption-reason" }, p.reason));
+  return box;
 }
 
 function fillMyUse(me, util) {
@@ -517,6 +581,7 @@ function fillMyUse(me, util) {
   const warnings = document.getElementById("idle-warnings");
   warnings.replaceChildren(...me.allocations.map(idleWarning).filter(Boolean));
   document.getElementById("reclaim-notices").replaceChildren(...me.reclaimed.map(reclaimNotice));
+  document.getElementById("preemption-notices").replaceChildren(...me.preempted.map(preemptionNotice));
 }
 
 function startUserLive(container) {

@@ -1,0 +1,109 @@
+"""What the pages tell about borrowing and preemption (a part of :class:`spawner.ledger.Ledger`).
+
+Reads only: the notices a borrower is shown (the hub's home page, My GPUs, ``GET me``) and
+the accounting per user (borrowed GPU-hours and preemptions: the admin page, ``GET usage``,
+``GET preemptions``, metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+
+from ..models import ACTIVE_STATES, Allocation, Preemption
+from .lending import PreemptionInfo, _preemption_info
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """A preemption its owner is told about: pending (its allocation still lives; it ends at
+    ``preemption.due``) or done (``ended``: when the allocation ended)."""
+
+    preemption: PreemptionInfo
+    ended: datetime | None  # None: the allocation still lives (the notice's grace runs)
+    end_reason: str | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.ended is None
+
+
+class LendingReads:
+    """Methods of the Ledger (it provides ``_read`` and ``clock``)."""
+
+    def preemption_notices(self, user: str, days: float = 7.0) -> list[PreemptionNotice]:
+        """The user's preemptions to tell them about, newest first: every one whose allocation
+        still lives (notice given, grace running or due), and servers taken back in the last
+        ``days`` and not started again since (one per server: the latest)."""
+        since = self.clock() - timedelta(days=days)
+        with self._read() as s:
+            rows = s.execute(
+                select(Preemption, Allocation)
+                .join(Allocation, Allocation.id == Preemption.allocation_id)
+                .where(Preemption.user == user)
+                .order_by(Preemption.created.desc(), Preemption.id.desc())
+            ).all()
+            out, seen = [], set()
+            for p, a in rows:
+                if a.state in ACTIVE_STATES:
+                    out.append(PreemptionNotice(_preemption_info(p), None))
+                    continue
+                if p.purpose != "server" or p.created < since or p.server_name in seen:
+                    continue
+                seen.add(p.server_name)
+                newer = s.scalar(
+                    select(Allocation.id).where(
+                        Allocation.user == user,
+                        Allocation.purpose == "server",
+                        Allocation.server_name == p.server_name,
+                        Allocation.id > p.allocation_id,
+                    )
+                )
+                if newer is None:
+                    out.append(PreemptionNotice(_preemption_info(p), a.ended, a.end_reason))
+            return out
+
+    def preemption_records(
+        self, user: str | None = None, since: datetime | None = None, until: datetime | None = None
+    ) -> list[PreemptionNotice]:
+        """Preemptions (newest first) with when each allocation ended (None: still live)."""
+        q = (
+            select(Preemption, Allocation)
+            .join(Allocation, Allocation.id == Preemption.allocation_id)
+            .order_by(Preemption.created.desc(), Preemption.id.desc())
+        )
+        if user is not None:
+            q = q.where(Preemption.user == user)
+        if since is not None:
+            q = q.where(Preemption.created >= since)
+        if until is not None:
+            q = q.where(Preemption.created <= until)
+        with self._read() as s:
+            return [
+                PreemptionNotice(
+                    _preemption_info(p),
+                    None if a.state in ACTIVE_STATES else a.ended,
+                    None if a.state in ACTIVE_STATES else a.end_reason,
+                )
+                for p, a in s.execute(q)
+            ]
+
+    def borrowing_totals(
+        self, since: datetime, until: datetime | None = None, user: str | None = None
+    ) -> dict[str, dict[str, float]]:
+        """Per user (sorted): ``borrowed_gpu_hours`` between ``since`` and ``until`` and
+        ``preemptions`` given notice then; only users with either."""
+        until = until or self.clock()
+        hours = self.borrowed_hours(since, until)
+        counts: dict[str, int] = {}
+        for n in self.preemption_records(user, since, until):
+            counts[n.preemption.user] = counts.get(n.preemption.user, 0) + 1
+        users = {u for u, h in hours.items() if h > 0} | set(counts)
+        if user is not None:
+            users &= {user}
+        return {
+            u: {"borrowed_gpu_hours": round(hours.get(u, 0.0), 4), "preemptions": counts.get(u, 0)}
+            for u in sorted(users)
+        }
