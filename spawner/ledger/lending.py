@@ -183,8 +183,9 @@ class LendingRecords:
                     for_user=e.user,
                     entry_id=e.id,
                     reason=(
-                        f"preempted: {a.borrowed} borrowed GPU(s) taken back for {e.user}'s request "
-                        f"within their limit ({e.gpu_count} GPU(s), waiting since "
+                        # no name: users need not know who else waits (admins see for_user)
+                        f"preempted: {a.borrowed} borrowed GPU(s) taken back for another user's request "
+                        f"within its limit ({e.gpu_count} GPU(s), waiting since "
                         f"{e.created:%H:%M} UTC)"
                     ),
                     created=now,
