@@ -52,8 +52,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from spawner.borrowing import BorrowRules
 from spawner.fairshare import Weights
-from spawner.ledger import Ledger, QueueSettings
+from spawner.ledger import BorrowSettings, Ledger, QueueSettings
 from spawner.policy import Gpu, Limit, LimitRules, Refusal
 
 DAY = datetime(2026, 12, 2)  # midnight: minute 0 of the simulated day
@@ -106,6 +107,13 @@ class Job:
     left: str | None = None  # the queue ended the entry, with this reason
     expected: int | None = None  # the expected start the queue gave when it was asked (minute)
     expected_sure: str = ""
+    # borrowing (the borrow policy): runs on borrowed GPUs may be taken back
+    first_started: int | None = None
+    done: int = 0  # run minutes saved by earlier, preempted stints
+    stints: list[tuple[int, int]] = field(default_factory=list)  # earlier (start, stop), preempted
+    borrowed: int = 0  # stints started on borrowed GPUs
+    preempted: int = 0
+    lost: int = 0  # run minutes lost to preemptions (redone)
 
 
 def profiles(users: int, heavy: int) -> list[Profile]:
@@ -166,19 +174,24 @@ class Day:
     aged_behind: tuple = ()  # the longest-waiting entry still behind younger ones: (minute, info, n)
     head_blocked: list[str] = field(default_factory=list)  # the head waited with its GPUs free
     own_limit_min: int = 0  # job-minutes held back by the user's own limit
+    notices: int = 0  # preemption notices given (borrow policy)
     wait_turn_by_queue: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Simulation:
     def __init__(self, policy: str, seed: int, jobs: list[Job], history: list[Job], args, path: Path):
         self.policy, self.args = policy, args
-        self.rng = random.Random(seed * 1000 + (1 if policy == "queue" else 2))
+        self.rng = random.Random(seed * 1000 + {"queue": 1, "retry": 2, "borrow": 3}[policy])
         self.clock = Clock()
         step_s = 60.0 * args.step
+        self.allowance = args.borrow if policy == "borrow" else 0
         self.ledger = Ledger(
             f"sqlite:///{path}",
             config_rules=LimitRules(default=Limit(max_gpus=args.limit)),
             clock=self.clock,
+            borrow=BorrowSettings(
+                rules=BorrowRules(default=self.allowance), grace_seconds=60.0 * args.grace_minutes
+            ),
             # a waiter asks at least once a step: the entry must outlive a step unasked
             queue=QueueSettings(
                 weights=Weights(
@@ -223,6 +236,10 @@ class Simulation:
         for minute in range(0, end + 1, args.step):
             self.clock.at(minute)
             changed = self._end_runs(minute)
+            if self.policy == "borrow":
+                for j in self._stop_preempted(minute):
+                    at_user.append(j)  # what is left of it is asked for again
+                    changed = True
             while k < len(arrivals) and arrivals[k].arrival <= minute:
                 at_user.append(arrivals[k])
                 k += 1
@@ -230,15 +247,21 @@ class Simulation:
             for j in list(at_user):
                 if self._room(j.user, ready) >= j.count:
                     at_user.remove(j)
-                    j.submitted = minute
+                    if j.submitted is None:  # a preempted job asks again: its first ask counts
+                        j.submitted = minute
                     ready.append(j)
                 else:
                     self.day.own_limit_min += args.step
-            if ready or self.pending or changed:
-                if self.policy == "queue":
-                    self._queue_step(minute, ready)
-                else:
+            if ready or self.pending or changed or (self.policy == "borrow" and at_user):
+                if self.policy == "retry":
                     self._retry_step(minute, ready)
+                else:
+                    self._queue_step(minute, ready)
+                if self.policy == "borrow":
+                    if self.pending:  # the broker's pass
+                        self.day.notices += len(self._call("preempt", self.ledger.preempt_for_queue))
+                    elif at_user:
+                        self._borrow_step(minute, at_user)
                 self._check(minute)
         self.day.wall_s = time.perf_counter() - t0
         self.ledger.close()
@@ -250,7 +273,7 @@ class Simulation:
         return self.args.limit - mine
 
     def _end_runs(self, minute: int) -> bool:
-        done = [j for j in self.running.values() if j.started + j.run <= minute]
+        done = [j for j in self.running.values() if j.started + j.run - j.done <= minute]
         for j in done:
             if not self._call("release", self.ledger.release, j.allocation):
                 raise Failure(f"minute {minute}: release of allocation {j.allocation} found it not live")
@@ -263,7 +286,56 @@ class Simulation:
             raise Failure(f"minute {minute}: job {j.id} ({j.user}, {j.count}) got {allocation}")
         self._call("mark_running", self.ledger.mark_running, allocation.id)
         j.started, j.allocation = minute, allocation.id
+        if j.first_started is None:
+            j.first_started = minute
+        j.borrowed += bool(allocation.borrowed)
         self.running[allocation.id] = j
+
+    def _borrow_step(self, minute: int, at_user: list[Job]) -> bool:
+        """Jobs held back by their user's own limit ask beyond it while GPUs are free and
+        nobody waits (the spawn form shows what may be borrowed now); the ledger decides."""
+        started = False
+        free = self.args.gpus - sum(j.count for j in self.running.values())
+        for j in sorted(at_user, key=lambda j: j.arrival):
+            if j.count > free:
+                continue
+            try:
+                a = self._call("allocate", self.ledger.allocate, j.user, [], j.count, server_name=f"j{j.id}b")
+            except Refusal as r:
+                if r.reason not in ("no_borrowing", "over_limit"):
+                    raise Failure(f"minute {minute}: job {j.id} refused for {r.reason}: {r.message}") from r
+                continue
+            at_user.remove(j)
+            j.submitted = j.submitted if j.submitted is not None else minute
+            self._start(j, a, minute)
+            free -= j.count
+            started = True
+        return started
+
+    def _stop_preempted(self, minute: int) -> list[Job]:
+        """Due preemptions: the broker stops the server. With ``--autosave`` the run saved
+        when the notice came (the grace minutes are lost); else it keeps only its last
+        checkpoint (every ``--checkpoint-minutes`` of its run)."""
+        stopped = []
+        for p, _server in self._call("due_preemptions", self.ledger.due_preemptions):
+            j = self.running.pop(p.allocation_id)
+            if not self._call("release", self.ledger.release, p.allocation_id, "server stopped"):
+                raise Failure(f"minute {minute}: preempted allocation {p.allocation_id} was not live")
+            reason = self.ledger.get(p.allocation_id).end_reason
+            if not reason.startswith("preempted: "):
+                raise Failure(f"minute {minute}: allocation {p.allocation_id} ended with {reason!r}")
+            worked = minute - j.started
+            notice = round((p.created - DAY).total_seconds() / 60) - j.started
+            cp = self.args.checkpoint_minutes
+            saved = max(notice if self.args.autosave else 0, (worked // cp) * cp if cp else 0)
+            saved = min(saved, worked)
+            j.done += saved
+            j.lost += worked - saved
+            j.stints.append((j.started, minute))
+            j.preempted += 1
+            j.started = j.allocation = None
+            stopped.append(j)
+        return stopped
 
     def _queue_step(self, minute: int, ready: list[Job]) -> None:
         self.rng.shuffle(ready)
@@ -328,15 +400,21 @@ class Simulation:
                     )
                 held[(g.node, g.index)] = a.id
             per_user[a.user] += a.gpu_count
-        for user, n in per_user.items():
-            if n > self.args.limit:
-                raise Failure(f"minute {minute}: {user} holds {n} GPUs, over the limit of {self.args.limit}")
+        lent: Counter[str] = Counter()
+        for a in live:
+            lent[a.user] += a.borrowed
+        for user, n in per_user.items():  # beyond the limit only by borrowed GPUs, within the allowance
+            if n > self.args.limit + min(lent[user], self.allowance):
+                raise Failure(
+                    f"minute {minute}: {user} holds {n} GPUs, over the limit of {self.args.limit} "
+                    f"({lent[user]} borrowed, allowance {self.allowance})"
+                )
         if {a.id for a in live} != set(self.running):
             raise Failure(
                 f"minute {minute}: the ledger's live allocations {sorted(a.id for a in live)} are not "
                 f"the runs started {sorted(self.running)}"
             )
-        if self.policy != "queue" or not self.pending:
+        if self.policy == "retry" or not self.pending:
             self.last_order = []
             return
         free = self.args.gpus - len(held)
@@ -394,6 +472,10 @@ class Measures:
     wait_by_size: dict[int, float]
     never: int
     wall_s: float
+    borrowed_starts: int = 0
+    notices: int = 0
+    preempted: int = 0
+    lost_gpu_h: float = 0.0
 
     @property
     def light_heavy(self) -> float:
@@ -408,14 +490,20 @@ def measure(days: list[Day], args) -> Measures:
     waits, ledger_waits, light, heavy = [], [], [], []
     by_size: dict[int, list[float]] = defaultdict(list)
     never = 0
+    borrowed = preempted = lost = 0
     for day in days:
         for j in day.jobs:
+            stints = list(j.stints)  # earlier, preempted stints (their lost work counts as use)
             if j.started is not None:
-                stop = j.ended if j.ended is not None else j.started + j.run
-                used_day += j.count * max(0, min(stop, end) - j.started)
-                used_peak += j.count * max(0, min(stop, 18 * 60) - max(j.started, 9 * 60))
-            else:
+                stints.append((j.started, j.ended if j.ended is not None else j.started + j.run - j.done))
+            for start, stop in stints:
+                used_day += j.count * max(0, min(stop, end) - start)
+                used_peak += j.count * max(0, min(stop, 18 * 60) - max(start, 9 * 60))
+            if j.first_started is None:
                 never += 1
+            borrowed += j.borrowed
+            preempted += j.preempted
+            lost += j.count * j.lost
         hours: Counter[str] = Counter()
         for j in day.jobs:
             hours[j.user] += j.count * j.run / 60
@@ -423,11 +511,12 @@ def measure(days: list[Day], args) -> Measures:
         q = max(1, len(ranked) // 4)
         lightest, heaviest = set(ranked[:q]), set(ranked[-q:])
         for j in day.jobs:
-            w = (j.started if j.started is not None else end) - j.arrival
+            first = j.first_started if j.first_started is not None else end
+            w = first - j.arrival
             waits.append(w)
             by_size[j.count].append(w)
             if j.submitted is not None:
-                ledger_waits.append((j.started if j.started is not None else end) - j.submitted)
+                ledger_waits.append(first - j.submitted)
             if j.user in lightest:
                 light.append(w)
             if j.user in heaviest:
@@ -444,6 +533,10 @@ def measure(days: list[Day], args) -> Measures:
         wait_by_size={k: _mean(v) for k, v in sorted(by_size.items())},
         never=never,
         wall_s=sum(d.wall_s for d in days),
+        borrowed_starts=borrowed,
+        notices=sum(d.notices for d in days),
+        preempted=preempted,
+        lost_gpu_h=lost / 60,
     )
 
 
@@ -451,7 +544,7 @@ def _ratio(a: float, b: float) -> str:
     if math.isnan(a) or math.isnan(b):
         return "n/a"
     if b == 0:
-        return "n/a (retry 0)" if a else "1.00x"
+        return "n/a (0)" if a else "1.00x"
     return f"{a / b:.2f}x"
 
 
@@ -479,6 +572,19 @@ def table(qm: Measures, rm: Measures) -> list[tuple[str, str, str, str]]:
         a, b = qm.wait_by_size.get(k, float("nan")), rm.wait_by_size.get(k, float("nan"))
         rows.append(row(f"mean wait of {k}-GPU requests (min)", a, b, minutes))
     rows.append(row("never started by the end of the day", qm.never, rm.never, str))
+    if qm.borrowed_starts or rm.borrowed_starts:
+        rows.append(row("runs started on borrowed GPUs", qm.borrowed_starts, rm.borrowed_starts, str))
+        rows.append(
+            (
+                "preemption notices / runs stopped",
+                f"{qm.notices} / {qm.preempted}",
+                f"{rm.notices} / {rm.preempted}",
+                "",
+            )
+        )
+        rows.append(
+            row("GPU-hours of work lost to preemption", qm.lost_gpu_h, rm.lost_gpu_h, "{:.1f}".format)
+        )
     rows.append(row("wall time of the simulation", qm.wall_s, rm.wall_s, "{:.1f} s".format))
     return rows
 
@@ -502,6 +608,20 @@ def report(args, traces: list[list[Job]], days: dict[str, list[Day]]) -> None:
     for r in table(qm, rm):
         print("| " + " | ".join(r) + " |")
     print()
+    if "borrow" in days:
+        bm = measure(days["borrow"], args)
+        print(
+            f"borrowing: every user may borrow {args.borrow} beyond the limit; grace "
+            f"{args.grace_minutes:g} min; a preempted run keeps "
+            + ("the work up to the notice (--autosave)" if args.autosave else "nothing but its checkpoints")
+            + (f", checkpoints every {args.checkpoint_minutes} min" if args.checkpoint_minutes else "")
+        )
+        print()
+        print("| | queue with borrowing | gpuhub queue | borrowing / queue |")
+        print("|---|---|---|---|")
+        for r in table(bm, qm):
+            print("| " + " | ".join(r) + " |")
+        print()
     for p, ds in days.items():
         calls: dict[str, list[float]] = defaultdict(list)
         for d in ds:
@@ -607,15 +727,29 @@ def main() -> None:
     ap.add_argument(
         "--reservations", type=int, default=1, help="c.GpuHub.queue_reservations (1: EASY backfill)"
     )
+    ap.add_argument(
+        "--borrow", type=int, default=0, help="also run the queue with borrowing: every user's allowance"
+    )
+    ap.add_argument("--grace-minutes", type=float, default=5.0, help="c.GpuHub.preempt_grace_seconds / 60")
+    ap.add_argument(
+        "--checkpoint-minutes", type=int, default=30, help="a run saves every so many minutes (0: never)"
+    )
+    ap.add_argument(
+        "--no-autosave",
+        dest="autosave",
+        action="store_false",
+        help="a preempted run does not save at the notice (keeps only its checkpoints)",
+    )
     args = ap.parse_args()
     users = profiles(args.users, args.heavy)
-    traces, days = [], {"queue": [], "retry": []}
+    policies = ("queue", "retry", "borrow") if args.borrow else ("queue", "retry")
+    traces, days = [], {p: [] for p in policies}
     with tempfile.TemporaryDirectory() as d:
         for seed in range(args.seed, args.seed + args.seeds):
             jobs = trace(seed, users, args.limit)
             history = trace(seed + 10_000, users, args.limit) if args.history_days else []
             traces.append(jobs)
-            for policy in ("queue", "retry"):
+            for policy in policies:
                 sim = Simulation(policy, seed, jobs, history, args, Path(d) / f"{policy}-{seed}.sqlite")
                 try:
                     day = sim.run()

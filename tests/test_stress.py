@@ -22,8 +22,9 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import create_engine, text
 
+from spawner.borrowing import BorrowRules, effective_borrow
 from spawner.fairshare import Shares
-from spawner.ledger import Ledger, QueueSettings
+from spawner.ledger import BorrowSettings, Ledger, QueueSettings
 from spawner.policy import Gpu, Limit, LimitRules, Refusal, effective_limit
 
 INV = [Gpu(f"n{n}", i, "A100") for n in range(3) for i in range(4)]
@@ -33,20 +34,76 @@ USERS = {f"u{i}": (["big"] if i % 3 == 0 else []) for i in range(8)}
 # only the ends the history shows (expiry and keepalive have their own tests)
 QUEUE = QueueSettings(shares=Shares(groups={"big": 3}), keepalive_seconds=3600, max_wait_hours=12)
 LEASE_SECONDS = 3600
+QUIET_OPS = 40  # each worker's first operations queue nothing (the hub at night)
+# every user may borrow 2 beyond the limit (the big group 1); notices are due at once, so a
+# preempted burst's next renewal is refused and the worker releases it
+BORROW = BorrowSettings(rules=BorrowRules(default=2, groups={"big": 1}), grace_seconds=0.0)
 COUNTS = [1, 1, 2, 2, 3, 4]  # GPUs asked for
 
 
 def worker(url: str, seed: int, ops: int, results) -> None:
     rng = random.Random(seed)
-    ledger = Ledger(url, config_rules=RULES, queue=QUEUE)
+    ledger = Ledger(url, config_rules=RULES, queue=QUEUE, borrow=BORROW)
     mine: list[int] = []  # allocations held
     waits: list[int] = []  # queue entries waited on
+    lent: set[int] = set()  # of mine, those with borrowed GPUs
     shapes: dict[int, int | None] = {}  # max_nodes of what was granted at once (for the replay)
     n: Counter = Counter()
     for k in range(ops):
         r = rng.random()
-        if mine and r < 0.35:
-            ledger.release(mine.pop(rng.randrange(len(mine))), "stress")
+        x = rng.random()  # the borrowing operations, beside the queue's
+        quiet = k < QUIET_OPS  # nobody queues yet: idle GPUs are lent, later taken back
+        if x < 0.1:  # the broker's pass: notice to borrowed allocations in the head's way
+            n["preemptions"] += len(ledger.preempt_for_queue())
+            continue
+        if lent and x < 0.2:  # a kernel renews; refused once preempted (due at once), it stops
+            a = rng.choice(sorted(lent))
+            info = ledger.get(a)
+            try:
+                if info.lease_expires is not None:
+                    ledger.renew(a, LEASE_SECONDS)
+                    continue
+                if info.preempt_due is None:
+                    continue
+                # a server given notice: the broker stops it once due
+            except LookupError as e:
+                assert "was preempted" in str(e), e
+            assert ledger.release(a, "stress: stopped")
+            assert ledger.get(a).end_reason.startswith("preempted: "), ledger.get(a)
+            mine.remove(a)
+            lent.discard(a)
+            n["preempted and released"] += 1
+            continue
+        own = [a for a in mine if a not in lent]  # borrowed ones end when taken back (or at the end)
+        if quiet and mine and r < 0.4:  # at night borrowers give back too
+            a = rng.choice(mine)
+            mine.remove(a)
+            lent.discard(a)
+            ledger.release(a, "stress")
+            continue
+        if quiet or x < 0.2:  # a user asks beyond the limit (held or not): borrows when nobody waits
+            user = rng.choice(sorted(USERS))
+            limit = effective_limit(user, USERS[user], RULES).limit.max_gpus
+            held = sum(a.gpu_count for a in ledger.active(user=user))
+            count = max(1, limit - held + rng.choice([1, 1, 2, 3]))  # 3 more: beyond some allowances
+            kw = {"server_name": f"w{seed}-{k}", "max_nodes": None}
+            if rng.random() < 0.5:
+                kw |= {"purpose": "distributed", "lease_seconds": LEASE_SECONDS}
+            try:
+                a = ledger.allocate(user, USERS[user], count, **kw)
+            except Refusal as e:
+                n[f"borrow refused: {e.reason}"] += 1
+                continue
+            mine.append(a.id)
+            if a.borrowed:
+                lent.add(a.id)
+            shapes[a.id] = None
+            n["borrowed" if a.borrowed else "granted"] += 1
+            continue
+        if own and r < 0.35:
+            a = rng.choice(own)
+            mine.remove(a)
+            ledger.release(a, "stress")
             continue
         if waits and r < 0.7:
             entry = rng.choice(waits)
@@ -67,7 +124,7 @@ def worker(url: str, seed: int, ops: int, results) -> None:
         if rng.random() < 0.3:
             kw |= {"purpose": "distributed", "lease_seconds": LEASE_SECONDS}
         try:
-            if rng.random() < 0.6:
+            if not quiet and rng.random() < 0.6:
                 got = ledger.request(user, USERS[user], rng.choice(COUNTS), **kw)
                 if got.entry is not None:
                     waits.append(got.entry.id)
@@ -81,6 +138,9 @@ def worker(url: str, seed: int, ops: int, results) -> None:
             mine.append(a.id)
             shapes[a.id] = max_nodes
             n["granted"] += 1
+            if a.borrowed:
+                lent.add(a.id)
+                n["borrowed"] += 1
         except Refusal as e:
             n["refused"] += 1
             n[e.reason] += 1
@@ -97,7 +157,7 @@ def history(url: str):
     with engine.connect() as conn:
         rows = conn.execute(
             text(
-                "SELECT a.id, a.user, a.created, a.ended, a.state, ag.gpu_id, ag.held "
+                "SELECT a.id, a.user, a.created, a.ended, a.state, ag.gpu_id, ag.held, a.borrowed "
                 "FROM allocations a JOIN allocation_gpus ag ON ag.allocation_id = a.id"
             )
         ).all()
@@ -106,15 +166,39 @@ def history(url: str):
     return rows, entries
 
 
+def preemption_problems(url: str) -> list[str]:
+    """Preemptions of allocations that borrowed nothing, or that had ended already."""
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        found = conn.execute(
+            text(
+                "SELECT p.allocation_id, a.borrowed, a.created, a.ended, p.created FROM preemptions p "
+                "JOIN allocations a ON a.id = p.allocation_id"
+            )
+        ).all()
+    engine.dispose()
+    problems = []
+    for aid, borrowed, created, ended, at in found:
+        if not borrowed:
+            problems.append(f"allocation {aid} was preempted, but it borrowed nothing")
+        if at < created or (ended is not None and ended < at):
+            problems.append(f"allocation {aid} was preempted at {at}, outside its life {created}-{ended}")
+    return problems
+
+
 def check_invariants(rows, entries=()) -> list[str]:
-    """Replay the history: problems found, empty when the ledger never broke a rule."""
+    """Replay the history: problems found, empty when the ledger never broke a rule.
+
+    Nobody is ever over their limit, with one exception: GPUs beyond it up to the user's
+    borrowing allowance, by allocations marked borrowed (at least as many marks as GPUs
+    beyond the limit), each admitted while nobody waited in the queue."""
     problems = []
     per_gpu = defaultdict(list)
     allocs = {}
-    for aid, user, created, ended, state, gpu_id, held in rows:
+    for aid, user, created, ended, state, gpu_id, held, borrowed in rows:
         end = ended or "9999"
         per_gpu[gpu_id].append((created, end, aid))
-        allocs.setdefault(aid, [user, created, end, 0, state, held])[3] += 1
+        allocs.setdefault(aid, [user, created, end, 0, borrowed or 0])[3] += 1
         if (state == "released") == bool(held):
             problems.append(f"allocation {aid} is {state} but its GPU {gpu_id} held={held}")
     for gpu_id, spans in per_gpu.items():
@@ -122,20 +206,37 @@ def check_invariants(rows, entries=()) -> list[str]:
         for (_s1, e1, a1), (s2, _e2, a2) in itertools.pairwise(spans):
             if s2 < e1:
                 problems.append(f"GPU {gpu_id} held by {a1} and {a2} at once")
+    # borrowing only while nobody waits: no entry waited at a borrowed admission's moment
+    for aid, (user, created, _end, _n, borrowed) in sorted(allocs.items()):
+        if borrowed:
+            waited = [e for e in entries if e[3] < created and (e[4] is None or e[4] > created)]
+            if waited:
+                problems.append(
+                    f"allocation {aid} ({user}) borrowed {borrowed} GPU(s) at {created} while "
+                    f"{len(waited)} request(s) waited (entry {waited[0][0]})"
+                )
 
     def replay(spans, what):
-        events = sorted([(c, 1, u, n) for u, c, _e, n in spans] + [(e, 0, u, n) for u, _c, e, n in spans])
-        count = defaultdict(int)
-        for _t, kind, user, n in events:  # at equal times ends (0) come before starts (1)
+        events = sorted(
+            [(c, 1, u, n, b) for u, c, _e, n, b in spans] + [(e, 0, u, n, b) for u, _c, e, n, b in spans]
+        )
+        count, marks = defaultdict(int), defaultdict(int)
+        for _t, kind, user, n, b in events:  # at equal times ends (0) come before starts (1)
             count[user] += n if kind else -n
+            marks[user] += b if kind else -b
             limit = effective_limit(user, USERS.get(user, []), RULES).limit.max_gpus
-            if limit is not None and count[user] > limit:
-                problems.append(f"{user} {what} {count[user]} GPUs, over their limit of {limit}")
+            if limit is None or count[user] <= limit:
+                continue
+            allowance = effective_borrow(user, USERS.get(user, []), BORROW.rules)[0]
+            lent = min(allowance, marks[user])  # what the exception allows
+            if count[user] > limit + lent:
+                extra = f" (borrowed {marks[user]} of an allowance of {allowance})" if marks[user] else ""
+                problems.append(f"{user} {what} {count[user]} GPUs, over their limit of {limit}{extra}")
 
-    held_spans = [(u, c, e, n) for u, c, e, n, *_ in allocs.values()]
+    held_spans = [(u, c, e, n, b) for u, c, e, n, b in allocs.values()]
     replay(held_spans, "held")
     # what a user waits for counts against their limit too: held + waiting never passes it
-    waiting_spans = [(u, c, e or "9999", n) for _id, u, n, c, e in entries]
+    waiting_spans = [(u, c, e or "9999", n, 0) for _id, u, n, c, e in entries]
     replay(held_spans + waiting_spans, "held and waited for")
     return problems
 
@@ -264,7 +365,7 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(tmp_path):
     Ledger(url, config_rules=RULES, queue=QUEUE).sync_inventory(INV)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(url, seed, 250, results)) for seed in range(4)]
+    procs = [ctx.Process(target=worker, args=(url, seed, 330, results)) for seed in range(4)]
     for p in procs:
         p.start()
     live_problems = []
@@ -282,14 +383,17 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(tmp_path):
     # every path exercised: granted at once and after waiting, queued, left, refused
     assert counts["granted"] > 60 and counts["refused"] > 20, counts
     assert counts["queued"] > 25 and counts["granted after waiting"] > 10 and counts["left"] > 8, counts
+    assert counts["borrowed"] > 5 and counts["borrow refused: no_borrowing"] > 5, counts
+    assert counts["preemptions"] > 0 and counts["preempted and released"] > 0, counts
     assert live_problems == []
     assert check_invariants(*history(url)) == []
     assert check_grant_order(str(tmp_path / "stress.sqlite"), str(tmp_path / "replay.sqlite"), shapes) == []
+    assert preemption_problems(url) == []
     # the invariant checker itself catches a double booking and an over-limit user
     rows, entries = history(url)
-    _aid, _user, created, _ended, _state, gpu_id, _held = rows[0]
-    forged = [(10**6, "u1", created, None, "running", gpu_id, 1)]
-    forged += [(10**6 + k, "u1", created, None, "running", 10**6 + k, 1) for k in range(1, 4)]
+    _aid, _user, created, _ended, _state, gpu_id, _held, _borrowed = rows[0]
+    forged = [(10**6, "u1", created, None, "running", gpu_id, 1, 0)]
+    forged += [(10**6 + k, "u1", created, None, "running", 10**6 + k, 1, 0) for k in range(1, 4)]
     found = check_invariants(rows + forged, entries)
     assert any("at once" in p for p in found) and any(
         "held 4 GPUs, over their limit of 3" in p for p in found
@@ -298,6 +402,38 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(tmp_path):
     holder = rows[0]
     waited = [(10**6, holder[1], 7, holder[2], None)]  # more than any limit (6)
     assert any("held and waited for" in p for p in check_invariants(rows, entries + waited))
+    assert_the_checker_knows_the_borrowing_exception()
+
+
+def assert_the_checker_knows_the_borrowing_exception():
+    """Forged histories: u1 (limit 3, allowance 2) on GPUs of their own, nobody else."""
+    t = [f"2026-11-02 09:0{k}:00.000000" for k in range(10)]
+
+    def alloc(aid, start, n, borrowed, end=None):
+        return [(aid, "u1", t[start], end and t[end], "running", aid * 10 + k, 1, borrowed) for k in range(n)]
+
+    within = alloc(1, 0, 3, 0) + alloc(2, 1, 2, 2)  # 3 in the limit, 2 borrowed: allowed
+    assert check_invariants(within) == []
+    beyond = alloc(1, 0, 3, 0) + alloc(2, 1, 3, 3)  # 3 borrowed: beyond the allowance of 2
+    assert check_invariants(beyond) == [
+        f"u1 {what} 6 GPUs, over their limit of 3 (borrowed 3 of an allowance of 2)"
+        for what in ("held", "held and waited for")
+    ]
+    unmarked = alloc(1, 0, 3, 0) + alloc(2, 1, 2, 1)  # 2 beyond the limit, only 1 marked
+    found = check_invariants(unmarked)
+    assert "u1 held 5 GPUs, over their limit of 3 (borrowed 1 of an allowance of 2)" in found
+    # borrowed while somebody (u2) waited: reported, even though within the allowance
+    entry = (7, "u2", 1, t[0], t[5])
+    found = check_invariants(within, [entry])
+    assert found == [f"allocation 2 (u1) borrowed 2 GPU(s) at {t[1]} while 1 request(s) waited (entry 7)"]
+    assert check_invariants(within, [(7, "u2", 1, t[0], t[1])]) == []  # it had been granted by then
+    assert check_invariants(within, [(7, "u2", 1, t[2], None)]) == []  # it came later
+    # the borrowed GPUs given back: the limit holds again without any marks
+    later = alloc(1, 0, 3, 0) + alloc(2, 1, 2, 2, end=3) + alloc(3, 4, 1, 0)
+    assert check_invariants(later) == [
+        f"u1 {what} 4 GPUs, over their limit of 3" for what in ("held", "held and waited for")
+    ]
+    assert check_invariants(alloc(1, 0, 3, 0) + alloc(2, 1, 2, 2, end=3) + alloc(3, 4, 2, 2)) == []
 
 
 def test_the_order_checker_catches_a_grant_out_of_order(tmp_path):
