@@ -108,8 +108,9 @@ def _allowance_text(a: Allowance) -> str:
             f' You have used <span data-gpuhub="gpu-hours">{a.gpu_hours:.1f}</span> of '
             f"{lim.gpu_hours:g} GPU-hours over the last {lim.window_hours:g} hours."
         )
+    beyond = f" (and {a.borrowed} borrowed beyond it)" if a.borrowed else ""
     return (
-        f'You hold <span data-gpuhub="held">{a.held}</span> GPU(s) of {escape(limit)}: '
+        f'You hold <span data-gpuhub="held">{a.held}</span> GPU(s) of {escape(limit)}{beyond}: '
         f'you may take <span data-gpuhub="fits">{a.fits}</span> now.{quota}'
     )
 

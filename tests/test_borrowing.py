@@ -320,6 +320,20 @@ def test_borrowing_is_bounded_by_limit_plus_allowance(led, clock):
     assert rows(led.url, "queue_entries") == []
 
 
+def test_borrowed_gpus_do_not_count_against_the_limit(led, clock):
+    """Borrowed GPUs have their own allowance: a user who gave back their in-limit GPUs and
+    kept the borrowed ones may still take their limit within it (not borrowed, never preempted)."""
+    first = led.allocate("alice", [], 2)
+    extra = led.allocate("alice", [], 2, server_name="more")  # beyond the limit: borrowed
+    assert extra.borrowed == 2
+    led.release(first.id)
+    again = led.allocate("alice", [], 2, server_name="again")  # within the limit again
+    assert again.borrowed == 0 and held(led, "alice") == 4
+    with pytest.raises(Refusal) as err:  # and nothing more: limit and allowance are both used
+        led.allocate("alice", [], 1, server_name="one more")
+    assert err.value.reason == "over_limit" and "you hold 2 and 2 borrowed" in err.value.message
+
+
 def test_the_allowance_comes_from_the_user_and_group_entries(open_ledger, clock):
     led = open_ledger(rules=BorrowRules(default=0, groups={"staff": 1}, users={"carol": 2}))
     led.allocate("alice", [], 2)

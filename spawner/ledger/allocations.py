@@ -26,7 +26,9 @@ class AllocationRecords:
     """Allocate, start, renew and release; what a user holds and may take."""
 
     def _holdings(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
-        held = sum(_count(a) for a in self._active(s, user=user))
+        """What counts against the limit: GPUs held, less those borrowed beyond it (they have an
+        allowance of their own: ``_borrowed_part``), and the GPU-hours of the window."""
+        held = sum(_count(a) - (a.borrowed or 0) for a in self._active(s, user=user))
         hours = 0.0
         if limit.gpu_hours is not None:
             # borrowed GPU-hours count against the budget unless c.GpuHub.borrowed_hours_count is off
@@ -188,7 +190,7 @@ class AllocationRecords:
             borrowed = self._borrowed_part(s, user, groups, eff, holdings, count)
             within = max(0, (eff.limit.max_gpus or 0) - holdings.held)  # what the limit leaves
             if borrowed:  # beyond the limit, within the allowance: the limit check counts it
-                limit = replace(eff.limit, max_gpus=eff.limit.max_gpus + self._allowance(user, groups)[0])
+                limit = replace(eff.limit, max_gpus=eff.limit.max_gpus + borrowed)
                 eff = policy.EffectiveLimit(limit, eff.source)
             # the limit and what could ever fit; capacity is the queue's (or the scheduler's)
             policy.check_request(request, eff, holdings, inventory, inventory)

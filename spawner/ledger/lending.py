@@ -65,16 +65,18 @@ class LendingRecords:
 
     def _borrowed_part(self, s: Session, user, groups, eff, holdings, count: int) -> int:
         """GPUs of a request beyond the limit (0: within it), or a refusal beyond the allowance."""
+        # ``holdings.held`` is what counts against the limit (borrowed GPUs left out)
         allowance, source = self._allowance(user, groups)
         max_gpus = eff.limit.max_gpus
         if not allowance or max_gpus is None or holdings.held + count <= max_gpus:
             return 0
         held_borrowed = sum(a.borrowed or 0 for a in self._active(s, user=user))
-        got = borrowing.split(count, holdings.held, held_borrowed, max_gpus, allowance)
+        got = borrowing.split(count, holdings.held, 0, max_gpus, allowance - held_borrowed)
         if got is None:
-            most = max(0, max_gpus + allowance - holdings.held)
+            most = max(0, max_gpus - holdings.held) + max(0, allowance - held_borrowed)
+            also = f" and {held_borrowed} borrowed" if held_borrowed else ""
             raise policy.Refusal(
-                f"You asked for {count} GPU(s), but you hold {holdings.held} of "
+                f"You asked for {count} GPU(s), but you hold {holdings.held}{also} of "
                 f"{policy._describe_limit(eff)} and may borrow at most {allowance} beyond it "
                 f"({source}): at most {most} more.",
                 reason="over_limit",

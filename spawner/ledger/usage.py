@@ -23,7 +23,7 @@ class UsageRecords:
             q = q.where(Allocation.user == user)
         for a in s.scalars(q):
             start = a.started or a.created
-            yield start, a.ended, len(a.gpus) - ((a.borrowed or 0) if in_limit else 0)
+            yield start, a.ended, max(0, len(a.gpus) - ((a.borrowed or 0) if in_limit else 0))
 
     def usage_series(
         self, since: datetime, until: datetime, bucket_hours: float = 24.0, user: str | None = None
