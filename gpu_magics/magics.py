@@ -703,7 +703,9 @@ class DistributedMagics(CheckpointCommands, Magics):
             p.release()
         later = [p for p in parts if p not in now]
         self._releasing += later
-        delay = max(0.0, n.due - time.time()) + 0.5
+        # the broker gives the due time to the second, rounded down: a release before the due
+        # time would be recorded as an ordinary one, not as the preemption
+        delay = max(0.0, n.due - time.time()) + 1.5
         t = threading.Timer(delay, self._release_preempted)
         t.daemon = True
         t.start()
