@@ -89,6 +89,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def slurm_preemption(pool: EnginePool) -> str | None:
+    """The engines' own line when Slurm preempted their job and they saved at its SIGTERM."""
+    launcher = getattr(pool, "launcher", None)
+    job, autosave = getattr(launcher, "job_id", ""), getattr(launcher, "autosave", None)
+    if not job or not autosave or not autosave[0]:
+        return None
+    from .slurmengines import preemption_report
+
+    return preemption_report(autosave[1], job)
+
+
 def report(outcome: CellOutcome, pool: EnginePool) -> str:
     """What happened to each rank that did not finish, and to the pool: plain lines."""
     lines = []
@@ -116,6 +127,13 @@ def report(outcome: CellOutcome, pool: EnginePool) -> str:
             if r.traceback:
                 lines += ["    " + t for t in r.traceback.splitlines()]
     lines += outcome.notes
+    preempted = slurm_preemption(pool) if outcome.broken else None
+    if preempted:
+        lines += [
+            preempted,
+            "gpuhub: the engines' Slurm job was preempted (borrowed GPUs taken back); restore what "
+            "was saved with %distributed restore NAME... in a pool within your limit.",
+        ]
     if outcome.broken:
         lost = [r.rank for r in outcome.ranks if r.status in ("died", "killed", "gone")]
         which = ", ".join(map(str, lost)) or "a rank"
@@ -363,10 +381,13 @@ class DistributedMagics(CheckpointCommands, Magics):
 
     def _slurm_pool(self, args, timeout: float, launcher) -> EnginePool:
         """Engines as Slurm tasks; a burst job is tagged with the pool's burst (``self._burst``)."""
+        # the engines save the pool's --autosave names at Slurm's SIGTERM (a preemption)
+        launcher.autosave = (list(self.autosave), self.autosave_dir) if self.autosave else None
         if launcher.mode == "job":
             burst = self._burst
             launcher.allocation_id = burst.id
             launcher.on_submitted = burst.attach_job
+            launcher.borrowed = burst.borrowed  # beyond the limit: the job runs preemptible
         return EnginePool([], args.backend, timeout, launcher=launcher, n=args.gpus)
 
     def _new_gpus(self, args, on_slurm: bool, old: Burst | None):
@@ -703,10 +724,9 @@ class DistributedMagics(CheckpointCommands, Magics):
             p.release()
         later = [p for p in parts if p not in now]
         self._releasing += later
-        # the broker gives the due time to the second, rounded down: a release before the due
-        # time would be recorded as an ordinary one, not as the preemption
-        delay = max(0.0, n.due - time.time()) + 1.5
-        t = threading.Timer(delay, self._release_preempted)
+        # saved and stopped: the borrowed GPUs go back now, not at the due time (the ledger
+        # records a give-back after the notice as the preemption's, saying it came early)
+        t = threading.Timer(0.0, self._release_preempted)
         t.daemon = True
         t.start()
 
@@ -733,8 +753,8 @@ class DistributedMagics(CheckpointCommands, Magics):
         lines.append(
             "The engines were stopped"
             + (f"; allocation {held} (within your limit) was released" if held else "")
-            + "; the borrowed GPUs go back at "
-            + f"{n.due_text}."
+            + "; the borrowed GPUs are given back now (they were due at "
+            + f"{n.due_text})."
         )
         if kept:
             lines.append(

@@ -114,3 +114,26 @@ def test_streamer_prefixes_whole_lines(capsys):
     out, err = capsys.readouterr()
     assert out == "[rank 0] a\n[rank 0] bc\n"
     assert err == "[rank 1] warn\n"
+
+
+def test_a_slurm_preemption_reaches_the_cells_report(tmp_path):
+    """The engines' own line, written when Slurm's SIGTERM made them save, is what the lost
+    pool's report shows; without an autosave or for another job there is nothing to show."""
+    import json
+    from types import SimpleNamespace
+
+    from gpu_magics.checkpoint_engine import preempt_report_path
+    from gpu_magics.magics import slurm_preemption
+
+    line = "gpuhub: engine rank 0 preempted by Slurm (job 77): saved model to " + str(tmp_path)
+    path = preempt_report_path(str(tmp_path), "77")
+    with open(path, "w") as f:
+        json.dump({"text": line}, f)
+
+    def pool(job, autosave):
+        return SimpleNamespace(launcher=SimpleNamespace(job_id=job, autosave=autosave))
+
+    assert slurm_preemption(pool("77", (["model"], str(tmp_path)))) == line
+    assert slurm_preemption(pool("78", (["model"], str(tmp_path)))) is None
+    assert slurm_preemption(pool("77", None)) is None
+    assert slurm_preemption(SimpleNamespace(launcher=SimpleNamespace())) is None  # a local pool

@@ -379,6 +379,8 @@ class AllocationRecords:
             if a is None or a.state not in ACTIVE_STATES:
                 return False
             taken = self._reclaim_reason(s, a.id) or self._preempt_reason(s, a.id, self.clock())
+            if taken is None and self._preempt_reason(s, a.id):  # given back after its notice
+                taken = f"{self._preempt_reason(s, a.id)}; given back before it was due ({reason})"
             self._end(a, taken or reason)
             return True
 
