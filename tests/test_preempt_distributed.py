@@ -12,6 +12,8 @@ starts; `%distributed restore model` in a new 2-rank pool gives exactly the save
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
