@@ -185,7 +185,14 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         # a request may wait in the queue: what the user may take is bounded by the limit only
         room = allowance.may_take if allowance.may_take is not None else most
         allowance = dataclasses.replace(allowance, fits=min(room, most))
-        return form.render_form(allowance, models, self.default_gpus, per_partition, chosen)
+        return form.render_form(
+            allowance,
+            models,
+            self.default_gpus,
+            per_partition,
+            chosen,
+            grace_seconds=self.gpuhub.preempt_grace_seconds,  # Slurm's GraceTime on the borrow QOS
+        )
 
     # the job ------------------------------------------------------------------------
 
