@@ -290,3 +290,28 @@ enable_broker(c, url="http://127.0.0.1:{self.broker_port}")
         )
         assert r.status_code == 302, f"login failed for {user}: {r.status_code}"
         return s
+
+
+def user_tokens(hub: Hub, names=("alice", "bob", "carol", "dave", "admin")) -> dict[str, str]:
+    return {name: hub.user_token(name) for name in names}
+
+
+def tidy_ledger(hub: Hub, stop_servers: bool = False):
+    """The hub's ledger, for a fixture to yield; after the test nothing waits, no burst is
+    held, and (``stop_servers``) no demo user's server runs."""
+    from spawner.ledger import Ledger
+
+    led = Ledger(hub.ledger_url)
+    try:
+        yield led
+    finally:
+        for q in led.queue():
+            led.leave_queue(q.id, "test cleanup")
+        for a in led.active():
+            if a.purpose == "distributed":
+                led.release(a.id, "test cleanup")
+        if stop_servers:
+            for user in ("alice", "bob", "carol", "dave"):
+                if hub.server(user) is not None:
+                    hub.stop_server(user)
+        led.close()

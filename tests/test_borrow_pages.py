@@ -21,10 +21,10 @@ from playwright.sync_api import expect
 
 import spawner.broker
 from spawner.form import in_words
-from spawner.ledger import Ledger, PreemptionInfo, PreemptionNotice
+from spawner.ledger import PreemptionInfo, PreemptionNotice
 from spawner.notices import render_preemptions
 
-from .hubtools import ADMIN_PASSWORD, DEMO_PASSWORD, Hub, wait_for
+from .hubtools import ADMIN_PASSWORD, DEMO_PASSWORD, Hub, tidy_ledger, user_tokens, wait_for
 
 pytestmark = pytest.mark.hub
 
@@ -58,23 +58,13 @@ def hub(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokens(hub):
-    return {name: hub.user_token(name) for name in ("alice", "bob", "carol", "dave", "admin")}
+    return user_tokens(hub)
 
 
 @pytest.fixture
 def ledger(hub):
     """The hub's ledger; after each test nothing waits and no burst or server is held."""
-    led = Ledger(hub.ledger_url)
-    yield led
-    for q in led.queue():
-        led.leave_queue(q.id, "test cleanup")
-    for a in led.active():
-        if a.purpose == "distributed":
-            led.release(a.id, "test cleanup")
-    for user in ("alice", "bob", "carol", "dave"):
-        if hub.server(user) is not None:
-            hub.stop_server(user)
-    led.close()
+    yield from tidy_ledger(hub, stop_servers=True)
 
 
 def burst(hub, token, gpus, **extra):
@@ -194,7 +184,9 @@ def test_a_borrowed_server_is_marked_then_preempted_with_the_reason_shown(
     [p] = wait_for(lambda: ledger.preemptions(user="alice"), 30, "alice's server given notice")
     assert (p.allocation_id, p.purpose, p.borrowed, p.gpus, p.for_user) == (mine.id, "server", 2, 3, "bob")
     assert p.due - p.created == timedelta(seconds=GRACE)
-    assert p.reason.startswith("preempted: 2 borrowed GPU(s) taken back for another user's request within its limit")
+    assert p.reason.startswith(
+        "preempted: 2 borrowed GPU(s) taken back for another user's request within its limit"
+    )
 
     # after the grace period the broker stops alice's server; bob's spawn starts on its GPUs
     ended = wait_for(

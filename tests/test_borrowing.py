@@ -24,6 +24,8 @@ from spawner.ledger import BorrowSettings, Ledger, QueueSettings
 from spawner.policy import Gpu, Limit, LimitRules, Refusal, Request
 from spawner.settings import GpuHub
 
+from .ledgertools import Clock
+
 T = datetime(2026, 11, 2, 9, 0)
 
 # the pure decisions ----------------------------------------------------------------------
@@ -223,20 +225,9 @@ RULES = LimitRules(default=Limit(max_gpus=2))
 GRACE = 300.0
 
 
-class Clock:
-    def __init__(self):
-        self.now = T
-
-    def __call__(self):
-        return self.now
-
-    def advance(self, **kw):
-        self.now += timedelta(**kw)
-
-
 @pytest.fixture
 def clock():
-    return Clock()
+    return Clock(T)
 
 
 @pytest.fixture

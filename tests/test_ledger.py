@@ -14,23 +14,14 @@ from spawner.ledger import Ledger
 from spawner.models import Base
 from spawner.policy import Gpu, Limit, LimitRules, Refusal
 
+from .ledgertools import Clock
+
 INV = [Gpu("n1", i, "A100", 40960) for i in range(4)] + [Gpu("n2", i, "V100") for i in range(2)]
-
-
-class Clock:
-    def __init__(self):
-        self.now = datetime(2026, 11, 1, 9, 0)
-
-    def __call__(self):
-        return self.now
-
-    def advance(self, **kw):
-        self.now += timedelta(**kw)
 
 
 @pytest.fixture
 def clock():
-    return Clock()
+    return Clock(datetime(2026, 11, 1, 9, 0))
 
 
 @pytest.fixture

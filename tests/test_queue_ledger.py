@@ -11,25 +11,16 @@ from spawner.fairshare import Shares
 from spawner.ledger import Ledger, QueueSettings
 from spawner.policy import Gpu, Limit, LimitRules, Refusal
 
+from .ledgertools import Clock
+
 INV = [Gpu("n1", i, "A100") for i in range(4)]
 RULES = LimitRules(default=Limit(max_gpus=4))
 START = datetime(2026, 11, 2, 9, 0)
 
 
-class Clock:
-    def __init__(self):
-        self.now = START
-
-    def __call__(self):
-        return self.now
-
-    def advance(self, **kw):
-        self.now += timedelta(**kw)
-
-
 @pytest.fixture
 def clock():
-    return Clock()
+    return Clock(START)
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ from playwright.sync_api import expect
 
 import spawner.broker
 from spawner.broker.metrics import WAIT_BUCKETS, QueueWaitCollector
-from spawner.ledger import Ledger, QueueInfo
+from spawner.ledger import QueueInfo
 
-from .hubtools import ADMIN_PASSWORD, DEMO_PASSWORD, Hub, wait_for
+from .hubtools import ADMIN_PASSWORD, DEMO_PASSWORD, Hub, tidy_ledger, user_tokens, wait_for
 
 pytestmark = pytest.mark.hub
 
@@ -46,20 +46,13 @@ def hub(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokens(hub):
-    return {name: hub.user_token(name) for name in ("alice", "bob", "carol", "dave", "admin")}
+    return user_tokens(hub)
 
 
 @pytest.fixture
 def ledger(hub):
     """The hub's ledger; after each test nothing waits and no burst is held."""
-    led = Ledger(hub.ledger_url)
-    yield led
-    for q in led.queue():
-        led.leave_queue(q.id, "test cleanup")
-    for a in led.active():
-        if a.purpose == "distributed":
-            led.release(a.id, "test cleanup")
-    led.close()
+    yield from tidy_ledger(hub)
 
 
 def burst(hub, token, gpus, **extra):
