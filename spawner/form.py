@@ -109,9 +109,13 @@ def _allowance_text(a: Allowance) -> str:
             f"{lim.gpu_hours:g} GPU-hours over the last {lim.window_hours:g} hours."
         )
     beyond = f" (and {a.borrowed} borrowed beyond it)" if a.borrowed else ""
+    waits = ""
+    if a.may_take is None or a.may_take > a.fits:  # more fits the limit than is free now
+        more = "more" if a.may_take is None else f"up to {a.may_take}"
+        waits = f" Ask for {more} and the start waits in the queue for GPUs to free up, its place shown."
     return (
         f'You hold <span data-gpuhub="held">{a.held}</span> GPU(s) of {escape(limit)}{beyond}: '
-        f'you may take <span data-gpuhub="fits">{a.fits}</span> now.{quota}'
+        f'you may take <span data-gpuhub="fits">{a.fits}</span> now.{waits}{quota}'
     )
 
 
@@ -199,7 +203,9 @@ def render_form(
     back with (said in words when the user may borrow). The count has no ``max``: what the
     limit and the borrowing allowance allow is the server's call, and its refusal says why.
     """
-    value = min(default_gpus, allowance.fits)
+    # capped by the limit, not by what is free: a request that does not fit now waits its turn
+    room = allowance.may_take
+    value = min(default_gpus, allowance.fits if room is None else max(room, allowance.fits))
     borrow = borrow_text(allowance, grace_seconds)
     parts = [
         '<div class="mb-3" id="gpuhub-form">',

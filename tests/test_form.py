@@ -95,6 +95,24 @@ def test_render_form_shows_free_allowance_and_escapes():
     assert 'class="form-control"' in html and 'class="form-select"' in html
 
 
+@pytest.mark.parametrize(
+    "may_take, fits, default, value, says_queue",
+    [
+        (2, 0, 1, 1, "Ask for up to 2 and the start waits in the queue"),  # full: it waits
+        (2, 0, 3, 2, "Ask for up to 2 and the start waits in the queue"),  # capped by the limit
+        (2, 1, 2, 2, "Ask for up to 2 and the start waits in the queue"),  # 1 free, 2 allowed
+        (1, 1, 2, 1, None),  # all it may take is free: nothing waits
+        (0, 0, 1, 0, None),  # at the limit: nothing to wait for
+    ],
+)
+def test_the_form_says_a_larger_start_waits_in_the_queue(may_take, fits, default, value, says_queue):
+    html = render_form(allowance(may_take=may_take, fits=fits), ["A100"], default_gpus=default)
+    assert f'value="{value}"' in html
+    assert ("waits in the queue" in html) is (says_queue is not None)
+    if says_queue:
+        assert says_queue in html
+
+
 def test_render_form_single_model_has_no_select_and_shows_quota():
     a = allowance(effective=EffectiveLimit(Limit(max_gpus=None, gpu_hours=10), "default"), gpu_hours=2.5)
     html = render_form(a, ["A100"], default_gpus=1)
