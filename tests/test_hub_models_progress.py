@@ -50,11 +50,20 @@ def test_model_choice_and_progress_messages(tmp_path):
         env = hub.server_env("alice")
         assert env["GPUHUB_GPU_MODEL"] == "H100" and env["GPUHUB_GPUS"] == "sim2:0,sim2:1"
 
-        # a refusal in the background shows in the progress stream, and nothing is held
+        # both H100s are alice's: bob's start waits, its place in the progress stream, holding nothing
         r = hub.spawn("bob", {"gpus": 2, "gpu_model": "H100"})
         assert r.status_code == 202
+        line = hub.wait_progress("bob", "waiting for 2 GPUs")
+        assert line.startswith("1st of 1 waiting for 2 GPUs"), line
+        assert ledger.active(user="bob") == []
+        hub.stop_server("bob")
+        assert ledger.queue() == []
+
+        # a refusal in the background shows in the progress stream, and nothing is held
+        r = hub.spawn("bob", {"gpus": 3, "gpu_model": "H100"})
+        assert r.status_code == 202
         events = list(progress_events(hub, "bob"))
-        assert events[-1].get("failed") and "only 0 are free" in events[-1]["message"]
+        assert events[-1].get("failed") and "at most 2 of model H100" in events[-1]["message"], events
         assert ledger.active(user="bob") == []
         hub.stop_server("alice")
     finally:
