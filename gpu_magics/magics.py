@@ -294,17 +294,20 @@ class DistributedMagics(CheckpointCommands, Magics):
         )
 
     def _room(self) -> int | None:
-        """GPUs the user may still take within their limit (None: no limit, or unknown)."""
+        """GPUs the user may still take within their limit, when they could borrow beyond it
+        (None: no limit, nothing to borrow, or unknown: one allocation, refused as such)."""
         from .brokerclient import BrokerClient
 
         client = BrokerClient.from_env()
         if client is None:
             return None
         try:
-            room = client.me().get("may_take")
+            me = client.me()
         except Exception:  # unknown: asked for as one allocation, as before
             return None
-        return room if isinstance(room, int) else None
+        room, borrow = me.get("may_take"), me.get("borrow") or {}
+        left = (borrow.get("allowance") or 0) - (borrow.get("borrowed") or 0)
+        return room if isinstance(room, int) and left > 0 else None
 
     def _request_local_burst(self, n: int, held: int, wanted: int, wait: bool, node: str | None):
         """A local burst of ``n`` GPUs on one node. Where only part of it fits the user's limit

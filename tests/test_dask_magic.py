@@ -143,7 +143,7 @@ class FakeBroker:
     def __init__(self, refuse: str | None = None, lost: bool = False):
         self.refuse, self.lost, self.calls = refuse, lost, []
 
-    def request(self, gpus, nodes, gpus_per_node, lease_seconds, node=None):
+    def request(self, gpus, nodes, gpus_per_node, lease_seconds, node=None, wait=False):
         self.calls.append(("request", gpus, nodes, gpus_per_node) + ((node,) if node else ()))
         if self.refuse:
             raise BrokerError(403, self.refuse, "limit", 1)
