@@ -146,6 +146,15 @@ class LendingRecords:
         Only the first entry that cannot start is served per call; nothing is preempted when
         what is already being taken back will do, or when no choice of borrowed allocations
         would let it start."""
+        with self._read() as s:  # the broker asks every sweep: most of the time, nothing to do
+            waits = s.scalar(select(QueueEntry.id).where(QueueEntry.state == "waiting").limit(1))
+            lent = s.scalar(
+                select(Allocation.id)
+                .where(Allocation.state.in_(ACTIVE_STATES), Allocation.borrowed > 0)
+                .limit(1)
+            )
+            if waits is None or lent is None:
+                return []
         with self._tx() as s:
             now = self.clock()
             self._expire(s)
