@@ -3,7 +3,7 @@ stop cycling: on the real cluster, as a second real account.
 
 bob submits engines jobs whose comments hold a newline and then a line that imitates
 ``scontrol -d show job``'s per-node line (naming the GPU alice's server holds), the old
-``squeue -o '%i|%T|...|%k'`` line of a job 777 of carol's (tagged with carol's live
+``squeue -o '%i|%T|...|%k'`` line of a job of carol's (tagged with carol's live
 allocation), or that line for alice's own job, ended. gpuhub reads jobs from ``squeue --json``
 (and in the text fallback refuses a job whose text holds a newline), so the real watcher,
 cycling on its own, records bob's real GPU only, attaches and cancels nothing, and goes on;
@@ -92,8 +92,10 @@ async def test_a_forged_gres_line_in_a_comment_takes_nobodys_gpu(cluster, tmp_pa
         led.close()
 
 
-# bob's comment, exactly: in the old one-line text form, a job 777 of carol's tagged gpuhub:5
-BOB = "gpuhub:99\n777|RUNNING|None|gpu-node1|carol|gpuhub-server|N/A|gpuhub:5"
+# bob's comment, exactly: in the old one-line text form, a job of carol's tagged gpuhub:5, with
+# an id above Slurm's MaxJobId (67043328), so that no real job of the test cluster ever has it
+FORGED = "99999999"
+BOB = f"gpuhub:99\n{FORGED}|RUNNING|None|gpu-node1|carol|gpuhub-server|N/A|gpuhub:5"
 
 
 async def cycles_until(watcher, done, what, timeout=60):
@@ -144,7 +146,7 @@ async def test_forged_job_lines_cancel_attach_and_record_nothing_and_the_watcher
         led.attach_job(burst.id, bob_job)
         # the old text form shows the forged lines as job lines
         text = slurm("squeue", "-h", "-a", "-t", "all", "-o", "%i|%T|%r|%N|%u|%j|%S|%k").stdout
-        assert "777|RUNNING|None|gpu-node1|carol|gpuhub-server|N/A|gpuhub:5" in text.splitlines()
+        assert f"{FORGED}|RUNNING|None|gpu-node1|carol|gpuhub-server|N/A|gpuhub:5" in text.splitlines()
         assert f"{alice_job}|COMPLETED|None|{held.node}|alice|gpuhub-server|N/A|gpuhub:{mine.id}" in text
 
         def settled():
@@ -161,7 +163,7 @@ async def test_forged_job_lines_cancel_attach_and_record_nothing_and_the_watcher
         assert alice_now.state == "running" and [g.label for g in alice_now.gpus] == [held.label]
         assert alice_now.backend_job_id == alice_job and watcher.jobs[alice_job].state == "RUNNING"
         assert led.get(carol.id).backend_job_id is None and led.get(carol.id).state == "starting"
-        assert "777" not in watcher.jobs and not watcher.unreadable
+        assert FORGED not in watcher.jobs and not watcher.unreadable
         assert list(watcher.cancelled) == [] and list(watcher.refused) == []
         assert job_state(alice_job) == "RUNNING" and all(job_state(j) == "RUNNING" for j in forged)
 
@@ -171,7 +173,7 @@ async def test_forged_job_lines_cancel_attach_and_record_nothing_and_the_watcher
         for _ in range(2):
             await text_watcher.cycle()
             assert text_watcher.failures == 0
-        assert {*forged, bob_job} <= text_watcher.unreadable and "777" not in text_watcher.jobs
+        assert {*forged, bob_job} <= text_watcher.unreadable and FORGED not in text_watcher.jobs
         assert text_watcher.jobs[alice_job].running and not text_watcher.cancelled
         assert led.get(mine.id).state == "running" and led.get(carol.id).backend_job_id is None
 
