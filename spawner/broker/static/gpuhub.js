@@ -491,7 +491,7 @@ function fillMyQueue(queue) {
   const body = document.querySelector("#my-queue tbody");
   if (!body) return;
   const rows = queue.map((q) => row(
-    [q.id, queueWhat(q), queueGpus(q), el("span", { class: "queue-line" }, q.line), utcTime(q.created),
+    [`#${q.id}`, queueWhat(q), queueGpus(q), el("span", { class: "queue-line" }, q.line), utcTime(q.created),
       button("Leave", "btn-outline-danger", { queueLeave: q.id })],
     { "data-queue-entry": q.id }));
   body.replaceChildren(...(rows.length ? rows : [emptyRow(6, "You are not waiting for GPUs.")]));
