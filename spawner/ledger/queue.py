@@ -211,9 +211,9 @@ class QueueRecords:
             )
             for e in rows
         }
-        if new is not None:
+        if new is not None:  # a request not yet in the queue, with its user's run length
             candidates.append(new[0])
-            waiting[new[0].id] = new[1]
+            waiting[new[0].id] = replace(new[1], run_hours=runs.get(new[0].user, default_run))
             groups[new[0].user] = list(new_groups)  # its share as it will have once it waits
         # shares are parts of every known user's (as Slurm's of every association): who waits
         # now does not move anyone's factor
@@ -222,8 +222,10 @@ class QueueRecords:
         found = fairshare.factors(candidates, usage, share, now, qs.weights)
         ordered = fairshare.order(candidates, found)
         held = []
-        reclaimed = set(s.scalars(select(Reclaim.allocation_id)))
-        for a in self._active(s):
+        live = self._active(s)
+        ids = [a.id for a in live]
+        reclaimed = set(s.scalars(select(Reclaim.allocation_id).where(Reclaim.allocation_id.in_(ids))))
+        for a in live:
             gpus = tuple(sorted(_gpu(ag.gpu) for ag in a.gpus if ag.held))
             if not gpus:
                 continue
@@ -444,11 +446,9 @@ class QueueRecords:
         front = adopt.front if adopt is not None else None
         if adopt is not None:  # it stands where the entry stood; the plan sees it as new
             adopt.state = "left"
-        # the plan sees the new request as one more waiting entry, with the user's run length
-        _usage, runs = self._usage_and_runs(s, now)
-        run = runs.get(user, self.queue_settings.default_run_hours)
+        # the plan sees the new request as one more waiting entry (the scene fills in its run length)
         cand = fairshare.Candidate(NEW, user, created, front)
-        scene = self._scene(s, now, (cand, queueplan.Waiting(NEW, request, run, nodes)), groups)
+        scene = self._scene(s, now, (cand, queueplan.Waiting(NEW, request, 0.0, nodes)), groups)
         if adopt is not None:
             adopt.state = "waiting"
         gpus = scene.plan.grants.get(NEW)
