@@ -385,3 +385,13 @@ def test_the_home_page_words_of_a_preemption(notice, now_seconds, words):
     assert words in html, html
     assert "<b>2</b>" not in html  # the reason is escaped
     assert re.search(r'data-state="(pending|done)"', html)
+
+
+@pytest.mark.parametrize("path", ["reclaims", "preemptions"])
+@pytest.mark.parametrize(
+    "since, words", [("yesterday-ish", "'since'"), ("2999-01-01T00:00:00Z", "'since' is in the future.")]
+)
+def test_a_bad_since_is_refused_with_the_field_named(hub, tokens, path, since, words):
+    r = hub.broker("GET", f"{path}?since={since}", tokens["admin"])
+    assert r.status_code == 400 and r.json()["reason"] == "bad_request", r.text
+    assert words in r.json()["message"]

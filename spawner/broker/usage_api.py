@@ -75,16 +75,25 @@ class UtilizationHandler(APIHandler):
         self.finish(views.utilization_json(table, broker.utilization, broker.reclaim_rules.stale_after))
 
 
-class ReclaimsHandler(APIHandler):
-    async def get(self):
-        who = self.whose("reclaims")
-        now = utcnow()
+class _SinceHandler(APIHandler):
+    def since_argument(self, now):
+        """``since`` (default: the usage days), or None with a 400 sent."""
         try:
             since = self.time_argument("since", f"{self.broker.settings.usage_days}d", now)
         except values.BadValue as e:
             return self.fail(400, str(e), "bad_request")
         if since > now + timedelta(seconds=1):
             return self.fail(400, "'since' is in the future.", "bad_request")
+        return since
+
+
+class ReclaimsHandler(_SinceHandler):
+    async def get(self):
+        who = self.whose("reclaims")
+        now = utcnow()
+        since = self.since_argument(now)
+        if since is None:
+            return
         found = await self.broker.run(self.broker.ledger.reclaims, who, since)
         per_user = totals(found)
         self.finish(
@@ -100,16 +109,13 @@ class ReclaimsHandler(APIHandler):
         )
 
 
-class PreemptionsHandler(APIHandler):
+class PreemptionsHandler(_SinceHandler):
     async def get(self):
         who = self.whose("preemptions")
         now = utcnow()
-        try:
-            since = self.time_argument("since", f"{self.broker.settings.usage_days}d", now)
-        except values.BadValue as e:
-            return self.fail(400, str(e), "bad_request")
-        if since > now + timedelta(seconds=1):
-            return self.fail(400, "'since' is in the future.", "bad_request")
+        since = self.since_argument(now)
+        if since is None:
+            return
         ledger = self.broker.ledger
         found = await self.broker.run(ledger.preemption_records, who, since)
         per_user = await self.broker.run(ledger.borrowing_totals, since, now, who)
