@@ -6,6 +6,8 @@ import pytest
 
 from spawner.ledger import Ledger
 
+from . import dbtools
+
 
 @pytest.fixture
 def ledger(hub):
@@ -13,6 +15,13 @@ def ledger(hub):
     led = Ledger(hub.ledger_url)
     yield led
     led.close()
+
+
+@pytest.fixture(params=dbtools.BACKENDS)
+def db_url(request, tmp_path):
+    """A fresh, empty ledger database: the test runs once on SQLite, once on PostgreSQL."""
+    with dbtools.ledger_database(request.param, tmp_path) as url:
+        yield url
 
 
 # Debian's headless Chromium: the flags it needs to run as root without a display

@@ -1,4 +1,5 @@
-"""The ledger on a real SQLite file: admission, release, limits, inventory sync, schema."""
+"""The ledger on a real SQLite file and a real PostgreSQL database: admission, release, limits,
+inventory sync, schema."""
 
 import os
 from datetime import datetime, timedelta
@@ -6,12 +7,12 @@ from datetime import datetime, timedelta
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, insert, select, text
 from sqlalchemy.exc import IntegrityError
 
-from spawner import db
+from spawner import cli, db
 from spawner.ledger import Ledger
-from spawner.models import Base
+from spawner.models import Allocation, AllocationGpu, Base
 from spawner.policy import Gpu, Limit, LimitRules, Refusal
 
 from .ledgertools import Clock
@@ -25,8 +26,8 @@ def clock():
 
 
 @pytest.fixture
-def url(tmp_path):
-    return f"sqlite:///{tmp_path / 'gpuhub.sqlite'}"
+def url(db_url):
+    return db_url
 
 
 @pytest.fixture
@@ -159,22 +160,11 @@ def test_database_refuses_double_booking_even_without_the_policy(ledger, url):
     a = ledger.allocate("alice", [], 1)
     engine = create_engine(url)
     with pytest.raises(IntegrityError), engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO allocations (user, purpose, server_name, state, created, backend) "
-                "VALUES ('mallory', 'server', '', 'running', '2026-01-01', 'local')"
-            )
-        )
-        gpu_id = conn.execute(
-            text("SELECT gpu_id FROM allocation_gpus WHERE allocation_id = :a"), {"a": a.id}
-        ).scalar()
-        conn.execute(
-            text(
-                "INSERT INTO allocation_gpus (allocation_id, gpu_id, held) "
-                "VALUES (last_insert_rowid(), :g, 1)"
-            ),
-            {"g": gpu_id},
-        )
+        row = {"user": "mallory", "purpose": "server", "server_name": "", "state": "running"}
+        row |= {"created": datetime(2026, 1, 1), "backend": "local"}
+        forged = conn.execute(insert(Allocation).values(row).returning(Allocation.id)).scalar_one()
+        gpu_id = conn.scalar(select(AllocationGpu.gpu_id).where(AllocationGpu.allocation_id == a.id))
+        conn.execute(insert(AllocationGpu).values(allocation_id=forged, gpu_id=gpu_id, held=True))
     engine.dispose()
 
 
@@ -198,8 +188,7 @@ def test_schema_from_a_newer_gpuhub_is_refused(url):
     engine.dispose()
 
 
-def test_foreign_tables_are_not_adopted(tmp_path):
-    url = f"sqlite:///{tmp_path / 'hub.sqlite'}"
+def test_foreign_tables_are_not_adopted(url):
     engine = create_engine(url)
     with engine.begin() as conn:
         conn.execute(text("CREATE TABLE users (id INTEGER)"))
@@ -208,40 +197,47 @@ def test_foreign_tables_are_not_adopted(tmp_path):
         Ledger(url)
 
 
-def test_sqlite_runs_in_wal_mode(ledger):
-    with ledger.engine.connect() as conn:
+@pytest.fixture
+def sqlite_ledger(tmp_path, clock):
+    led = Ledger(f"sqlite:///{tmp_path / 'gpuhub.sqlite'}", clock=clock)
+    led.sync_inventory(INV)
+    yield led
+    led.close()
+
+
+def test_sqlite_runs_in_wal_mode(sqlite_ledger):
+    with sqlite_ledger.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
 
 
-def test_a_new_sqlite_ledger_is_private_to_the_hubs_account(ledger, url):
-    ledger.allocate("alice", [], 1)  # forces the WAL files into being
-    path = url.removeprefix("sqlite:///")
+def test_a_new_sqlite_ledger_is_private_to_the_hubs_account(sqlite_ledger):
+    sqlite_ledger.allocate("alice", [], 1)  # forces the WAL files into being
+    path = sqlite_ledger.url.removeprefix("sqlite:///")
     for f in (path, path + "-wal", path + "-shm"):
         assert os.stat(f).st_mode & 0o077 == 0, f
 
 
-def test_a_ledger_at_the_first_schema_is_refused_then_upgraded_with_its_data(tmp_path):
+def test_a_ledger_at_the_first_schema_is_refused_then_upgraded_with_its_data(url):
     from alembic import command
 
-    url = f"sqlite:///{tmp_path / 'v1.sqlite'}"
     command.upgrade(db.alembic_config(url), "0001")
     engine = create_engine(url)
     with engine.begin() as conn:  # a server allocation written by the first gpuhub release
         conn.execute(text("INSERT INTO nodes (id, name) VALUES (1, 'n1')"))
         conn.execute(
-            text("INSERT INTO gpus (id, node_id, \"index\", model, present) VALUES (1, 1, 0, 'A100', 1)")
+            text("INSERT INTO gpus (id, node_id, \"index\", model, present) VALUES (1, 1, 0, 'A100', true)")
         )
         conn.execute(
             text(
-                "INSERT INTO allocations (id, user, purpose, server_name, state, created, backend) "
+                'INSERT INTO allocations (id, "user", purpose, server_name, state, created, backend) '
                 "VALUES (1, 'alice', 'server', '', 'running', '2026-11-01 10:00:00', 'local')"
             )
         )
-        conn.execute(text("INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES (1, 1, 1)"))
+        conn.execute(text("INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES (1, 1, true)"))
     engine.dispose()
     with pytest.raises(db.SchemaError, match="gpuhub db upgrade"):
         Ledger(url)
-    db.upgrade(url)
+    assert cli.main(["--db-url", url, "db", "upgrade"]) == 0  # every migration, 0002 to head
     led = Ledger(url)
     [a] = led.active(user="alice")
     assert [g.label for g in a.gpus] == ["n1:0"] and a.lease_expires is None
