@@ -2,8 +2,8 @@
 
 The pure decisions (spawner/borrowing.py) in tables; the traits (GpuHub.borrow_settings);
 then the ledger (spawner/ledger/lending.py and the borrowing path of allocations.py) on a
-real SQLite file with a clock the test moves: 4 simulated GPUs, a limit of 2 each and a
-borrowing allowance of 2 each, users alice, bob, carol, dave."""
+real SQLite file and a real PostgreSQL database, with a clock the test moves: 4 simulated
+GPUs, a limit of 2 each and a borrowing allowance of 2 each, users alice, bob, carol, dave."""
 
 from datetime import datetime, timedelta
 
@@ -231,8 +231,8 @@ def clock():
 
 
 @pytest.fixture
-def url(tmp_path):
-    return f"sqlite:///{tmp_path / 'gpuhub.sqlite'}"
+def url(db_url):
+    return db_url
 
 
 @pytest.fixture

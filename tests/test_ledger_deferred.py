@@ -1,4 +1,5 @@
-"""The ledger's scheduler-placed (deferred) allocations, GPUs recorded later, and known users."""
+"""The ledger's scheduler-placed (deferred) allocations, GPUs recorded later, and known users,
+on SQLite and on PostgreSQL."""
 
 import pytest
 
@@ -9,9 +10,9 @@ INV = [Gpu("n1", i, "A100") for i in range(4)] + [Gpu("n2", i, "A100") for i in 
 
 
 @pytest.fixture
-def ledger(tmp_path):
+def ledger(db_url):
     rules = LimitRules(default=Limit(max_gpus=2), groups={"staff": Limit(max_gpus=None)})
-    led = Ledger(f"sqlite:///{tmp_path}/l.sqlite", config_rules=rules)
+    led = Ledger(db_url, config_rules=rules)
     led.sync_inventory(INV)
     yield led
     led.close()
@@ -151,8 +152,8 @@ def test_note_user_and_effective_limits(ledger):
     assert ledger.effective_limits(["alice"])["alice"].source == "default"
 
 
-def test_attach_job_is_once_and_a_job_belongs_to_one_allocation(tmp_path):
-    led = Ledger(f"sqlite:///{tmp_path}/l.sqlite", config_rules=LimitRules(default=Limit(max_gpus=8)))
+def test_attach_job_is_once_and_a_job_belongs_to_one_allocation(db_url):
+    led = Ledger(db_url, config_rules=LimitRules(default=Limit(max_gpus=8)))
     led.sync_inventory([Gpu("n1", i, "a100") for i in range(4)])
     a = led.allocate("alice", [], 1, deferred=True, backend="slurm")
     b = led.allocate("alice", [], 1, deferred=True, backend="slurm")
@@ -170,8 +171,8 @@ def test_attach_job_is_once_and_a_job_belongs_to_one_allocation(tmp_path):
     led.close()
 
 
-def test_record_gpus_refuses_more_gpus_than_were_admitted(tmp_path):
-    led = Ledger(f"sqlite:///{tmp_path}/l.sqlite", config_rules=LimitRules(default=Limit(max_gpus=8)))
+def test_record_gpus_refuses_more_gpus_than_were_admitted(db_url):
+    led = Ledger(db_url, config_rules=LimitRules(default=Limit(max_gpus=8)))
     led.sync_inventory([Gpu("n1", i, "a100") for i in range(4)])
     a = led.allocate("alice", [], 1, deferred=True, backend="slurm")
     with pytest.raises(ValueError, match="admitted for 1 GPUs; the job shows 2"):

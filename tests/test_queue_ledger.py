@@ -1,6 +1,6 @@
-"""The queue in the ledger, on a real SQLite file with a clock the test moves: 4 simulated
-GPUs, three users (alice, bob, carol). Waiting, the fair-share order, backfill, the
-direct allocate that must not pass the queue, limits, keepalive, restarts."""
+"""The queue in the ledger, on a real SQLite file and a real PostgreSQL database, with a clock
+the test moves: 4 simulated GPUs, three users (alice, bob, carol). Waiting, the fair-share
+order, backfill, the direct allocate that must not pass the queue, limits, keepalive, restarts."""
 
 from datetime import datetime, timedelta
 
@@ -24,8 +24,8 @@ def clock():
 
 
 @pytest.fixture
-def url(tmp_path):
-    return f"sqlite:///{tmp_path / 'gpuhub.sqlite'}"
+def url(db_url):
+    return db_url
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def led(open_ledger):
 def entry_rows(url):
     engine = create_engine(url)
     with engine.connect() as conn:
-        rows = conn.execute(text("SELECT id, user, state FROM queue_entries ORDER BY id")).all()
+        rows = conn.execute(text('SELECT id, "user", state FROM queue_entries ORDER BY id')).all()
     engine.dispose()
     return rows
 
