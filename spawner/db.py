@@ -3,7 +3,10 @@
 - SQLite: WAL journal, a busy timeout, foreign keys on, and every transaction opened with
   ``BEGIN IMMEDIATE`` so that a read-check-write admission is one atomic step across
   processes (a deferred transaction would read, then fail to upgrade its lock).
-- Any other SQLAlchemy URL (PostgreSQL in production) relies on the ``ledger_lock`` row.
+- Any other SQLAlchemy URL (PostgreSQL in production) relies on the ``ledger_lock`` row:
+  writers run at READ COMMITTED (each statement after the lock sees the last writer's
+  commit); on PostgreSQL a reader engine's transactions are REPEATABLE READ and read-only,
+  one snapshot for all their statements, as a WAL reader's on SQLite.
 - The schema is owned by Alembic (``spawner/migrations``). A new, empty database is
   created at head; a database behind head is refused with the command that upgrades it.
 """
@@ -59,7 +62,14 @@ def make_engine(url: str, *, writer: bool = True) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if writer else "BEGIN")
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    if writer or make_url(url).get_backend_name() != "postgresql":
+        return create_engine(url, pool_pre_ping=True)
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        isolation_level="REPEATABLE READ",
+        execution_options={"postgresql_readonly": True},
+    )
 
 
 def alembic_config(url: str) -> Config:

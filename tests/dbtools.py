@@ -87,3 +87,15 @@ def ledger_database(backend: str, tmp_path: Path) -> Iterator[str]:
         return
     with postgres_database() as url:
         yield url
+
+
+def waiting_for_a_lock(url: str) -> int:
+    """How many connections to the database of ``url`` (from :func:`postgres_database`) wait
+    for a lock now."""
+    with _admin().connect() as conn:
+        return conn.scalar(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = :n AND wait_event_type = 'Lock'"
+            ),
+            {"n": make_url(url).query["application_name"]},
+        )

@@ -2,12 +2,13 @@
 inventory sync, schema."""
 
 import os
+import threading
 from datetime import datetime, timedelta
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, insert, select, text
+from sqlalchemy import create_engine, func, insert, select, text
 from sqlalchemy.exc import IntegrityError
 
 from spawner import cli, db
@@ -15,6 +16,8 @@ from spawner.ledger import Ledger
 from spawner.models import Allocation, AllocationGpu, Base
 from spawner.policy import Gpu, Limit, LimitRules, Refusal
 
+from . import dbtools
+from .hubtools import wait_for
 from .ledgertools import Clock
 
 INV = [Gpu("n1", i, "A100", 40960) for i in range(4)] + [Gpu("n2", i, "V100") for i in range(2)]
@@ -168,6 +171,18 @@ def test_database_refuses_double_booking_even_without_the_policy(ledger, url):
     engine.dispose()
 
 
+def test_a_read_sees_one_snapshot_while_a_writer_commits(ledger):
+    def count(s):
+        return s.scalar(select(func.count()).select_from(Allocation))
+
+    with ledger._read() as s:
+        before = count(s)
+        ledger.allocate("alice", [], 1)  # committed meanwhile, through the writer's connection
+        assert count(s) == before
+    with ledger._read() as s:
+        assert count(s) == before + 1
+
+
 def test_migrations_match_the_models(url):
     engine = db.make_engine(url)
     db.ensure_schema(engine, url)
@@ -242,6 +257,35 @@ def test_a_ledger_at_the_first_schema_is_refused_then_upgraded_with_its_data(url
     [a] = led.active(user="alice")
     assert [g.label for g in a.gpus] == ["n1:0"] and a.lease_expires is None
     led.close()
+
+
+def test_a_new_postgresql_ledger_opened_twice_at_once_is_made_once():
+    """The hub and its broker open a new ledger at the same moment: the second waits for the
+    first's migrations (an advisory lock), then finds the schema at head."""
+    from alembic import command
+
+    with dbtools.postgres_database() as url:
+        engine = db.make_engine(url)
+        opened = {}
+
+        def open_second():
+            try:
+                opened["ledger"] = Ledger(url)
+            except Exception as e:
+                opened["error"] = e
+
+        with engine.begin() as conn:
+            cfg = db.alembic_config(url)
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")  # the first, not committed yet
+            second = threading.Thread(target=open_second)
+            second.start()
+            wait_for(lambda: dbtools.waiting_for_a_lock(url), 30, "the second to wait for the first")
+        second.join(60)
+        assert "error" not in opened, opened
+        assert db.current_revision(engine) == db.head_revision()
+        opened["ledger"].close()
+        engine.dispose()
 
 
 def test_leases_expire_and_renew(ledger, clock):

@@ -19,18 +19,30 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
+# any number: the key of the PostgreSQL advisory lock that one upgrade holds at a time
+UPGRADE_LOCK = 0x67707568
+
+
+def migrate(connection) -> None:
+    """Run the migrations in the connection's transaction. On PostgreSQL, upgrades of one
+    database wait for each other (two processes opening a new ledger at once): the second
+    then finds the schema at head (SQLite's BEGIN IMMEDIATE does the same there)."""
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({UPGRADE_LOCK})")
+    context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
+    context.run_migrations()
+
+
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
-        context.run_migrations()
+        migrate(connection)
         return
     from spawner.db import make_engine
 
     engine = make_engine(config.get_main_option("sqlalchemy.url"))
     with engine.begin() as conn:
-        context.configure(connection=conn, target_metadata=target_metadata, render_as_batch=True)
-        context.run_migrations()
+        migrate(conn)
     engine.dispose()
 
 
