@@ -95,7 +95,8 @@ def waiting_for_a_lock(url: str) -> int:
     with _admin().connect() as conn:
         return conn.scalar(
             text(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = :n AND wait_event_type = 'Lock'"
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE application_name = :n AND wait_event_type = 'Lock'"
             ),
             {"n": make_url(url).query["application_name"]},
         )
