@@ -1,4 +1,5 @@
-"""Several processes allocate, queue, wait, leave and release at random against one ledger file.
+"""Several processes allocate, queue, wait, leave and release at random against one ledger,
+on a SQLite file and on a PostgreSQL database.
 
 The invariant checker reads the whole history back from the database and replays it:
 no GPU is ever held by two allocations at the same moment, no user ever holds more than
@@ -6,7 +7,7 @@ their limit, nor holds and waits for more than it. It also runs concurrently wit
 workers on live snapshots.
 
 The order checker replays every grant: it rebuilds the ledger as it stood at the grant's
-moment (from the allocations' and queue entries' history, in a scratch database) and asks
+moment (from the allocations' and queue entries' history, in a scratch SQLite file) and asks
 that ledger's own :meth:`Ledger.queue` whether the plan at that moment started the entry
 (its position is 0). A request granted at once is checked as a waiting entry made at that
 moment. So a grant that passed someone the policy put first (a lost lock, a scene read
@@ -16,15 +17,17 @@ outside the write transaction, a new request ranked differently from a waiting o
 import itertools
 import multiprocessing as mp
 import random
-import sqlite3
 from collections import Counter, defaultdict
 from datetime import datetime, timedelta
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, delete, insert, select, update
 
 from spawner.borrowing import BorrowRules, effective_borrow
+from spawner.db import make_engine
 from spawner.fairshare import Shares
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
+from spawner.models import Allocation, AllocationGpu, Node, Preemption, QueueEntry
+from spawner.models import Gpu as GpuRow
 from spawner.policy import Gpu, Limit, LimitRules, Refusal, effective_limit
 
 INV = [Gpu(f"n{n}", i, "A100") for n in range(3) for i in range(4)]
@@ -39,6 +42,7 @@ QUIET_OPS = 40  # each worker's first operations queue nothing (the hub at night
 # preempted burst's next renewal is refused and the worker releases it
 BORROW = BorrowSettings(rules=BorrowRules(default=2, groups={"big": 1}), grace_seconds=0.0)
 COUNTS = [1, 1, 2, 2, 3, 4]  # GPUs asked for
+FOREVER = datetime.max  # the end of what has not ended
 
 
 def worker(url: str, seed: int, ops: int, results) -> None:
@@ -152,31 +156,34 @@ def worker(url: str, seed: int, ops: int, results) -> None:
     results.put((dict(n), shapes))
 
 
+def read(url: str, *queries):
+    """The rows of each query, all from one snapshot of the ledger (its reader's transaction),
+    times as datetimes on every database."""
+    engine = make_engine(url, writer=False)
+    try:
+        with engine.begin() as conn:
+            return [conn.execute(q).all() for q in queries]
+    finally:
+        engine.dispose()
+
+
+A, AG, E = Allocation, AllocationGpu, QueueEntry
+
+
 def history(url: str):
-    engine = create_engine(url)
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT a.id, a.user, a.created, a.ended, a.state, ag.gpu_id, ag.held, a.borrowed "
-                "FROM allocations a JOIN allocation_gpus ag ON ag.allocation_id = a.id"
-            )
-        ).all()
-        entries = conn.execute(text("SELECT id, user, gpu_count, created, ended FROM queue_entries")).all()
-    engine.dispose()
-    return rows, entries
+    return read(
+        url,
+        select(A.id, A.user, A.created, A.ended, A.state, AG.gpu_id, AG.held, A.borrowed).join(
+            AG, AG.allocation_id == A.id
+        ),
+        select(E.id, E.user, E.gpu_count, E.created, E.ended),
+    )
 
 
 def preemption_problems(url: str) -> list[str]:
     """Preemptions of allocations that borrowed nothing, or that had ended already."""
-    engine = create_engine(url)
-    with engine.connect() as conn:
-        found = conn.execute(
-            text(
-                "SELECT p.allocation_id, a.borrowed, a.created, a.ended, p.created FROM preemptions p "
-                "JOIN allocations a ON a.id = p.allocation_id"
-            )
-        ).all()
-    engine.dispose()
+    P = Preemption
+    [found] = read(url, select(P.allocation_id, A.borrowed, A.created, A.ended, P.created).join(A))
     problems = []
     for aid, borrowed, created, ended, at in found:
         if not borrowed:
@@ -196,7 +203,7 @@ def check_invariants(rows, entries=()) -> list[str]:
     per_gpu = defaultdict(list)
     allocs = {}
     for aid, user, created, ended, state, gpu_id, held, borrowed in rows:
-        end = ended or "9999"
+        end = ended or FOREVER
         per_gpu[gpu_id].append((created, end, aid))
         allocs.setdefault(aid, [user, created, end, 0, borrowed or 0])[3] += 1
         if (state == "released") == bool(held):
@@ -236,96 +243,101 @@ def check_invariants(rows, entries=()) -> list[str]:
     held_spans = [(u, c, e, n, b) for u, c, e, n, b in allocs.values()]
     replay(held_spans, "held")
     # what a user waits for counts against their limit too: held + waiting never passes it
-    waiting_spans = [(u, c, e or "9999", n, 0) for _id, u, n, c, e in entries]
+    waiting_spans = [(u, c, e or FOREVER, n, 0) for _id, u, n, c, e in entries]
     replay(held_spans + waiting_spans, "held and waited for")
     return problems
 
 
 class Replay:
-    """The ledger as it stood at a past moment, rebuilt in a scratch database from the
-    history of ``source``, read through a :class:`Ledger` whose clock stands at that moment."""
+    """The ledger as it stood at a past moment, rebuilt in a scratch SQLite file from the
+    history of ``source`` (any database), read through a :class:`Ledger` whose clock stands
+    at that moment."""
 
     def __init__(self, source: str, scratch: str):
-        self.source, self.scratch = source, scratch
+        self.scratch = f"sqlite:///{scratch}"
         self.moment = None
-        self.ledger = Ledger(f"sqlite:///{scratch}", config_rules=RULES, queue=QUEUE, clock=self.clock)
+        nodes, gpus, self.allocations, self.allocation_gpus, self.entries = (
+            [dict(r._mapping) for r in rows]
+            for rows in read(
+                source, *(select(t) for t in (Node, GpuRow, Allocation, AllocationGpu, QueueEntry))
+            )
+        )
+        self.ledger = Ledger(self.scratch, config_rules=RULES, queue=QUEUE, clock=self.clock)
         self.ledger.close()  # created at the schema's head; it reopens on each read
-        with self._connect() as db:
-            db.execute("DELETE FROM gpus")
-            db.execute("DELETE FROM nodes")
-            self._copy(db, "nodes")
-            self._copy(db, "gpus")
+        self.engine = create_engine(self.scratch)
+        with self.engine.begin() as db:
+            db.execute(delete(GpuRow))
+            db.execute(delete(Node))
+            self._copy(db, Node, nodes)
+            self._copy(db, GpuRow, gpus)
 
     def clock(self):
-        return datetime.fromisoformat(self.moment)
-
-    def _connect(self):
-        db = sqlite3.connect(self.scratch)
-        db.execute("ATTACH DATABASE ? AS src", (self.source,))
-        return db
+        return self.moment
 
     @staticmethod
-    def _copy(db, table: str, where: str = "", params=()) -> None:
-        """Copy ``table``'s rows from the source, by the columns both databases have."""
-        cols = [r[1] for r in db.execute(f"PRAGMA main.table_info({table})")]
-        have = {r[1] for r in db.execute(f"PRAGMA src.table_info({table})")}
-        names = ", ".join(f'"{c}"' for c in cols if c in have)
-        db.execute(f"INSERT INTO main.{table} ({names}) SELECT {names} FROM src.{table} {where}", params)
+    def _copy(db, model, rows) -> None:
+        if rows:
+            db.execute(insert(model), rows)
 
-    def queue_at(self, moment: str, new: dict | None = None):
+    def queue_at(self, moment: datetime, new: dict | None = None):
         """The queue as :meth:`Ledger.queue` saw it just before ``moment`` (a stored time),
         with ``new`` (queue_entries columns) as one more entry made at that moment."""
-        t = {"t": moment}
-        with self._connect() as db:
-            for table in ("allocation_gpus", "queue_entries", "allocations"):
-                db.execute(f"DELETE FROM {table}")
-            self._copy(db, "allocations", "WHERE created < :t", t)
-            db.execute("UPDATE allocations SET started = NULL WHERE started >= :t", t)
-            db.execute(
-                "UPDATE allocations SET ended = NULL, end_reason = NULL, state = CASE WHEN started "
-                "IS NULL THEN 'starting' ELSE 'running' END WHERE ended IS NULL OR ended >= :t",
-                t,
-            )
-            db.execute(
-                "INSERT INTO allocation_gpus SELECT ag.allocation_id, ag.gpu_id, a.ended IS NULL "
-                "FROM src.allocation_gpus ag JOIN allocations a ON a.id = ag.allocation_id"
-            )
-            self._copy(db, "queue_entries", "WHERE created < :t", t)
-            db.execute(
-                "UPDATE queue_entries SET state = 'waiting', ended = NULL, end_reason = NULL, "
-                "allocation_id = NULL WHERE ended IS NULL OR ended >= :t",
-                t,
-            )
+        allocations = []
+        for a in self.allocations:
+            if a["created"] >= moment:
+                continue
+            a = dict(a)
+            if a["started"] is not None and a["started"] >= moment:
+                a["started"] = None
+            if a["ended"] is None or a["ended"] >= moment:
+                a |= {"ended": None, "end_reason": None, "state": "running" if a["started"] else "starting"}
+            allocations.append(a)
+        live = {a["id"]: a["ended"] is None for a in allocations}
+        held = [
+            ag | {"held": live[ag["allocation_id"]]}
+            for ag in self.allocation_gpus
+            if ag["allocation_id"] in live
+        ]
+        entries = [
+            e
+            if e["ended"] is not None and e["ended"] < moment
+            else e | {"state": "waiting", "ended": None, "end_reason": None, "allocation_id": None}
+            for e in self.entries
+            if e["created"] < moment
+        ]
+        with self.engine.begin() as db:
+            for model in (AllocationGpu, QueueEntry, Allocation):
+                db.execute(delete(model))
+            self._copy(db, Allocation, allocations)
+            self._copy(db, AllocationGpu, held)
+            self._copy(db, QueueEntry, entries)
             if new is not None:
-                cols = ", ".join(new)
-                db.execute(
-                    f"INSERT INTO queue_entries ({cols}) VALUES ({', '.join(':' + c for c in new)})",
-                    new,
-                )
+                db.execute(insert(QueueEntry).values(new))
         self.moment = moment
-        led = Ledger(f"sqlite:///{self.scratch}", config_rules=RULES, queue=QUEUE, clock=self.clock)
+        led = Ledger(self.scratch, config_rules=RULES, queue=QUEUE, clock=self.clock)
         try:
             return led.queue()
         finally:
             led.close()
 
+    def close(self) -> None:
+        self.engine.dispose()
+
 
 def grants(source: str):
     """Every grant as ``(moment, entry id or None, allocation id, user, count, purpose, server_name)``;
     its moment is its allocation's creation, the time its transaction's plan was computed at."""
-    db = sqlite3.connect(source)
-    try:
-        waited = db.execute(
-            "SELECT a.created, e.id, a.id, a.user, a.gpu_count, a.purpose, a.server_name "
-            "FROM queue_entries e JOIN allocations a ON a.id = e.allocation_id WHERE e.state = 'granted'"
-        ).fetchall()
-        at_once = db.execute(
-            "SELECT a.created, NULL, a.id, a.user, a.gpu_count, a.purpose, a.server_name FROM allocations a "
-            "WHERE a.id NOT IN (SELECT allocation_id FROM queue_entries WHERE allocation_id IS NOT NULL)"
-        ).fetchall()
-    finally:
-        db.close()
-    return sorted(waited + at_once)
+    granted = select(E.allocation_id).where(E.allocation_id.is_not(None))
+    waited, at_once = read(
+        source,
+        select(A.created, E.id, A.id, A.user, A.gpu_count, A.purpose, A.server_name)
+        .join(A, A.id == E.allocation_id)
+        .where(E.state == "granted"),
+        select(A.created, None, A.id, A.user, A.gpu_count, A.purpose, A.server_name).where(
+            A.id.not_in(granted)
+        ),
+    )
+    return sorted(tuple(r) for r in waited + at_once)
 
 
 def check_grant_order(source: str, scratch: str, shapes: dict[int, int | None]) -> list[str]:
@@ -357,12 +369,15 @@ def check_grant_order(source: str, scratch: str, shapes: dict[int, int | None]) 
                 f"allocation {alloc_id} ({user}, {count} GPUs{f', entry {entry_id}' if entry_id else ''}) "
                 f"was granted at {moment} while the queue had it {q.position} of {q.waiting}"
             )
+    replay.close()
     return problems
 
 
-def test_concurrent_processes_never_double_book_or_exceed_limits(tmp_path):
-    url = f"sqlite:///{tmp_path / 'stress.sqlite'}"
-    Ledger(url, config_rules=RULES, queue=QUEUE).sync_inventory(INV)
+def test_concurrent_processes_never_double_book_or_exceed_limits(db_url, tmp_path):
+    url = db_url
+    first = Ledger(url, config_rules=RULES, queue=QUEUE)
+    first.sync_inventory(INV)
+    first.close()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(url, seed, 330, results)) for seed in range(4)]
@@ -387,7 +402,7 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(tmp_path):
     assert counts["preemptions"] > 0 and counts["preempted and released"] > 0, counts
     assert live_problems == []
     assert check_invariants(*history(url)) == []
-    assert check_grant_order(str(tmp_path / "stress.sqlite"), str(tmp_path / "replay.sqlite"), shapes) == []
+    assert check_grant_order(url, str(tmp_path / "replay.sqlite"), shapes) == []
     assert preemption_problems(url) == []
     # the invariant checker itself catches a double booking and an over-limit user
     rows, entries = history(url)
@@ -407,7 +422,7 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(tmp_path):
 
 def assert_the_checker_knows_the_borrowing_exception():
     """Forged histories: u1 (limit 3, allowance 2) on GPUs of their own, nobody else."""
-    t = [f"2026-11-02 09:0{k}:00.000000" for k in range(10)]
+    t = [datetime(2026, 11, 2, 9, k) for k in range(10)]
 
     def alloc(aid, start, n, borrowed, end=None):
         return [(aid, "u1", t[start], end and t[end], "running", aid * 10 + k, 1, borrowed) for k in range(n)]
@@ -436,7 +451,7 @@ def assert_the_checker_knows_the_borrowing_exception():
     assert check_invariants(alloc(1, 0, 3, 0) + alloc(2, 1, 2, 2, end=3) + alloc(3, 4, 2, 2)) == []
 
 
-def test_the_order_checker_catches_a_grant_out_of_order(tmp_path):
+def test_the_order_checker_catches_a_grant_out_of_order(db_url, tmp_path):
     """Two light users wait for 2 GPUs each, the first first; 2 GPUs free and the first gets
     them. The history passes; forged so that the second got them instead, it does not."""
     now = [datetime(2026, 11, 2, 9, 0)]
@@ -447,8 +462,8 @@ def test_the_order_checker_catches_a_grant_out_of_order(tmp_path):
     def tick():
         now[0] += timedelta(minutes=1)
 
-    source = tmp_path / "order.sqlite"
-    led = Ledger(f"sqlite:///{source}", config_rules=RULES, queue=QUEUE, clock=clock)
+    source = db_url
+    led = Ledger(source, config_rules=RULES, queue=QUEUE, clock=clock)
     led.sync_inventory(INV)
     shapes = {}
     for user, count in [("u0", 4), ("u3", 4), ("u6", 2), ("u1", 2)]:  # all 12 held
@@ -463,19 +478,16 @@ def test_the_order_checker_catches_a_grant_out_of_order(tmp_path):
     assert led.wait_turn(second.id).allocation is None  # u2 is ahead
     granted = led.wait_turn(first.id).allocation
     led.close()
-    assert check_grant_order(str(source), str(tmp_path / "replay1.sqlite"), shapes) == []
-    db = sqlite3.connect(source)
-    [(moment,)] = db.execute("SELECT created FROM allocations WHERE id = ?", (granted.id,)).fetchall()
-    with db:
-        moved = ("granted", moment, granted.id, second.id)
-        db.execute("UPDATE queue_entries SET state = ?, ended = ?, allocation_id = ? WHERE id = ?", moved)
-        db.execute(
-            "UPDATE queue_entries SET state = 'waiting', ended = NULL, allocation_id = NULL WHERE id = ?",
-            (first.id,),
-        )
-        db.execute("UPDATE allocations SET user = 'u4' WHERE id = ?", (granted.id,))
-    db.close()
-    found = check_grant_order(str(source), str(tmp_path / "replay2.sqlite"), shapes)
+    assert check_grant_order(source, str(tmp_path / "replay1.sqlite"), shapes) == []
+    engine = create_engine(source)
+    with engine.begin() as db:
+        moment = db.scalar(select(A.created).where(A.id == granted.id))
+        moved = {"state": "granted", "ended": moment, "allocation_id": granted.id}
+        db.execute(update(E).where(E.id == second.id).values(moved))
+        db.execute(update(E).where(E.id == first.id).values(state="waiting", ended=None, allocation_id=None))
+        db.execute(update(A).where(A.id == granted.id).values(user="u4"))
+    engine.dispose()
+    found = check_grant_order(source, str(tmp_path / "replay2.sqlite"), shapes)
     assert found == [
         f"allocation {granted.id} (u4, 2 GPUs, entry {second.id}) was granted at "
         f"{moment} while the queue had it 1 of 1"
