@@ -69,6 +69,7 @@ class Hub:
         extra_config: str = "",
         base_config: Path = DEMO_CONFIG,
         python: Path | None = None,
+        ledger_url: str | None = None,
     ):
         self.python = python  # run the hub with this Python (an installed gpuhub), not this test's
         self.dir = Path(workdir)
@@ -80,13 +81,14 @@ class Hub:
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra_config = extra_config
+        self._ledger_url = ledger_url  # default: a SQLite file in the hub's directory
         self.base_config = base_config
         self.proc: subprocess.Popen | None = None
         self.log_path = self.dir / "jupyterhub.log"
 
     @property
     def ledger_url(self) -> str:
-        return f"sqlite:///{self.dir / 'gpuhub.sqlite'}"
+        return self._ledger_url or f"sqlite:///{self.dir / 'gpuhub.sqlite'}"
 
     def write_config(self) -> Path:
         cfg = self.dir / "jupyterhub_config.py"

@@ -4,6 +4,8 @@ The same test bodies run with the local GPU spawner (the demo: 4 simulated GPUs 
 machine) and with the Slurm spawner on the real test cluster (2 nodes of 4 fake GPUs,
 ``scripts/slurm-cluster``); alice may hold 3, bob and carol 2 as students, dave 1. What a
 server got is read from the running server process (``/proc``), not from the spawner.
+The first (spawns through the API and the form, the queue, a release) runs once more on a
+hub whose ledger is a PostgreSQL database (``scripts/postgres``).
 """
 
 import html
@@ -14,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from . import slurmtools
+from spawner.ledger import Ledger
+
+from . import dbtools, slurmtools
 from .hubtools import Hub, xsrf_from
 
 pytestmark = pytest.mark.hub
@@ -56,6 +60,27 @@ def visible(env):
 
 
 def test_rest_and_form_spawns_get_their_own_gpus(hub, ledger, clean):
+    spawns_get_their_own_gpus(hub, ledger)
+
+
+@pytest.fixture
+def postgres_hub(tmp_path):
+    with dbtools.postgres_database() as url:
+        h = Hub(tmp_path / "hub", ledger_url=url).start()
+        h.backend, h.total, h.models = "local", 4, "Simulated A100"
+        yield h
+        h.stop()
+
+
+def test_a_hub_on_a_postgresql_ledger_spawns_queues_and_frees(postgres_hub):
+    ledger = Ledger(postgres_hub.ledger_url)
+    try:
+        spawns_get_their_own_gpus(postgres_hub, ledger)
+    finally:
+        ledger.close()
+
+
+def spawns_get_their_own_gpus(hub, ledger):
     # alice through the REST API
     r = hub.spawn("alice", {"gpus": 2})
     assert r.status_code in (201, 202), r.text
