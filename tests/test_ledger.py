@@ -261,7 +261,8 @@ def test_a_ledger_at_the_first_schema_is_refused_then_upgraded_with_its_data(url
 
 def test_a_new_postgresql_ledger_opened_twice_at_once_is_made_once():
     """The hub and its broker open a new ledger at the same moment: the second waits for the
-    first's migrations (an advisory lock), then finds the schema at head."""
+    first's migrations (an advisory lock), then finds the schema at head and the lock row
+    made (two inserting it would clash)."""
     from alembic import command
 
     with dbtools.postgres_database() as url:
@@ -278,6 +279,7 @@ def test_a_new_postgresql_ledger_opened_twice_at_once_is_made_once():
             cfg = db.alembic_config(url)
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")  # the first, not committed yet
+            assert conn.exec_driver_sql("SELECT count(*) FROM ledger_lock").scalar() == 1  # made with it
             second = threading.Thread(target=open_second)
             second.start()
             wait_for(lambda: dbtools.waiting_for_a_lock(url), 30, "the second to wait for the first")

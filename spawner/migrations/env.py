@@ -24,13 +24,16 @@ UPGRADE_LOCK = 0x67707568
 
 
 def migrate(connection) -> None:
-    """Run the migrations in the connection's transaction. On PostgreSQL, upgrades of one
-    database wait for each other (two processes opening a new ledger at once): the second
-    then finds the schema at head (SQLite's BEGIN IMMEDIATE does the same there)."""
+    """Run the migrations in the connection's transaction, and make the ``ledger_lock`` row
+    that every writer locks with them. On PostgreSQL, upgrades of one database wait for each
+    other (two processes opening a new ledger at once): the second then finds the schema at
+    head and the row made (SQLite's BEGIN IMMEDIATE does the same there)."""
     if connection.dialect.name == "postgresql":
         connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({UPGRADE_LOCK})")
     context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
     context.run_migrations()
+    if not connection.exec_driver_sql("SELECT 1 FROM ledger_lock WHERE id = 1").first():
+        connection.exec_driver_sql("INSERT INTO ledger_lock (id, generation) VALUES (1, 0)")
 
 
 def run_migrations_online() -> None:
