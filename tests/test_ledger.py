@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, func, insert, select, text
+from sqlalchemy import create_engine, func, insert, inspect, select, text
 from sqlalchemy.exc import IntegrityError
 
 from spawner import cli, db
@@ -191,6 +191,25 @@ def test_migrations_match_the_models(url):
     assert diff == []
     assert db.current_revision(engine) == db.head_revision()
     engine.dispose()
+
+
+def test_every_migration_runs_up_one_by_one_then_down_to_nothing(url):
+    from alembic import command
+    from alembic.script import ScriptDirectory
+
+    cfg = db.alembic_config(url)
+    engine = create_engine(url)
+    for rev in reversed(list(ScriptDirectory.from_config(cfg).walk_revisions())):
+        command.upgrade(cfg, rev.revision)
+        assert db.current_revision(engine) == rev.revision
+    command.downgrade(cfg, "base")
+    assert inspect(engine).get_table_names() == ["alembic_version"]
+    engine.dispose()
+    db.upgrade(url)
+    led = Ledger(url)
+    led.sync_inventory(INV)
+    assert led.allocate("alice", [], 1).gpus
+    led.close()
 
 
 def test_schema_from_a_newer_gpuhub_is_refused(url):

@@ -1,6 +1,7 @@
 """Alembic environment for the gpuhub ledger (configured from code, see spawner/db.py)."""
 
 from alembic import context
+from sqlalchemy import inspect
 
 from spawner.models import Base
 
@@ -32,6 +33,8 @@ def migrate(connection) -> None:
         connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({UPGRADE_LOCK})")
     context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
     context.run_migrations()
+    if not inspect(connection).has_table("ledger_lock"):
+        return  # downgraded to nothing
     if not connection.exec_driver_sql("SELECT 1 FROM ledger_lock WHERE id = 1").first():
         connection.exec_driver_sql("INSERT INTO ledger_lock (id, generation) VALUES (1, 0)")
 
