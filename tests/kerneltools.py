@@ -65,6 +65,29 @@ class Cell:
         return f"Cell(stdout={self.stdout!r}, stderr={self.stderr!r}, error={self.traceback!r})"
 
 
+def own_gpus_env(tmp_path, gpus: str) -> dict:
+    """A kernel's environment outside any hub, on the server's own (simulated) GPUs ``gpus``
+    (e.g. ``"t:0,t:1"``): a ``%%distributed`` pool of them needs no broker."""
+    env = dict(os.environ)
+    for var in (
+        "GPUHUB_BROKER_URL",
+        "JUPYTERHUB_API_TOKEN",
+        "GPUHUB_ALLOCATION_ID",
+        "GPUHUB_BACKEND",
+        "CUDA_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+    ):
+        env.pop(var, None)
+    env.update(
+        GPUHUB_GPUS=gpus,
+        GPUHUB_GPU_SOURCE="simulated",
+        IPYTHONDIR=str(tmp_path / "ipython"),
+        HOME=str(tmp_path / "home"),
+    )
+    os.makedirs(env["HOME"], exist_ok=True)
+    return env
+
+
 def run_cell(kc, code: str, timeout: float = 180) -> tuple[str, str]:
     """One cell through a connected kernel client: its reply status and everything it showed
     (streams, results, displays, the traceback of an error), in order."""

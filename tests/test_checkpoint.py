@@ -16,7 +16,7 @@ import torch
 from gpu_magics.procs import alive as _alive
 
 from .hubtools import wait_for
-from .kerneltools import run_cell, run_notebook, started_kernel
+from .kerneltools import own_gpus_env, run_cell, run_notebook, started_kernel
 
 DIGEST = '''
 import hashlib
@@ -79,24 +79,7 @@ def digests(text: str) -> list:
 
 @pytest.fixture
 def kernel_env(tmp_path):
-    env = dict(os.environ)
-    for var in (
-        "GPUHUB_BROKER_URL",
-        "JUPYTERHUB_API_TOKEN",
-        "GPUHUB_ALLOCATION_ID",
-        "GPUHUB_BACKEND",
-        "CUDA_VISIBLE_DEVICES",
-        "OMP_NUM_THREADS",
-    ):
-        env.pop(var, None)
-    env.update(
-        GPUHUB_GPUS="t:0,t:1",  # the server's own two GPUs: the pool needs no broker
-        GPUHUB_GPU_SOURCE="simulated",
-        IPYTHONDIR=str(tmp_path / "ipython"),
-        HOME=str(tmp_path / "home"),
-    )
-    os.makedirs(env["HOME"], exist_ok=True)
-    return env
+    return own_gpus_env(tmp_path, "t:0,t:1")  # the server's own two GPUs: the pool needs no broker
 
 
 def test_save_kill_a_rank_restore_bit_identical(kernel_env, tmp_path):
