@@ -1,53 +1,118 @@
-"""What GPU admission adds to a spawn: gpu-local-simple against plain SimpleLocalProcessSpawner.
+"""A local gpuhub spawn against its floor (a bare Jupyter server's start) and plain JupyterHub.
 
-    PATH=node_modules/.bin:$PATH .venv/bin/python benchmarks/spawn_overhead.py [spawns]
+    PATH=node_modules/.bin:$PATH .venv/bin/python benchmarks/spawn_overhead.py [rounds]
 
-Two real hubs (demo configuration, real proxy) on free ports, spawning in turn: POST to ready
-for the same user, `spawns` times each, stopping in between. Prints medians and the ratio.
+Three arms, interleaved round by round so that all see the same machine noise:
+
+- **floor**: a bare ``python -m jupyter_server`` (the same Python, the same extensions), from
+  the process's start until ``/api`` answers (polled every 10 ms): no hub, no proxy;
+- **gpu-local-simple**: a real hub (demo configuration, real proxy), REST POST for 2 GPUs
+  until the hub's progress stream says ready, then stop;
+- **SimpleLocalProcessSpawner**: the same with JupyterHub's own spawner, no GPUs, as installed.
+
+Prints medians, the spread, gpuhub minus the floor and the ratios.
 """
 
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import requests
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.hubtools import Hub
+from tests.hubtools import Hub, free_port
+
+POLL = 0.01
 
 
-def spawn_once(hub: Hub, options) -> float:
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(POLL)
+    raise TimeoutError(f"{what} took over {timeout} s")
+
+
+def bare_server(workdir: Path) -> float:
+    """Process start to the first HTTP answer of a bare Jupyter server."""
+    port = free_port()
+    home = Path(tempfile.mkdtemp(dir=workdir))
+    env = dict(os.environ, HOME=str(home), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+    argv = [
+        sys.executable, "-m", "jupyter_server", "--allow-root", "--no-browser", "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}", "--IdentityProvider.token=", f"--ServerApp.root_dir={home}",
+    ]  # fmt: skip
     t = time.perf_counter()
-    r = hub.spawn("alice", options)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+
+        def answers():
+            if proc.poll() is not None:
+                raise RuntimeError(f"the bare server exited ({proc.returncode})")
+            return requests.get(f"http://127.0.0.1:{port}/api", timeout=30).status_code == 200
+
+        wait_until(answers, 120, "the bare server")
+        return time.perf_counter() - t
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def spawn_once(hub: Hub, options, user: str = "alice") -> float:
+    """REST POST to 'ready' on the hub's progress stream (pushed, not polled: polling the
+    hub would load the very process that runs the spawn); the server is stopped afterwards."""
+    hub.ensure_user(user)
+    t = time.perf_counter()
+    r = hub.spawn(user, options)
     assert r.status_code in (201, 202), r.text
-    hub.wait_ready("alice", timeout=120)
+    if r.status_code == 202:
+        events = list(hub.progress(user, timeout=120))
+        last = events[-1] if events else {}
+        assert last.get("ready"), f"{user}'s spawn did not become ready: {last}\n{hub.log()}"
     elapsed = time.perf_counter() - t
-    hub.stop_server("alice")
+    hub.stop_server(user)
     return elapsed
 
 
+def line(name: str, times: list[float]) -> str:
+    return f"  {name:<28}{statistics.median(times):6.2f} s  {[round(t, 2) for t in times]}"
+
+
 def main() -> None:
-    spawns = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     with tempfile.TemporaryDirectory() as d:
         gpu_hub = Hub(Path(d) / "gpu").start()
         plain_hub = Hub(
             Path(d) / "plain",
-            extra_config='c.JupyterHub.spawner_class = "simple"\nc.Spawner.options_form = ""',
+            extra_config='c.JupyterHub.spawner_class = "simple"\n'
+            'c.Spawner.options_form = ""\nc.Spawner.cmd = ["jupyterhub-singleuser"]',
         ).start()
-        gpu, plain = [], []
+        floor, gpu, plain = [], [], []
         try:
-            for _ in range(spawns):  # interleaved, so both see the same machine noise
+            spawn_once(gpu_hub, {"gpus": 2})  # first spawns warm the file cache: not measured
+            spawn_once(plain_hub, None)
+            for _ in range(rounds):
+                floor.append(bare_server(Path(d)))
                 gpu.append(spawn_once(gpu_hub, {"gpus": 2}))
                 plain.append(spawn_once(plain_hub, None))
         finally:
             gpu_hub.stop()
             plain_hub.stop()
-    print(f"POST to ready, median of {spawns} interleaved spawns each:")
-    print(f"  gpu-local-simple (2 GPUs)     {statistics.median(gpu):6.2f} s  {[round(t, 2) for t in gpu]}")
-    spread = [round(t, 2) for t in plain]
-    print(f"  SimpleLocalProcessSpawner     {statistics.median(plain):6.2f} s  {spread}")
-    print(f"  ratio gpuhub / plain: {statistics.median(gpu) / statistics.median(plain):.2f}x")
+    f, g, p = (statistics.median(x) for x in (floor, gpu, plain))
+    print(f"median of {rounds} interleaved rounds:")
+    print(line("bare jupyter server -> HTTP", floor))
+    print(line("gpu-local-simple (2 GPUs)", gpu))
+    print(line("SimpleLocalProcessSpawner", plain))
+    print(f"  gpuhub - floor: {g - f:+.2f} s; gpuhub / floor: {g / f:.2f}x; gpuhub / plain: {g / p:.2f}x")
 
 
 if __name__ == "__main__":

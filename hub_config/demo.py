@@ -214,8 +214,10 @@ c.GpuHub.default_limit = 1
 c.GpuHub.group_limits = {"students": 2}
 c.GpuHub.user_limits = {"alice": 3}
 
-# single-user servers: the hub's own Python (scripts/setup makes it readable by other users)
-c.Spawner.cmd = [sys.executable, "-m", "jupyterhub.singleuser"]
+# single-user servers: the hub's own Python (scripts/setup makes it readable by other users),
+# jupyterhub-singleuser started by gpuhub's launcher, which spares it a parser import that
+# takes seconds (spawner/singleuser.py)
+c.Spawner.cmd = [sys.executable, "-m", "spawner.singleuser"]
 c.Spawner.args = []  # never --allow-root: as root, servers run as the demo's accounts
 c.Spawner.default_url = "/lab"
 # when the GPUs are all taken a start waits in gpuhub's queue (docs/queue.md): show the

@@ -23,7 +23,7 @@ c.JupyterHub.cleanup_servers = False  # a hub restart leaves the jobs (and their
 # c.JupyterHub.authenticator_class = "pam"   (or your site's authenticator)
 
 c.JupyterHub.spawner_class = "gpu-slurm"
-c.Spawner.cmd = [str(USER_ENV / "jupyterhub-singleuser")]
+c.Spawner.cmd = [str(USER_ENV / "gpuhub-singleuser")]  # jupyterhub-singleuser, started faster
 c.GpuSlurmSpawner.batchspawner_singleuser_cmd = str(USER_ENV / "batchspawner-singleuser")
 c.GpuSlurmSpawner.default_partition = "gpu"
 c.GpuSlurmSpawner.cpus_per_gpu = 8

@@ -73,6 +73,9 @@ class LocalGpuMixin(GpuSpawnerMixin):
     def placement_nodes(self) -> set[str]:
         return self.gpuhub.local_nodes()  # a local server runs here: GPUs of this machine
 
+    async def server_alive(self) -> bool:
+        return bool(getattr(self, "pid", 0)) and pid_alive(self.pid)
+
     async def _signal(self, sig):
         if sig == 0:  # LocalProcessSpawner.poll's liveness check: count zombies as dead
             return pid_alive(self.pid)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 
 from jupyterhub.spawner import SpawnException
 from traitlets import Any, Float, Instance, Int, List, default
 from traitlets.config import Configurable
 
-from . import form, policy
+from . import form, policy, readiness
 from .ledger import AllocationInfo, Ledger, utcnow
 from .refusals import install_log_filter, make_refusal
 from .settings import GpuHub
@@ -73,6 +75,15 @@ class GpuSpawnerMixin(Configurable):
     _gpuhub_events = List()
     _gpuhub_changed = Instance(asyncio.Event, allow_none=True)
 
+    ready_poll_seconds = Float(
+        0.05,
+        help="""Seconds between gpuhub's checks that a started server answers, before the
+        server is handed to JupyterHub (whose own wait backs off exponentially, up to 5 s
+        between tries, and then succeeds at once). Bounded by ``c.Spawner.http_timeout``;
+        0 leaves the wait to JupyterHub alone. ``c.Spawner.ready_poll_seconds = 0.05``
+        """,
+    ).tag(config=True)
+
     server_start_timeout = Float(
         0.0,
         help="""Internal: the admin's ``c.Spawner.start_timeout``, applied by gpuhub to the
@@ -90,6 +101,17 @@ class GpuSpawnerMixin(Configurable):
         self.server_start_timeout = float(self.start_timeout)
         if self.waits_in_gpuhub_queue():
             self.start_timeout = int(self.start_timeout + self.gpuhub.queue_max_wait_hours * 3600 + 60)
+        if self.ready_poll_seconds > 0:
+            # start() also waits for the server to answer (http_timeout), which JupyterHub
+            # would otherwise do after start(): its timer on start() gets that much more
+            self.start_timeout = int(self.start_timeout + self.http_timeout)
+
+    @default("cmd")
+    def _default_cmd(self):
+        # jupyterhub-singleuser without its import tax (spawner.singleuser), from the hub's
+        # environment when it is there, else from the server's PATH
+        found = os.path.join(os.path.dirname(sys.executable), "gpuhub-singleuser")
+        return [found if os.path.exists(found) else "gpuhub-singleuser"]
 
     @default("options_form")
     def _default_options_form(self):
@@ -181,6 +203,39 @@ class GpuSpawnerMixin(Configurable):
     def backend_job_id(self) -> str | None:
         """The backend's handle on the server once started (a pid, a Slurm job id)."""
         return None
+
+    async def server_alive(self) -> bool:
+        """Whether the started server may still answer (backends: its process, its job)."""
+        return True
+
+    async def _wait_answering(self, started) -> None:
+        """Return once the started server answers (see :mod:`.readiness`); a server that is
+        gone, or silent for ``http_timeout``, fails the start (its GPUs are released)."""
+        if self.ready_poll_seconds <= 0 or self.server is None:
+            return
+        from jupyterhub.httpclient import fetch
+        from jupyterhub.utils import make_ssl_context
+
+        settings = getattr(self.user, "settings", None) or {}
+        ssl_context = make_ssl_context(
+            settings.get("internal_ssl_key"),
+            settings.get("internal_ssl_cert"),
+            cafile=settings.get("internal_ssl_ca"),
+        )
+        url = readiness.probe_url(started, "https" if self.internal_ssl else "http", self.server.base_url)
+        outcome = await readiness.wait_answering(
+            url, self.http_timeout, self.ready_poll_seconds, self.server_alive, fetch, ssl_context
+        )
+        if outcome == readiness.GONE:
+            raise SpawnException(
+                "Your server stopped before it answered; its GPUs are released. Try again, or ask an "
+                "admin to look at the server's log."
+            )
+        if outcome == readiness.TIMEOUT:
+            raise SpawnException(
+                f"Your server did not answer within {self.http_timeout} s of starting "
+                "(c.Spawner.http_timeout); its GPUs are released. Try again, or ask an admin."
+            )
 
     def get_env(self):
         env = super().get_env()
@@ -328,11 +383,12 @@ class GpuSpawnerMixin(Configurable):
                 ) from None
             if allocation:
                 self.gpu_allocation = await self.mark_started(allocation)
+            self._progress(60, "Server process started; waiting for it to answer")
+            await self._wait_answering(url)
         except BaseException:
             if allocation:
                 await self._release(allocation.id, "server failed to start")
             raise
-        self._progress(60, "Server process started; waiting for it to answer")
         return url
 
     async def _release(self, allocation_id: int, reason: str) -> None:

@@ -87,7 +87,7 @@ SLURM_HUB_CONFIG = f"""
 c.JupyterHub.spawner_class = "gpu-slurm"
 c.GpuHub.inventory = "slurm"
 c.SlurmAccounting.enabled = True
-c.Spawner.cmd = ["{VENV_BIN / "jupyterhub-singleuser"}"]
+c.Spawner.cmd = ["{VENV_BIN / "gpuhub-singleuser"}"]
 c.Spawner.args = []
 c.GpuSlurmSpawner.batchspawner_singleuser_cmd = "{VENV_BIN / "batchspawner-singleuser"}"
 c.SlurmWatcher.min_interval = 0.5
@@ -116,7 +116,7 @@ class SlurmHub(Hub):
                 continue
             try:
                 cmd = (proc / "cmdline").read_bytes()
-                if b"jupyterhub-singleuser" not in cmd:
+                if b"-singleuser" not in cmd:  # batchspawner-singleuser gpuhub-singleuser ...
                     continue
                 if process_environ(int(proc.name)).get("SLURM_JOB_ID") == job:
                     return int(proc.name)

@@ -119,6 +119,12 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         counts the job as alive (unknown is never dead). ``c.GpuSlurmSpawner.status_timeout = 5``""",
     ).tag(config=True)
 
+    @default("startup_poll_interval")
+    def _default_startup_poll(self):
+        # batchspawner's start loop (job running? port called back?) reads the watcher's cache
+        # and an attribute here, never Slurm itself: looking often costs nothing
+        return 0.1
+
     @default("batchspawner_singleuser_cmd")
     def _default_singleuser(self):
         found = os.path.join(os.path.dirname(sys.executable), "batchspawner-singleuser")
@@ -292,6 +298,9 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             if "disappeared" not in str(e):  # batchspawner: the job ended while pending
                 raise
             raise self._ended_error() from None
+
+    async def server_alive(self) -> bool:
+        return not (self.job_id and self._job_ended())
 
     def _job_ended(self) -> bool:
         verdict, info = self.watcher.job(self.job_id)

@@ -22,7 +22,10 @@ The ledger is read *before* ``squeue`` runs: a job id in that read was submitted
 the query began, so a job missing from a successful answer has really left Slurm.
 
 Polling backs off (``min_interval`` doubling to ``max_interval``) while nothing changes,
-and returns to ``min_interval`` when a job changes or a spawner is waiting. A failed query
+and returns to ``min_interval`` when a job changes or a spawner is waiting; a job submitted
+moments ago that has not started yet is asked about sooner, at a tenth of its age (from
+``start_interval``), so a spawn sees its job start within about a tenth of the wait (see
+:func:`next_interval`). A failed query
 keeps the last known state and is only logged: a scheduler hiccup never declares a
 server dead. Spawners read the cache (:meth:`SlurmWatcher.job`) instead of running their
 own ``squeue``.
@@ -90,6 +93,30 @@ def reconcile(
         elif job.running and len(a.gpus) < a.gpu_count and job.user == a.user:
             actions.append(Action("record", a, job.job_id))
     return actions
+
+
+def next_interval(
+    previous: float,
+    changed: bool,
+    waiting: bool,
+    starting_ages: Iterable[float],
+    min_interval: float,
+    max_interval: float,
+    start_interval: float,
+) -> float:
+    """The pause before the next ``squeue``. ``previous``: the last pause; ``changed``: the
+    last answer changed something; ``waiting``: a spawner waits for an answer;
+    ``starting_ages``: seconds since each tracked job that has not started yet was submitted.
+
+    The usual rule is ``min_interval``, doubling up to ``max_interval`` while nothing changes.
+    A job not started yet is asked about at a tenth of its age, from ``start_interval`` up to
+    ``min_interval``: polling is fast in the second after a submit, when a free cluster
+    starts the job, and no faster than usual for a job that queues."""
+    usual = min_interval if changed or waiting else min(max_interval, previous * 2)
+    ages = list(starting_ages)
+    if not ages:
+        return usual
+    return min(usual, max(start_interval, min(min_interval, 0.1 * min(ages))))
 
 
 def orphans(
@@ -178,6 +205,13 @@ class SlurmWatcher(LoggingConfigurable):
         1.0,
         help="""Seconds between ``squeue`` calls while jobs change or a spawn waits.
         ``c.SlurmWatcher.min_interval = 1.0``""",
+    ).tag(config=True)
+
+    start_interval = Float(
+        0.1,
+        help="""Shortest pause between ``squeue`` calls while a job gpuhub just submitted has not
+        started: the pause is a tenth of the job's age, from this up to ``min_interval``.
+        ``c.SlurmWatcher.start_interval = 0.1``""",
     ).tag(config=True)
 
     max_interval = Float(
@@ -294,12 +328,25 @@ class SlurmWatcher(LoggingConfigurable):
             self.last_cycle_ok = ok
             self.cycles += 1
             self._updated.set()
-            interval = self.min_interval if changed or self._waiters else min(self.max_interval, interval * 2)
+            interval = next_interval(
+                interval, changed, bool(self._waiters), self._starting_ages(),
+                self.min_interval, self.max_interval, self.start_interval,
+            )  # fmt: skip
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), interval)
             except TimeoutError:
                 pass
+
+    def _starting_ages(self) -> list[float]:
+        """Seconds since each tracked job that has not started (pending, or not listed yet)
+        was first tracked, for the jobs of the last minute (older ones poll as usual)."""
+        now = time.monotonic()
+        return [
+            now - since
+            for job_id, since in self._tracked.items()
+            if now - since < 60 and (self.jobs.get(job_id) is None or self.jobs[job_id].pending)
+        ]
 
     async def cycle(self) -> bool:
         """One round: ledger, ``squeue``, actions. True when something changed."""
