@@ -24,6 +24,8 @@ from sqlalchemy import (
     MetaData,
     String,
     UniqueConstraint,
+    bindparam,
+    literal_column,
     text,
     true,
 )
@@ -94,6 +96,20 @@ class Allocation(Base):
         CheckConstraint("state IN ('starting', 'running', 'released')", name="state"),
         CheckConstraint("purpose IN ('server', 'distributed')", name="purpose"),
         Index("ix_allocations_user_state", "user", "state"),
+        Index(
+            "ix_allocations_live",
+            "lease_expires",
+            sqlite_where=text("state IN ('starting', 'running')"),
+            postgresql_where=text("state IN ('starting', 'running')"),
+        ),
+        Index("ix_allocations_user_ended", "user", "ended"),
+        Index("ix_allocations_ended", "ended"),
+        Index(
+            "ix_allocations_borrowed",
+            "user",
+            sqlite_where=text("borrowed > 0"),
+            postgresql_where=text("borrowed > 0"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -229,6 +245,19 @@ class Preemption(Base):
     due: Mapped[datetime] = mapped_column(DateTime)
 
 
+def is_live(state=None):
+    """``allocations.state IN ('starting', 'running')`` with the states written into the SQL,
+    so that the database can use the partial index of live allocations (a bound parameter
+    does not prove a partial index's condition to SQLite's planner)."""
+    column = Allocation.state if state is None else state
+    return column.in_(bindparam("live_states", list(ACTIVE_STATES), expanding=True, literal_execute=True))
+
+
+def has_borrowed():
+    """``allocations.borrowed > 0`` written out, for the partial index of those that borrowed."""
+    return Allocation.borrowed > literal_column("0")
+
+
 class LedgerLock(Base):
     """One row that every writing transaction locks first (``SELECT ... FOR UPDATE``).
 
@@ -240,3 +269,6 @@ class LedgerLock(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     generation: Mapped[int] = mapped_column(Integer, default=0)
+    # counted up when the GPUs or nodes change (``sync_inventory``): processes keep the
+    # inventory in memory while it stays the same (migration 0007)
+    inventory: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))

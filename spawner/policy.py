@@ -203,6 +203,12 @@ def remaining(eff: EffectiveLimit, holdings: Holdings) -> int | None:
 
 def largest_placeable(free: Sequence[Gpu], model: str | None, max_nodes: int | None) -> int:
     """The largest count ``place`` could satisfy right now."""
+    if isinstance(free, GpuSet):
+        return free.remembered(("largest", model, max_nodes), lambda: _largest(free, model, max_nodes))
+    return _largest(free, model, max_nodes)
+
+
+def _largest(free: Sequence[Gpu], model: str | None, max_nodes: int | None) -> int:
     per_node = sorted((len(v) for v in _by_node(free, model).values()), reverse=True)
     return sum(per_node if max_nodes is None else per_node[:max_nodes])
 
@@ -278,7 +284,39 @@ def check_request(
         )
 
 
+class GpuSet(tuple):
+    """GPUs already in order (node, index), that group themselves by node once: the
+    inventory a process keeps in memory (``Ledger``), so that an admission on a cluster of
+    thousands of GPUs does not sort and group them all again. Read its groups, never change them."""
+
+    @classmethod
+    def ordered(cls, gpus: Iterable[Gpu]) -> GpuSet:
+        """``gpus``, known to be in order already (e.g. a part of a ``GpuSet``)."""
+        return cls(gpus)
+
+    def remembered(self, key, compute):
+        """``compute()``, once per ``key`` for this set (it never changes)."""
+        memo = self.__dict__.setdefault("memo", {})
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
+
+    def by_node(self, model: str | None) -> dict[str, list[Gpu]]:
+        groups = self.__dict__.setdefault("groups", {})
+        if model not in groups:
+            out: dict[str, list[Gpu]] = {}
+            for g in self:
+                if model is None or g.model == model:
+                    out.setdefault(g.node, []).append(g)
+            groups[model] = out
+        return groups[model]
+
+
 def _by_node(gpus: Iterable[Gpu], model: str | None) -> dict[str, list[Gpu]]:
+    """The GPUs (of ``model``) per node, nodes and GPUs in order (read only: a ``GpuSet``
+    hands out the groups it keeps)."""
+    if isinstance(gpus, GpuSet):
+        return gpus.by_node(model)
     out: dict[str, list[Gpu]] = {}
     for g in sorted(gpus):
         if model is None or g.model == model:
@@ -288,6 +326,13 @@ def _by_node(gpus: Iterable[Gpu], model: str | None) -> dict[str, list[Gpu]]:
 
 def place(request: Request, free: Sequence[Gpu], inventory: Sequence[Gpu]) -> tuple[Gpu, ...] | None:
     """The GPUs to give ``request``, or ``None`` when they cannot be placed now."""
+    if free is inventory and isinstance(free, GpuSet):  # "could it ever fit": asked at every admission
+        shape = ("place", request.count, request.model, request.max_nodes, request.gpus_per_node)
+        return free.remembered(shape, lambda: _place(request, free, inventory))
+    return _place(request, free, inventory)
+
+
+def _place(request: Request, free: Sequence[Gpu], inventory: Sequence[Gpu]) -> tuple[Gpu, ...] | None:
     n = request.count
     if n == 0:
         return ()

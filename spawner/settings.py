@@ -70,6 +70,20 @@ class GpuHub(Configurable):
         """,
     ).tag(config=True)
 
+    sqlite_synchronous = CaselessStrEnum(
+        ["normal", "full"],
+        default_value="normal",
+        help="""How a SQLite ledger (``db_url``) makes its commits durable (SQLite's
+        ``synchronous`` in WAL mode). ``"normal"``: each commit reaches the operating system
+        and the disk is synced at checkpoints; a crash of the hub or any process loses
+        nothing and never corrupts the ledger, a power cut or kernel crash may undo the last
+        commits (the servers of this machine are gone then too). ``"full"``: the disk is
+        synced at every commit, which costs milliseconds on many disks and so bounds the
+        admissions per second. No effect on PostgreSQL (set its ``synchronous_commit``).
+        ``c.GpuHub.sqlite_synchronous = "full"``
+        """,
+    ).tag(config=True)
+
     inventory = CaselessStrEnum(
         ["nvml", "simulated", "slurm"],
         default_value="nvml",
@@ -418,6 +432,7 @@ class GpuHub(Configurable):
                 config_rules=self.limit_rules(),
                 queue=self.queue_settings(),
                 borrow=self.borrow_settings(),
+                sqlite_sync=self.sqlite_synchronous,
             )
             _LEDGERS[self.db_url] = ledger
         if sync and self.db_url not in _SYNCED:  # opened unsynced first (a page): sync now

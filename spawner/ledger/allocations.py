@@ -17,8 +17,9 @@ from ..models import (
     AllocationGpu,
     Gpu,
     QueueEntry,
+    is_live,
 )
-from .base import AllocationInfo, Allowance, _count, _info
+from .base import AllocationInfo, Allowance, _count, _info, gpus_of
 from .queue import Admission
 
 
@@ -28,15 +29,31 @@ class AllocationRecords:
     def _holdings(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
         """What counts against the limit: GPUs held, less those borrowed beyond it (they have an
         allowance of their own: ``_borrowed_part``), and the GPU-hours of the window."""
-        held = sum(_count(a) - (a.borrowed or 0) for a in self._active(s, user=user))
+        held = sum(
+            max(count or 0, n) - (borrowed or 0) for _, count, n, borrowed in self._live_counts(s, user)
+        )
         hours = 0.0
         if limit.gpu_hours is not None:
             # borrowed GPU-hours count against the budget unless c.GpuHub.borrowed_hours_count is off
             in_limit = not self.borrow_settings.count_borrowed_hours
+            now = self.clock()
+            since = now - timedelta(hours=limit.window_hours)
             hours = policy.gpu_hours_used(
-                self._intervals(s, user=user, in_limit=in_limit), self.clock(), limit.window_hours
+                self._intervals(s, user=user, in_limit=in_limit, since=since), now, limit.window_hours
             )
         return policy.Holdings(held=held, gpu_hours=hours)
+
+    def _live_counts(self, s: Session, user: str) -> list[tuple[int, int | None, int, int]]:
+        """``(id, GPUs asked for, GPUs recorded, borrowed)`` of the user's live allocations:
+        the counts an admission needs, without loading the allocations."""
+        return [
+            tuple(row)
+            for row in s.execute(
+                select(
+                    Allocation.id, Allocation.gpu_count, gpus_of(Allocation.id), Allocation.borrowed
+                ).where(Allocation.user == user, is_live())
+            )
+        ]
 
     def allowance(self, user: str, groups: Iterable[str] = (), model: str | None = None) -> Allowance:
         groups = list(groups)
@@ -184,8 +201,8 @@ class AllocationRecords:
             inventory, free = self._inventory(s), self._free(s)
             if on_nodes is not None:
                 on_nodes = set(on_nodes)
-                inventory = [g for g in inventory if g.node in on_nodes]
-                free = [g for g in free if g.node in on_nodes]
+                inventory = policy.GpuSet.ordered(g for g in inventory if g.node in on_nodes)
+                free = policy.GpuSet.ordered(g for g in free if g.node in on_nodes)
             holdings = self._holdings(s, user, eff.limit)
             borrowed = self._borrowed_part(s, user, groups, eff, holdings, count)
             within = max(0, (eff.limit.max_gpus or 0) - holdings.held)  # what the limit leaves
@@ -237,6 +254,7 @@ class AllocationRecords:
                 groups=groups,
                 request=request,
                 eff=eff,
+                held=holdings.held,
                 inventory=inventory,
                 free=free,
                 on_nodes=on_nodes,
@@ -264,10 +282,7 @@ class AllocationRecords:
     ) -> Allocation:
         """Write an allocation holding ``chosen`` (checked by the caller, in this transaction).
         ``now``: the moment the caller decided at (the queue's plan), recorded as its creation."""
-        by_key = {
-            (g.node.name, g.index): g
-            for g in s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
-        }
+        ids = self._present(s).id_of
         now = now or self.clock()
         leased = lease_seconds is not None
         alloc = Allocation(
@@ -282,7 +297,7 @@ class AllocationRecords:
             gpu_count=count,
             borrowed=borrowed,
         )
-        alloc.gpus = [AllocationGpu(gpu=by_key[(g.node, g.index)], held=True) for g in chosen]
+        alloc.gpus = [AllocationGpu(gpu_id=ids[(g.node, g.index)], held=True) for g in chosen]
         s.add(alloc)
         s.flush()
         return alloc
@@ -312,7 +327,7 @@ class AllocationRecords:
                 select(Allocation.id).where(
                     Allocation.backend == a.backend,
                     Allocation.backend_job_id == job,
-                    Allocation.state.in_(ACTIVE_STATES),
+                    is_live(),
                     Allocation.id != a.id,
                 )
             ).first()
@@ -378,9 +393,13 @@ class AllocationRecords:
             a = s.get(Allocation, allocation_id)
             if a is None or a.state not in ACTIVE_STATES:
                 return False
-            taken = self._reclaim_reason(s, a.id) or self._preempt_reason(s, a.id, self.clock())
-            if taken is None and self._preempt_reason(s, a.id):  # given back after its notice
-                taken = f"{self._preempt_reason(s, a.id)}; given back before it was due ({reason})"
+            taken, p = self._reclaim_reason(s, a.id), a.preemption
+            if taken is None and p is not None:  # due: taken back; else given back after its notice
+                taken = (
+                    p.reason
+                    if self.clock() >= p.due
+                    else f"{p.reason}; given back before it was due ({reason})"
+                )
             self._end(a, taken or reason)
             return True
 
@@ -410,11 +429,7 @@ class AllocationRecords:
 
     def _expire(self, s: Session) -> list[int]:
         now = self.clock()
-        expired = list(
-            s.scalars(
-                select(Allocation).where(Allocation.state.in_(ACTIVE_STATES), Allocation.lease_expires <= now)
-            )
-        )
+        expired = list(s.scalars(select(Allocation).where(is_live(), Allocation.lease_expires <= now)))
         for a in expired:
             # usage counts up to the end of the lease, not up to when someone noticed
             taken = self._reclaim_reason(s, a.id) or self._preempt_reason(s, a.id, now)
@@ -434,7 +449,7 @@ class AllocationRecords:
     def active(self, **where) -> list[AllocationInfo]:
         """Live allocations, filtered by column values, e.g. ``user="alice"``."""
         with self._read() as s:
-            return [_info(a) for a in self._active(s, **where)]
+            return self._live_infos(s, **where)
 
     def released_with_jobs(self, backend: str, job_ids: Iterable[str]) -> list[AllocationInfo]:
         """Released allocations of ``backend`` whose job id is one of ``job_ids``."""

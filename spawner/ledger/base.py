@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from .. import borrowing, fairshare, policy
@@ -19,6 +19,9 @@ from ..models import (
     AllocationGpu,
     Gpu,
     LedgerLock,
+    Node,
+    Preemption,
+    is_live,
 )
 
 log = logging.getLogger("gpuhub.ledger")
@@ -116,8 +119,10 @@ class LimitEntry:
     origin: str  # "config" or "ledger"
 
 
-def _info(a: Allocation) -> AllocationInfo:
-    gpus = tuple(sorted(_gpu(ag.gpu) for ag in a.gpus))
+def _info(a: Allocation, booked: Iterable[policy.Gpu] | None = None) -> AllocationInfo:
+    """The record of ``a``; ``booked``: the GPUs of one just written (nothing to load)."""
+    gpus = tuple(sorted(booked if booked is not None else (_gpu(ag.gpu) for ag in a.gpus)))
+    preemption = None if booked is not None else a.preemption
     return AllocationInfo(
         id=a.id,
         user=a.user,
@@ -135,8 +140,19 @@ def _info(a: Allocation) -> AllocationInfo:
         gpu_count=_count(a),
         idle_deadline=a.idle_deadline,
         borrowed=a.borrowed or 0,
-        preempt_due=a.preemption.due if a.preemption is not None else None,
-        preempt_reason=a.preemption.reason if a.preemption is not None else None,
+        preempt_due=preemption.due if preemption is not None else None,
+        preempt_reason=preemption.reason if preemption is not None else None,
+    )
+
+
+def gpus_of(allocation_id):
+    """A scalar subquery: how many GPUs the allocation ``allocation_id`` (a column) names."""
+    return (
+        select(func.count())
+        .select_from(AllocationGpu)
+        .where(AllocationGpu.allocation_id == allocation_id)
+        .correlate_except(AllocationGpu)
+        .scalar_subquery()
     )
 
 
@@ -159,16 +175,17 @@ class LedgerBase:
         clock: Callable[[], datetime] = utcnow,
         queue: QueueSettings | None = None,
         borrow: BorrowSettings | None = None,
+        sqlite_sync: str = "normal",
     ):
         self.url = url
         self.config_rules = config_rules or policy.LimitRules()
         self.queue_settings = queue or QueueSettings()
         self.borrow_settings = borrow or BorrowSettings()
         self.clock = clock
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, sqlite_sync=sqlite_sync)
         ensure_schema(self.engine, url)
         self._sessions = make_session_factory(self.engine)
-        self._reader = make_engine(url, writer=False)
+        self._reader = make_engine(url, writer=False, sqlite_sync=sqlite_sync)
         self._read_sessions = make_session_factory(self._reader)
         with self._sessions.begin() as s:
             if s.get(LedgerLock, 1) is None:
@@ -185,6 +202,7 @@ class LedgerBase:
         ``s.info["changed"] = False`` (a waiter's keepalive, which changes no decision)."""
         with self._sessions.begin() as s:
             lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update()).scalar_one()
+            s.info["inventory"] = lock.inventory  # read under the lock: what _present compares
             yield s
             if s.info.get("changed", True):
                 lock.generation = (lock.generation or 0) + 1
@@ -205,10 +223,63 @@ class LedgerBase:
         for ag in a.gpus:
             ag.held = False
 
+    def _live_infos(self, s: Session, **where) -> list[AllocationInfo]:
+        """The records of the live allocations (filtered by column values), in id order: read
+        in three queries of plain rows, not as objects (thousands on a large cluster)."""
+        rows = select(Allocation.__table__).where(is_live())
+        for key, value in where.items():
+            rows = rows.where(getattr(Allocation, key) == value)
+        live = rows.subquery()
+        gpus: dict[int, list[policy.Gpu]] = {}
+        q = (
+            select(AllocationGpu.allocation_id, Node.name, Gpu.index, Gpu.model, Gpu.memory_mib, Gpu.uuid)
+            .join(live, live.c.id == AllocationGpu.allocation_id)
+            .join(Gpu, Gpu.id == AllocationGpu.gpu_id)
+            .join(Node, Node.id == Gpu.node_id)
+        )
+        for aid, *g in s.execute(q):
+            gpus.setdefault(aid, []).append(policy.Gpu(*g))
+        notices = {
+            aid: (due, reason)
+            for aid, due, reason in s.execute(
+                select(Preemption.allocation_id, Preemption.due, Preemption.reason).join(
+                    live, live.c.id == Preemption.allocation_id
+                )
+            )
+        }
+        out = []
+        # sorted here: an ORDER BY id makes SQLite walk every allocation ever made in id order
+        for a in sorted(s.execute(rows).mappings(), key=lambda a: a["id"]):
+            held = tuple(sorted(gpus.get(a["id"], ())))
+            due, reason = notices.get(a["id"], (None, None))
+            out.append(
+                AllocationInfo(
+                    id=a["id"],
+                    user=a["user"],
+                    purpose=a["purpose"],
+                    server_name=a["server_name"],
+                    state=a["state"],
+                    created=a["created"],
+                    started=a["started"],
+                    ended=a["ended"],
+                    backend=a["backend"],
+                    backend_job_id=a["backend_job_id"],
+                    end_reason=a["end_reason"],
+                    gpus=held,
+                    lease_expires=a["lease_expires"],
+                    gpu_count=max(a["gpu_count"] or 0, len(held)),
+                    idle_deadline=a["idle_deadline"],
+                    borrowed=a["borrowed"] or 0,
+                    preempt_due=due,
+                    preempt_reason=reason,
+                )
+            )
+        return out
+
     def _active(self, s: Session, **where) -> list[Allocation]:
         q = (
             select(Allocation)
-            .where(Allocation.state.in_(ACTIVE_STATES))
+            .where(is_live())
             .options(
                 selectinload(Allocation.gpus).selectinload(AllocationGpu.gpu).selectinload(Gpu.node),
                 selectinload(Allocation.preemption),

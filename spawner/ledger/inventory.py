@@ -3,17 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, selectinload
 
 from .. import policy
 from ..models import (
     AllocationGpu,
     Gpu,
+    LedgerLock,
     Node,
 )
-from .base import AllocationInfo, GpuStatus, _gpu, _info
+from .base import AllocationInfo, GpuStatus
+
+
+@dataclass(frozen=True)
+class Present:
+    """The GPUs present at one version of the inventory (``ledger_lock.inventory``), sorted,
+    with their row ids: what every admission places on, kept in memory while it is the same."""
+
+    version: int
+    gpus: policy.GpuSet
+    ids: tuple[int, ...]  # the row id of each of ``gpus``
+
+    @cached_property
+    def id_of(self) -> dict[tuple[str, int], int]:
+        return {(g.node, g.index): i for g, i in zip(self.gpus, self.ids, strict=True)}
 
 
 class InventoryRecords:
@@ -32,18 +49,24 @@ class InventoryRecords:
         with self._tx() as s:
             nodes = {n.name: n for n in s.scalars(select(Node))}
             seen = set()
+            changed = False
             for row in s.scalars(select(Gpu).options(selectinload(Gpu.node))):
                 key = (row.node.name, row.index)
                 seen.add(key)
                 if row.node.name not in covered:
                     continue
                 g = wanted.get(key)
-                row.present = g is not None
-                if g is not None:
-                    row.model, row.memory_mib, row.uuid = g.model, g.memory_mib, g.uuid
+                now = (
+                    g is not None,
+                    *((g.model, g.memory_mib, g.uuid) if g else (row.model, row.memory_mib, row.uuid)),
+                )
+                if now != (row.present, row.model, row.memory_mib, row.uuid):
+                    row.present, row.model, row.memory_mib, row.uuid = now
+                    changed = True
             for key, g in sorted(wanted.items()):
                 if key in seen:
                     continue
+                changed = True
                 node = nodes.get(g.node)
                 if node is None:
                     node = nodes[g.node] = Node(name=g.node)
@@ -58,18 +81,45 @@ class InventoryRecords:
                         present=True,
                     )
                 )
+            if changed:  # every process reloads its copy of the inventory
+                s.execute(
+                    update(LedgerLock).where(LedgerLock.id == 1).values(inventory=LedgerLock.inventory + 1)
+                )
+                s.info.pop("inventory", None)
+            else:
+                s.info["changed"] = False  # nothing any decision depends on
 
-    def _inventory(self, s: Session) -> list[policy.Gpu]:
-        rows = s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
-        return sorted(_gpu(g) for g in rows)
+    def _present(self, s: Session) -> Present:
+        """The present GPUs, read again only when ``sync_inventory`` changed them."""
+        version = s.info.get("inventory")
+        if version is None:  # a reading transaction (a writing one read it with the lock)
+            version = s.scalar(select(LedgerLock.inventory).where(LedgerLock.id == 1)) or 0
+        cached = getattr(self, "_present_cache", None)
+        if cached is not None and cached.version == version:
+            return cached
+        rows = s.execute(
+            select(Gpu.id, Node.name, Gpu.index, Gpu.model, Gpu.memory_mib, Gpu.uuid)
+            .join(Node, Gpu.node_id == Node.id)
+            .where(Gpu.present)
+        ).all()
+        pairs = sorted(
+            (policy.Gpu(name, index, model, mem, uuid), gid) for gid, name, index, model, mem, uuid in rows
+        )
+        present = Present(version, policy.GpuSet.ordered(g for g, _ in pairs), tuple(i for _, i in pairs))
+        self._present_cache = present
+        return present
+
+    def _inventory(self, s: Session) -> policy.GpuSet:
+        return self._present(s).gpus
 
     def _held_gpu_ids(self, s: Session) -> set[int]:
         return set(s.scalars(select(AllocationGpu.gpu_id).where(AllocationGpu.held)))
 
-    def _free(self, s: Session) -> list[policy.Gpu]:
-        held = self._held_gpu_ids(s)
-        rows = s.scalars(select(Gpu).where(Gpu.present).options(selectinload(Gpu.node)))
-        return sorted(_gpu(g) for g in rows if g.id not in held)
+    def _free(self, s: Session) -> policy.GpuSet:
+        present, held = self._present(s), self._held_gpu_ids(s)
+        return policy.GpuSet.ordered(
+            g for g, i in zip(present.gpus, present.ids, strict=True) if i not in held
+        )
 
     def models(self) -> list[str]:
         with self._read() as s:
@@ -77,13 +127,20 @@ class InventoryRecords:
 
     def gpu_table(self) -> list[GpuStatus]:
         with self._read() as s:
-            holders: dict[int, AllocationInfo] = {}
-            for a in self._active(s):
-                info = _info(a)
-                for ag in a.gpus:
-                    holders[ag.gpu_id] = info
-            rows = s.scalars(select(Gpu).options(selectinload(Gpu.node)))
-            return sorted(
-                (GpuStatus(_gpu(g), g.present, holders.get(g.id)) for g in rows),
-                key=lambda st: st.gpu,
-            )
+            holders: dict[tuple[str, int], AllocationInfo] = {}
+            for info in self._live_infos(s):
+                for g in info.gpus:
+                    holders[(g.node, g.index)] = info
+            table = [GpuStatus(g, True, holders.get((g.node, g.index))) for g in self._present(s).gpus]
+            absent = s.execute(
+                select(Node.name, Gpu.index, Gpu.model, Gpu.memory_mib, Gpu.uuid)
+                .join(Node, Node.id == Gpu.node_id)
+                .where(~Gpu.present)
+            ).all()
+            if not absent:  # the present GPUs are in order already
+                return table
+            table += [
+                GpuStatus(policy.Gpu(node, index, model, mem, uuid), False, holders.get((node, index)))
+                for node, index, model, mem, uuid in absent
+            ]
+            return sorted(table, key=lambda st: (st.gpu.node, st.gpu.index))

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .. import borrowing, policy
-from ..models import ACTIVE_STATES, Allocation, Preemption, QueueEntry
+from ..models import Allocation, Preemption, QueueEntry, has_borrowed, is_live
 from .base import _gpu, _info
 from .queue import Admission, _nodes
 
@@ -148,11 +148,7 @@ class LendingRecords:
         would let it start."""
         with self._read() as s:  # the broker asks every sweep: most of the time, nothing to do
             waits = s.scalar(select(QueueEntry.id).where(QueueEntry.state == "waiting").limit(1))
-            lent = s.scalar(
-                select(Allocation.id)
-                .where(Allocation.state.in_(ACTIVE_STATES), Allocation.borrowed > 0)
-                .limit(1)
-            )
+            lent = s.scalar(select(Allocation.id).where(is_live(), has_borrowed()).limit(1))
             if waits is None or lent is None:
                 return []
         with self._tx() as s:
@@ -222,7 +218,7 @@ class LendingRecords:
             q = (
                 select(Preemption, Allocation)
                 .join(Allocation, Allocation.id == Preemption.allocation_id)
-                .where(Preemption.due <= now, Allocation.state.in_(ACTIVE_STATES))
+                .where(Preemption.due <= now, is_live())
             )
             return [(_preemption_info(p), a.purpose == "server") for p, a in s.execute(q)]
 
@@ -240,7 +236,7 @@ class LendingRecords:
         until = until or self.clock()
         out: dict[str, float] = {}
         with self._read() as s:
-            q = select(Allocation).where(Allocation.borrowed > 0)
+            q = select(Allocation).where(has_borrowed())
             for a in s.scalars(q):
                 start, end = max(a.started or a.created, since), min(a.ended or until, until)
                 if end > start:

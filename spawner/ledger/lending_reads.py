@@ -69,11 +69,7 @@ class LendingReads:
         self, user: str | None = None, since: datetime | None = None, until: datetime | None = None
     ) -> list[PreemptionNotice]:
         """Preemptions (newest first) with when each allocation ended (None: still live)."""
-        q = (
-            select(Preemption, Allocation)
-            .join(Allocation, Allocation.id == Preemption.allocation_id)
-            .order_by(Preemption.created.desc(), Preemption.id.desc())
-        )
+        q = select(Preemption).order_by(Preemption.created.desc(), Preemption.id.desc())
         if user is not None:
             q = q.where(Preemption.user == user)
         if since is not None:
@@ -81,14 +77,25 @@ class LendingReads:
         if until is not None:
             q = q.where(Preemption.created <= until)
         with self._read() as s:
-            return [
-                PreemptionNotice(
-                    _preemption_info(p),
-                    None if a.state in ACTIVE_STATES else a.ended,
-                    None if a.state in ACTIVE_STATES else a.end_reason,
+            found = list(s.scalars(q))
+            # their allocations by id (a join lets a planner walk every allocation ever made)
+            ids = [p.allocation_id for p in found]
+            ends = {
+                aid: (state, ended, reason)
+                for aid, state, ended, reason in s.execute(
+                    select(Allocation.id, Allocation.state, Allocation.ended, Allocation.end_reason).where(
+                        Allocation.id.in_(ids)
+                    )
                 )
-                for p, a in s.execute(q)
-            ]
+            }
+            out = []
+            for p in found:
+                state, ended, reason = ends[p.allocation_id]
+                live = state in ACTIVE_STATES
+                out.append(
+                    PreemptionNotice(_preemption_info(p), None if live else ended, None if live else reason)
+                )
+            return out
 
     def borrowing_totals(
         self, since: datetime, until: datetime | None = None, user: str | None = None

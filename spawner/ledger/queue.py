@@ -129,10 +129,15 @@ class QueueRecords:
     # the scene ------------------------------------------------------------------------
 
     def _end_stale(self, s: Session, now: datetime) -> list[int]:
+        return self._live_waiting(s, now)[0]
+
+    def _live_waiting(self, s: Session, now: datetime) -> tuple[list[int], list[QueueEntry]]:
+        """End the entries past their keepalive or longest wait: their ids, and the entries
+        that still wait."""
         qs = self.queue_settings
         quiet = now - timedelta(seconds=qs.keepalive_seconds)
         oldest = now - timedelta(hours=qs.max_wait_hours)
-        ended = []
+        ended, live = [], []
         for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")):
             if e.seen < quiet:
                 self._leave(
@@ -144,9 +149,10 @@ class QueueRecords:
                     f"it waited the longest allowed ({qs.max_wait_hours:g} h, c.GpuHub.queue_max_wait_hours)",
                 )
             else:
+                live.append(e)
                 continue
             ended.append(e.id)
-        return ended
+        return ended, live
 
     def _leave(self, e: QueueEntry, reason: str) -> None:
         e.state, e.ended, e.end_reason = "left", self.clock(), reason[:255]
@@ -265,12 +271,6 @@ class QueueRecords:
         return scene
 
     # asking ----------------------------------------------------------------------------
-
-    def _waiting_gpus(self, s: Session, user: str, but: int | None = None) -> int:
-        q = select(QueueEntry.gpu_count).where(QueueEntry.state == "waiting", QueueEntry.user == user)
-        if but is not None:
-            q = q.where(QueueEntry.id != but)
-        return sum(s.scalars(q))
 
     def _check_limit_with_waiting(self, s, request, eff, held: int, waiting: int) -> None:
         room = policy.remaining(eff, policy.Holdings(held=held + waiting))
@@ -393,6 +393,8 @@ class QueueRecords:
         with self._read() as s:
             now = self.clock()
             rows = {e.id: e for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting"))}
+            if not rows:  # nothing to order: no scene (it reads every user's usage)
+                return []
             scene = self._scene(s, now)
             out = [scene.info(_entry_info(rows[i])) for i in scene.order]
         return [q for q in out if user is None or q.user == user]
@@ -405,6 +407,22 @@ class QueueRecords:
 
     # the shared admission -------------------------------------------------------------
 
+    def _granted(
+        self, s, user, purpose, server_name, request, gpus, backend, lease_seconds, now
+    ) -> Admission:
+        alloc = self._book(
+            s,
+            user=user,
+            purpose=purpose,
+            server_name=server_name,
+            count=request.count,
+            chosen=gpus,
+            backend=backend,
+            lease_seconds=lease_seconds,
+            now=now,
+        )
+        return Admission(allocation=_info(alloc, booked=gpus))
+
     def _admit_or_queue(
         self,
         s: Session,
@@ -413,6 +431,7 @@ class QueueRecords:
         groups: Iterable[str],
         request: policy.Request,
         eff: policy.EffectiveLimit,
+        held: int,
         inventory: list[policy.Gpu],
         free: list[policy.Gpu],
         on_nodes: Iterable[str] | None,
@@ -425,23 +444,28 @@ class QueueRecords:
         """After the limit and feasibility checks: book now if the queue's plan starts this
         request now, else queue it (``wait``) or refuse it with the queue named."""
         now = self.clock()
-        self._end_stale(s, now)
+        live = self._live_waiting(s, now)[1]
         adopt = None
-        if purpose == "server":
-            adopt = s.scalars(
-                select(QueueEntry).where(
-                    QueueEntry.state == "waiting",
-                    QueueEntry.user == user,
-                    QueueEntry.purpose == "server",
-                    QueueEntry.server_name == server_name,
-                    QueueEntry.backend == backend,
-                )
-            ).first()
-        held = self._holdings(s, user, eff.limit).held
-        self._check_limit_with_waiting(
-            s, request, eff, held, self._waiting_gpus(s, user, adopt.id if adopt else None)
-        )
+        if purpose == "server":  # this server's own entry (started again): it keeps its place
+            adopt = next(
+                (
+                    e
+                    for e in sorted(live, key=lambda e: e.id)
+                    if (e.user, e.purpose, e.server_name, e.backend) == (user, "server", server_name, backend)
+                ),
+                None,
+            )
+        waiting = sum(e.gpu_count for e in live if e.user == user and e is not adopt)
+        self._check_limit_with_waiting(s, request, eff, held, waiting)
         nodes = None if on_nodes is None else frozenset(on_nodes)
+        if not live:
+            # the plan of a queue holding only this request grants what fits the free GPUs now
+            # (queueplan.plan: nothing waits to be protected); only the rest needs the scene
+            gpus = policy.place(request, free, inventory)
+            if gpus is not None:
+                return self._granted(
+                    s, user, purpose, server_name, request, gpus, backend, lease_seconds, now
+                )
         created = adopt.created if adopt is not None else now
         front = adopt.front if adopt is not None else None
         if adopt is not None:  # it stands where the entry stood; the plan sees it as new
@@ -453,21 +477,11 @@ class QueueRecords:
             adopt.state = "waiting"
         gpus = scene.plan.grants.get(NEW)
         if gpus is not None:
-            alloc = self._book(
-                s,
-                user=user,
-                purpose=purpose,
-                server_name=server_name,
-                count=request.count,
-                chosen=gpus,
-                backend=backend,
-                lease_seconds=lease_seconds,
-                now=now,
-            )
+            got = self._granted(s, user, purpose, server_name, request, gpus, backend, lease_seconds, now)
             if adopt is not None:  # the start again that kept its place: granted, as any turn
-                adopt.state, adopt.ended, adopt.allocation_id = "granted", now, alloc.id
+                adopt.state, adopt.ended, adopt.allocation_id = "granted", now, got.allocation.id
                 adopt.end_reason = f"started after {(now - adopt.created).total_seconds():.0f} s"
-            return Admission(allocation=_info(alloc))
+            return got
         if not wait:
             ahead = scene.plan.position(scene.order, NEW)[0] - 1
             policy.check_request(request, eff, policy.Holdings(held=held), inventory, free)

@@ -4,26 +4,37 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
 
 from .. import policy
 from ..models import (
     Allocation,
 )
+from .base import gpus_of
 
 
 class UsageRecords:
     """What was used, from the allocations' history."""
 
-    def _intervals(self, s: Session, user: str | None = None, in_limit: bool = False):
-        """``(start, end, GPUs)`` of every allocation (``in_limit``: borrowed GPUs left out)."""
-        q = select(Allocation).options(selectinload(Allocation.gpus))
+    def _intervals(
+        self, s: Session, user: str | None = None, in_limit: bool = False, since: datetime | None = None
+    ):
+        """``(start, end, GPUs)`` of every allocation (``in_limit``: borrowed GPUs left out);
+        ``since``: only those still running then (what a window from ``since`` counts)."""
+        q = select(
+            Allocation.started,
+            Allocation.created,
+            Allocation.ended,
+            Allocation.borrowed,
+            gpus_of(Allocation.id),
+        )
         if user is not None:
             q = q.where(Allocation.user == user)
-        for a in s.scalars(q):
-            start = a.started or a.created
-            yield start, a.ended, max(0, len(a.gpus) - ((a.borrowed or 0) if in_limit else 0))
+        if since is not None:
+            q = q.where(or_(Allocation.ended.is_(None), Allocation.ended >= since))
+        for started, created, ended, borrowed, n in s.execute(q):
+            yield started or created, ended, max(0, n - ((borrowed or 0) if in_limit else 0))
 
     def usage_series(
         self, since: datetime, until: datetime, bucket_hours: float = 24.0, user: str | None = None
