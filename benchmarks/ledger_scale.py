@@ -129,10 +129,15 @@ def admissions(url: str, users: int, cycles: int, seed: int) -> list[float]:
     return interleaved({"one": (url, users)}, cycles, seed)["one"]
 
 
-def interleaved(ledgers: dict[str, tuple[str, int]], cycles: int, seed: int) -> dict[str, list[float]]:
-    """Admission + release times on each ledger, taking turns (the machine's noise falls on all)."""
+def interleaved(
+    ledgers: dict[str, tuple[str, int]], cycles: int, seed: int, start=None
+) -> dict[str, list[float]]:
+    """Admission + release times on each ledger, taking turns (the machine's noise falls on
+    all). ``start``: a barrier to wait at once the ledgers are open (several processes)."""
     rnd = random.Random(seed)
     opened = {name: (Ledger(url, config_rules=RULES), users) for name, (url, users) in ledgers.items()}
+    if start is not None:
+        start.wait()
     times: dict[str, list[float]] = {name: [] for name in ledgers}
     for _ in range(cycles):
         for name, (ledger, users) in opened.items():
@@ -149,24 +154,25 @@ def interleaved(ledgers: dict[str, tuple[str, int]], cycles: int, seed: int) -> 
     return times
 
 
-def _worker(url, users, cycles, seed, out):
-    t = time.perf_counter()
-    admissions(url, users, cycles, seed)
-    out.put((cycles, time.perf_counter() - t))
+def _worker(url, users, cycles, seed, start, done):
+    interleaved({"one": (url, users)}, cycles, seed, start)
+    done.put(time.perf_counter())
 
 
 def throughput(url: str, users: int, procs: int, cycles: int) -> float:
-    """Admissions (each with its release) per second from ``procs`` processes at once."""
+    """Admissions (each with its release) per second from ``procs`` processes at once, timed
+    from the moment all have their ledger open to the moment the last is done."""
     ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(url, users, cycles, 100 + k, out)) for k in range(procs)]
-    t = time.perf_counter()
+    start, done = ctx.Barrier(procs + 1), ctx.Queue()
+    ps = [ctx.Process(target=_worker, args=(url, users, cycles, 100 + k, start, done)) for k in range(procs)]
     for p in ps:
         p.start()
+    start.wait()
+    t = time.perf_counter()
+    ends = [done.get() for _ in ps]
     for p in ps:
         p.join()
-    wall = time.perf_counter() - t
-    return procs * cycles / wall
+    return procs * cycles / (max(ends) - t)
 
 
 def reads(url: str) -> dict[str, float]:

@@ -13,7 +13,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
@@ -82,6 +86,53 @@ def make_engine(url: str, *, writer: bool = True, sqlite_sync: str = "normal") -
         isolation_level="REPEATABLE READ",
         execution_options={"postgresql_readonly": True},
     )
+
+
+class WriterTurns:
+    """Writers of one SQLite ledger file wait for their turn on an ``flock`` of a file beside
+    it (``<ledger>-writers``) before ``BEGIN IMMEDIATE``.
+
+    SQLite alone makes a writer that finds the database locked sleep and retry (1, 2, 5, 10...
+    ms): with several processes admitting at once most of their time goes to those sleeps.
+    A kernel lock hands the turn over the moment it is released. It is only a queue: the
+    ``BEGIN IMMEDIATE`` behind it is what keeps a decision and its write one step, so a
+    process that cannot open the file (another Unix user's) simply goes without it."""
+
+    def __init__(self, url: str):
+        database = make_url(url).database if url.startswith("sqlite") else None
+        self.path = f"{database}-writers" if database and database != ":memory:" else None
+        self._threads = threading.Lock()  # an flock is the process's: its threads take turns here
+        self._fd: int | None = None
+        self._pid = 0
+
+    def _file(self) -> int | None:
+        if self.path is None:
+            return None
+        if self._fd is None or self._pid != os.getpid():  # a forked child needs its own
+            try:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError:
+                self.path = None
+                return None
+            self._pid = os.getpid()
+        return self._fd
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        with self._threads:
+            fd = self._file()
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
 
 
 def alembic_config(url: str) -> Config:

@@ -355,6 +355,15 @@ def _place(request: Request, free: Sequence[Gpu], inventory: Sequence[Gpu]) -> t
             return None
         return tuple(g for node in sorted(fitting[:want]) for g in free_by[node][:per])
 
+    if request.max_nodes is None or request.max_nodes >= 1:
+        # one node holds it: the best-fitting such node, as below with k = 1, without sorting
+        # every node (thousands on a large cluster)
+        fits = [node for node, gs in free_by.items() if len(gs) >= n]
+        if fits:
+            fewest = min(len(free_by[node]) for node in fits)
+            tied = [node for node in fits if len(free_by[node]) == fewest]
+            wholes = [node for node in tied if whole(node)]
+            return tuple(free_by[min(wholes or tied)][:n])
     # as few nodes as possible: the smallest k whose k fullest nodes hold n
     order = sorted(free_by, key=lambda node: (-len(free_by[node]), not whole(node), node))
     k, total = 0, 0

@@ -1,5 +1,6 @@
 """Table tests of every allocation decision (spawner/policy.py)."""
 
+import random
 from datetime import datetime, timedelta
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from spawner.policy import (
     EffectiveLimit,
     Gpu,
+    GpuSet,
     Holdings,
     Limit,
     LimitRules,
@@ -15,6 +17,7 @@ from spawner.policy import (
     check_request,
     effective_limit,
     gpu_hours_used,
+    largest_placeable,
     place,
 )
 
@@ -204,3 +207,52 @@ T0 = datetime(2026, 1, 1, 12, 0)
 )
 def test_gpu_hours_used(intervals, now, window, expected):
     assert gpu_hours_used(intervals, now, window) == pytest.approx(expected)
+
+
+def _general_rule(request: Request, free, inventory):
+    """The placement rule as first written (every node sorted, then the k fullest): the
+    oracle for the one-node shortcut and for the groups a GpuSet remembers."""
+    n = request.count
+    by = {}
+    for g in sorted(free):
+        if request.model is None or g.model == request.model:
+            by.setdefault(g.node, []).append(g)
+    total = {}
+    for g in inventory:
+        if request.model is None or g.model == request.model:
+            total[g.node] = total.get(g.node, 0) + 1
+    order = sorted(by, key=lambda node: (-len(by[node]), len(by[node]) != total[node], node))
+    k, held = 0, 0
+    while held < n and k < len(order):
+        held += len(by[order[k]])
+        k += 1
+    if held < n or (request.max_nodes is not None and k > request.max_nodes):
+        return None
+    chosen = [g for node in order[: k - 1] for g in by[node]]
+    rest = n - len(chosen)
+    fits = [node for node in order[k - 1 :] if len(by[node]) >= rest]
+    best = min(fits, key=lambda node: (len(by[node]), len(by[node]) != total[node], node))
+    return tuple(sorted(chosen + by[best][:rest]))
+
+
+def test_placement_shortcuts_choose_what_the_general_rule_chooses():
+    rnd = random.Random(7)
+    for _ in range(400):
+        sizes = [rnd.choice((2, 4, 8)) for _ in range(rnd.randint(1, 12))]
+        inv = [
+            Gpu(f"n{k:02d}", i, rnd.choice(("A100", "H100")) if rnd.random() < 0.2 else "A100")
+            for k, size in enumerate(sizes)
+            for i in range(size)
+        ]
+        free = [g for g in inv if rnd.random() < 0.6]
+        request = Request("u", rnd.randint(1, 12), rnd.choice((None, None, "A100")), rnd.choice((None, 1, 2)))
+        expected = _general_rule(request, free, inv)
+        assert place(request, free, inv) == expected
+        # the same through the sets a ledger keeps (grouped once, "ever fits" remembered)
+        gs_inv, gs_free = GpuSet.ordered(sorted(inv)), GpuSet.ordered(sorted(free))
+        assert place(request, gs_free, gs_inv) == expected
+        assert place(request, gs_inv, gs_inv) == _general_rule(request, inv, inv)
+        assert place(request, gs_inv, gs_inv) == place(request, gs_inv, gs_inv)  # remembered
+        assert largest_placeable(gs_free, request.model, request.max_nodes) == largest_placeable(
+            free, request.model, request.max_nodes
+        )

@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from .. import borrowing, fairshare, policy
-from ..db import ensure_schema, make_engine, make_session_factory
+from ..db import WriterTurns, ensure_schema, make_engine, make_session_factory
 from ..models import (
     ACTIVE_STATES,
     Allocation,
@@ -187,6 +187,7 @@ class LedgerBase:
         self._sessions = make_session_factory(self.engine)
         self._reader = make_engine(url, writer=False, sqlite_sync=sqlite_sync)
         self._read_sessions = make_session_factory(self._reader)
+        self._turns = WriterTurns(url)
         with self._sessions.begin() as s:
             if s.get(LedgerLock, 1) is None:
                 s.add(LedgerLock(id=1, generation=0))
@@ -194,13 +195,14 @@ class LedgerBase:
     def close(self) -> None:
         self.engine.dispose()
         self._reader.dispose()
+        self._turns.close()
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
         """A writing transaction, holding the ledger's write lock. It counts up the lock's
         ``generation`` (what readers compare to know nothing changed) unless it sets
         ``s.info["changed"] = False`` (a waiter's keepalive, which changes no decision)."""
-        with self._sessions.begin() as s:
+        with self._turns.turn(), self._sessions.begin() as s:
             lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update()).scalar_one()
             s.info["inventory"] = lock.inventory  # read under the lock: what _present compares
             yield s
