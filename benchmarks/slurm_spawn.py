@@ -1,17 +1,24 @@
-"""A gpuhub Slurm spawn against a bare ``sbatch`` on the same cluster, in one run.
+"""A gpuhub Slurm spawn against its floors on the same cluster, in one run.
 
     sudo PATH=node_modules/.bin:$PATH .venv/bin/python benchmarks/slurm_spawn.py [rounds]
 
 Needs the test cluster (``sudo scripts/slurm-cluster start``) and root (jobs run as alice).
-Interleaved rounds, so both arms see the same machine noise:
+Interleaved rounds, so every arm sees the same machine noise:
 
 - **bare sbatch**: ``sudo -u alice sbatch --gres=gpu:2`` of a script that sleeps, from
-  submit until ``squeue`` says RUNNING (polled every 20 ms), then ``scancel``;
-- **gpu-slurm spawn**: POST to the hub's REST API for 2 GPUs until the server answers
-  (ledger admission, accounting, sbatch, the watcher, batchspawner's port callback, the
-  Jupyter server's own start), then stop.
+  submit until ``squeue`` says RUNNING (polled every 20 ms), then ``scancel``: the floor
+  the issue names (Slurm's own part);
+- **bare sbatch + jupyter server**: the same job running a bare ``python -m jupyter_server``
+  (the same Python and extensions, no hub), from submit until the server answers ``/api``
+  (polled every 20 ms): what any notebook server in a Slurm job costs;
+- **gpu-slurm spawn**: POST to the hub's REST API for 2 GPUs until the hub's progress
+  stream says ready (ledger admission, accounting, sbatch, the watcher, batchspawner's port
+  callback, the Jupyter server's own start), then stop;
+- **untuned**: the same for bob, whose spawns the same hub makes without gpuhub's launcher,
+  its wait for the server and the fast start loop (``UNTUNED``, a ``pre_spawn_hook``): gpuhub
+  before, but for the watcher's faster polling after a submit, which is the hub's (one watcher).
 
-Prints medians, the spread and the ratio.
+Prints medians, the spread, gpuhub minus each floor and the ratios.
 """
 
 import statistics
@@ -21,32 +28,77 @@ import tempfile
 import time
 from pathlib import Path
 
+import requests
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.spawn_overhead import spawn_once
+from benchmarks.spawn_overhead import line, spawn_once
 from tests import slurmtools
+from tests.hubtools import free_port
 from tests.slurmtools import SlurmHub
 
 JOB = "#!/bin/bash\nsleep 600\n"
+UNTUNED = f"""
+def _untuned(spawner):
+    if spawner.user.name == "bob":
+        spawner.cmd = ["{slurmtools.VENV_BIN / "jupyterhub-singleuser"}"]
+        spawner.ready_poll_seconds = 0
+        spawner.startup_poll_interval = 0.5
+c.Spawner.pre_spawn_hook = _untuned
+"""
+SERVER_JOB = """#!/bin/bash
+export HOME=/home/alice
+exec {python} -m jupyter_server --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port={port} \\
+    --IdentityProvider.token= --ServerApp.root_dir=/home/alice
+"""
 
 
-def bare_sbatch() -> float:
+def submit(script: str) -> tuple[float, str]:
     t = time.perf_counter()
     out = slurmtools.slurm(
         "sbatch", "--parsable", "--job-name=gpuhub-test", "--gres=gpu:2", "-o", "/dev/null", "--chdir=/tmp",
-        user="alice", input=JOB,
+        user="alice", input=script,
     )  # fmt: skip
-    job = out.stdout.strip()
-    while slurmtools.job_state(job) != "RUNNING":
+    return t, out.stdout.strip()
+
+
+def until(predicate, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
         time.sleep(0.02)
-    elapsed = time.perf_counter() - t
+
+
+def end(job: str) -> None:
     slurmtools.slurm("scancel", job)
-    slurmtools.wait_for(lambda: slurmtools.job_state(job) != "RUNNING", 30, "the job to end")
+    slurmtools.wait_for(lambda: slurmtools.job_state(job) not in ("RUNNING", "PENDING"), 30, "the job to end")
+
+
+def bare_sbatch() -> float:
+    t, job = submit(JOB)
+    until(lambda: slurmtools.job_state(job) == "RUNNING", "the job to run")
+    elapsed = time.perf_counter() - t
+    end(job)
     return elapsed
 
 
-def hub_spawn(hub: SlurmHub) -> float:
-    return spawn_once(hub, {"gpus": 2})
+def bare_server_job() -> float:
+    port = free_port()
+    t, job = submit(SERVER_JOB.format(python=sys.executable, port=port))
+
+    def answers():
+        if slurmtools.job_state(job) in ("FAILED", "COMPLETED", "CANCELLED", "GONE"):
+            raise RuntimeError(f"the bare server's job {job} ended")
+        try:
+            return requests.get(f"http://127.0.0.1:{port}/api", timeout=30).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    until(answers, "the bare server to answer")
+    elapsed = time.perf_counter() - t
+    end(job)
+    return elapsed
 
 
 def main() -> None:
@@ -56,20 +108,27 @@ def main() -> None:
     slurmtools.ensure_unix_users()
     slurmtools.cancel_all_jobs()
     with tempfile.TemporaryDirectory() as d:
-        hub = SlurmHub(Path(d)).start()
-        bare, spawn = [], []
+        hub = SlurmHub(Path(d), extra_config=UNTUNED).start()
+        bare, server, spawn, untuned = [], [], [], []
         try:
-            hub_spawn(hub)  # first spawn adds alice to Slurm's accounting: not measured
+            for user in ("alice", "bob"):  # a user's first spawn adds them to Slurm's accounting
+                spawn_once(hub, {"gpus": 2}, user)
             for _ in range(rounds):
                 bare.append(bare_sbatch())
-                spawn.append(hub_spawn(hub))
+                server.append(bare_server_job())
+                spawn.append(spawn_once(hub, {"gpus": 2}))
+                untuned.append(spawn_once(hub, {"gpus": 2}, "bob"))
         finally:
             hub.stop()
             slurmtools.cancel_all_jobs()
+    b, s, g, u = (statistics.median(x) for x in (bare, server, spawn, untuned))
     print(f"submit to running/ready, 2 GPUs, median of {rounds} interleaved rounds:")
-    print(f"  bare sbatch -> RUNNING      {statistics.median(bare):6.2f} s  {[round(t, 2) for t in bare]}")
-    print(f"  gpu-slurm spawn -> ready    {statistics.median(spawn):6.2f} s  {[round(t, 2) for t in spawn]}")
-    print(f"  ratio gpuhub / bare sbatch: {statistics.median(spawn) / statistics.median(bare):.2f}x")
+    print(line("bare sbatch -> RUNNING", bare))
+    print(line("bare sbatch + jupyter server", server))
+    print(line("gpu-slurm spawn -> ready", spawn))
+    print(line("  the same, untuned", untuned))
+    print(f"  gpuhub - bare sbatch: {g - b:+.2f} s ({g / b:.2f}x); untuned: {u - b:+.2f} s")
+    print(f"  gpuhub - bare server job: {g - s:+.2f} s ({g / s:.2f}x); gpuhub / untuned: {g / u:.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ Three arms, interleaved round by round so that all see the same machine noise:
   the process's start until ``/api`` answers (polled every 10 ms): no hub, no proxy;
 - **gpu-local-simple**: a real hub (demo configuration, real proxy), REST POST for 2 GPUs
   until the hub's progress stream says ready, then stop;
+- **gpu-local-simple, untuned**: the same without what makes it faster (JupyterHub's own
+  ``jupyterhub-singleuser`` and its back-off: ``UNTUNED``), i.e. gpuhub before;
 - **SimpleLocalProcessSpawner**: the same with JupyterHub's own spawner, no GPUs, as installed.
 
 Prints medians, the spread, gpuhub minus the floor and the ratios.
@@ -28,6 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.hubtools import Hub, free_port
 
 POLL = 0.01
+# gpuhub without its spawn speedups: JupyterHub's own launcher, and JupyterHub's wait alone
+UNTUNED = (
+    f'c.Spawner.cmd = ["{sys.executable}", "-m", "jupyterhub.singleuser"]\nc.Spawner.ready_poll_seconds = 0\n'
+)
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -91,28 +97,32 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     with tempfile.TemporaryDirectory() as d:
         gpu_hub = Hub(Path(d) / "gpu").start()
+        untuned_hub = Hub(Path(d) / "untuned", extra_config=UNTUNED).start()
         plain_hub = Hub(
             Path(d) / "plain",
             extra_config='c.JupyterHub.spawner_class = "simple"\n'
             'c.Spawner.options_form = ""\nc.Spawner.cmd = ["jupyterhub-singleuser"]',
         ).start()
-        floor, gpu, plain = [], [], []
+        floor, gpu, untuned, plain = [], [], [], []
         try:
-            spawn_once(gpu_hub, {"gpus": 2})  # first spawns warm the file cache: not measured
-            spawn_once(plain_hub, None)
+            for hub, options in ((gpu_hub, {"gpus": 2}), (untuned_hub, {"gpus": 2}), (plain_hub, None)):
+                spawn_once(hub, options)  # first spawns warm the file cache: not measured
             for _ in range(rounds):
                 floor.append(bare_server(Path(d)))
                 gpu.append(spawn_once(gpu_hub, {"gpus": 2}))
+                untuned.append(spawn_once(untuned_hub, {"gpus": 2}))
                 plain.append(spawn_once(plain_hub, None))
         finally:
-            gpu_hub.stop()
-            plain_hub.stop()
-    f, g, p = (statistics.median(x) for x in (floor, gpu, plain))
-    print(f"median of {rounds} interleaved rounds:")
+            for hub in (gpu_hub, untuned_hub, plain_hub):
+                hub.stop()
+    f, g, u, p = (statistics.median(x) for x in (floor, gpu, untuned, plain))
+    print(f"POST to ready, median of {rounds} interleaved rounds:")
     print(line("bare jupyter server -> HTTP", floor))
     print(line("gpu-local-simple (2 GPUs)", gpu))
+    print(line("  the same, untuned", untuned))
     print(line("SimpleLocalProcessSpawner", plain))
-    print(f"  gpuhub - floor: {g - f:+.2f} s; gpuhub / floor: {g / f:.2f}x; gpuhub / plain: {g / p:.2f}x")
+    print(f"  gpuhub - floor: {g - f:+.2f} s ({g / f:.2f}x); untuned - floor: {u - f:+.2f} s")
+    print(f"  gpuhub / untuned: {g / u:.2f}x; gpuhub / plain JupyterHub: {g / p:.2f}x")
 
 
 if __name__ == "__main__":
