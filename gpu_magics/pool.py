@@ -270,7 +270,7 @@ class EnginePool:
         interrupted = False
         try:
             while True:
-                ar.wait(0.1)
+                ar.wait_for_output(0.1)  # every reply and every rank's last output: one wake-up
                 stream.feed(metadata)
                 if tick is not None:
                     tick()
