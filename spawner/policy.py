@@ -294,6 +294,14 @@ class GpuSet(tuple):
         """``gpus``, known to be in order already (e.g. a part of a ``GpuSet``)."""
         return cls(gpus)
 
+    @classmethod
+    def from_groups(cls, groups: dict[str, list[Gpu]]) -> GpuSet:
+        """The GPUs of ``groups`` (nodes in order, each node's in order), remembering them
+        as their grouping by node (any model)."""
+        made = cls(g for gs in groups.values() for g in gs)
+        made.__dict__["groups"] = {None: groups}
+        return made
+
     def remembered(self, key, compute):
         """``compute()``, once per ``key`` for this set (it never changes)."""
         memo = self.__dict__.setdefault("memo", {})

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from .. import borrowing, fairshare, policy
@@ -23,6 +23,7 @@ from ..models import (
     Preemption,
     is_live,
 )
+from .freeset import note_held
 
 log = logging.getLogger("gpuhub.ledger")
 
@@ -188,6 +189,7 @@ class LedgerBase:
         self._reader = make_engine(url, writer=False, sqlite_sync=sqlite_sync)
         self._read_sessions = make_session_factory(self._reader)
         self._turns = WriterTurns(url)
+        event.listen(self._sessions, "after_flush", note_held)
         with self._sessions.begin() as s:
             if s.get(LedgerLock, 1) is None:
                 s.add(LedgerLock(id=1, generation=0))
@@ -205,9 +207,15 @@ class LedgerBase:
         with self._turns.turn(), self._sessions.begin() as s:
             lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update()).scalar_one()
             s.info["inventory"] = lock.inventory  # read under the lock: what _present compares
+            before = after = s.info["generation"] = lock.generation or 0
             yield s
             if s.info.get("changed", True):
-                lock.generation = (lock.generation or 0) + 1
+                after = lock.generation = before + 1
+        self._committed(s, before, after)
+
+    def _committed(self, s: Session, before: int, after: int) -> None:
+        """Called after a writing transaction committed (``InventoryRecords`` keeps the
+        free GPUs with it)."""
 
     def _generation(self, s: Session) -> int:
         return s.scalar(select(LedgerLock.generation).where(LedgerLock.id == 1)) or 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from sqlalchemy import select, update
@@ -17,6 +17,7 @@ from ..models import (
     Node,
 )
 from .base import AllocationInfo, GpuStatus
+from .freeset import CHANGES, FreeState
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class Present:
     version: int
     gpus: policy.GpuSet
     ids: tuple[int, ...]  # the row id of each of ``gpus``
+
+    @cached_property
+    def by_id(self) -> dict[int, policy.Gpu]:
+        return dict(zip(self.ids, self.gpus, strict=True))
 
     @cached_property
     def id_of(self) -> dict[tuple[str, int], int]:
@@ -116,10 +121,32 @@ class InventoryRecords:
         return set(s.scalars(select(AllocationGpu.gpu_id).where(AllocationGpu.held)))
 
     def _free(self, s: Session) -> policy.GpuSet:
-        present, held = self._present(s), self._held_gpu_ids(s)
-        return policy.GpuSet.ordered(
-            g for g, i in zip(present.gpus, present.ids, strict=True) if i not in held
-        )
+        """The present GPUs no live allocation holds. A writing transaction that nobody
+        wrote before since this process's last write uses the free GPUs it kept (``freeset``)."""
+        present = self._present(s)
+        if s.new or s.dirty or s.deleted:
+            s.flush()  # this transaction's own changes first (note_held records them)
+        generation = s.info.get("generation")
+        if generation is None or s.info.get(CHANGES):  # a reader, or GPUs moved in this transaction
+            return FreeState.read(-1, present, self._held_gpu_ids(s)).free
+        state = getattr(self, "_free_state", None)
+        if state is None or state.generation != generation or state.inventory != present.version:
+            state = FreeState.read(generation, present, self._held_gpu_ids(s))
+            self._free_state = state
+        return state.free
+
+    def _committed(self, s: Session, before: int, after: int) -> None:
+        """After a writing transaction committed (generation ``before`` to ``after``): keep
+        the free GPUs for the next one, with what this one took or gave back."""
+        state, changes = getattr(self, "_free_state", None), s.info.get(CHANGES)
+        if state is None or state.generation != before or state.inventory != s.info.get("inventory"):
+            self._free_state = None  # another process wrote meanwhile, or the inventory changed
+        elif not changes:
+            self._free_state = replace(state, generation=after)  # no GPU moved
+        elif after == before:
+            self._free_state = None
+        else:
+            self._free_state = state.after(after, self._present(s), changes)
 
     def models(self) -> list[str]:
         with self._read() as s:

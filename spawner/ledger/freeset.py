@@ -1,0 +1,72 @@
+"""The free GPUs, kept in memory from one write to the next (a part of :class:`Ledger`).
+
+Every admission needs the free GPUs grouped by node. Reading the held GPUs and grouping the
+rest costs milliseconds on a cluster of thousands, so a process keeps what it last read,
+tagged with the ledger's ``generation`` (counted up by every write, whoever writes). A
+writing transaction that finds the generation unchanged since then uses it as it is; when
+its own transaction commits, it applies the GPUs that transaction took or gave back (seen
+at each flush, ``note_held``) and tags the result with the new generation. When another
+process wrote in between, the generations differ and the free GPUs are read again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import inspect
+from sqlalchemy.orm import Session
+
+from .. import policy
+from ..models import AllocationGpu
+
+CHANGES = "held_changes"  # session.info key: [(gpu_id, held now)] in flush order
+
+
+def note_held(session: Session, _flush_context) -> None:
+    """``after_flush``: record every allocation-GPU row this flush made, changed or deleted."""
+    changes = session.info.setdefault(CHANGES, [])
+    for row in session.new:
+        if isinstance(row, AllocationGpu):
+            changes.append((row.gpu_id, bool(row.held)))
+    for row in session.dirty:
+        if isinstance(row, AllocationGpu) and inspect(row).attrs.held.history.has_changes():
+            changes.append((row.gpu_id, bool(row.held)))
+    for row in session.deleted:
+        if isinstance(row, AllocationGpu):
+            changes.append((row.gpu_id, False))
+
+
+@dataclass(frozen=True)
+class FreeState:
+    """The free GPUs at one generation of the ledger and one version of its inventory."""
+
+    generation: int
+    inventory: int
+    held: frozenset[int]
+    free: policy.GpuSet
+
+    @classmethod
+    def read(cls, generation: int, present, held: set[int]) -> FreeState:
+        free = policy.GpuSet.ordered(
+            g for g, i in zip(present.gpus, present.ids, strict=True) if i not in held
+        )
+        return cls(generation, present.version, frozenset(held), free)
+
+    def after(self, generation: int, present, changes: list[tuple[int, bool]]) -> FreeState:
+        """This state with ``changes`` applied: only their nodes are grouped again."""
+        held = set(self.held)
+        for gpu_id, now in changes:
+            (held.add if now else held.discard)(gpu_id)
+        by_id = present.by_id
+        touched = {by_id[i].node for i, _ in changes if i in by_id}
+        groups = dict(self.free.by_node(None))
+        everyone = present.gpus.by_node(None)
+        for node in touched:
+            left = [g for g in everyone[node] if present.id_of[(g.node, g.index)] not in held]
+            if left:
+                groups[node] = left
+            else:
+                groups.pop(node, None)
+        if any(node not in self.free.by_node(None) for node in touched if node in groups):
+            groups = dict(sorted(groups.items()))  # a node came back: keep the nodes in order
+        return FreeState(generation, self.inventory, frozenset(held), policy.GpuSet.from_groups(groups))
