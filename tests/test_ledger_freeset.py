@@ -3,10 +3,11 @@ always what the database says, whoever wrote: on SQLite and on PostgreSQL."""
 
 import random
 
+from sqlalchemy import select
+
 from spawner.ledger import Ledger
 from spawner.models import AllocationGpu
 from spawner.policy import Gpu, Limit, LimitRules
-from sqlalchemy import select
 
 RULES = LimitRules(default=Limit(max_gpus=6))
 INVENTORY = [Gpu(f"n{n}", i, "A100") for n in range(4) for i in range(4)]
