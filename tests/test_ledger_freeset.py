@@ -37,7 +37,7 @@ def test_two_processes_writing_in_turn_never_place_on_a_kept_but_taken_gpu(db_ur
     for step in range(120):
         who = a if rnd.random() < 0.6 else b
         if live and (rnd.random() < 0.45 or len(live) > 6):
-            owner, aid = live.pop(rnd.randrange(len(live)))
+            _booker, aid = live.pop(rnd.randrange(len(live)))
             who.release(aid)  # either may release what either booked
         else:
             got = who.request(f"u{step}", [], rnd.choice((1, 2, 3)))
