@@ -2,12 +2,15 @@
 always what the database says, whoever wrote: on SQLite and on PostgreSQL."""
 
 import random
+from datetime import datetime
 
 from sqlalchemy import select
 
 from spawner.ledger import Ledger
 from spawner.models import AllocationGpu
 from spawner.policy import Gpu, Limit, LimitRules
+
+from .ledgertools import Clock
 
 RULES = LimitRules(default=Limit(max_gpus=6))
 INVENTORY = [Gpu(f"n{n}", i, "A100") for n in range(4) for i in range(4)]
@@ -66,3 +69,24 @@ def test_a_write_that_moves_no_gpu_keeps_the_free_gpus_and_a_release_gives_them_
     ledger.release(got.id)
     assert kept(ledger) == INVENTORY == truth(ledger)
     ledger.close()
+
+
+def test_a_lease_that_runs_out_during_a_waiters_keepalive_moves_the_generation(db_url):
+    clock = Clock(datetime(2026, 12, 1, 9))
+    a = Ledger(db_url, config_rules=LimitRules(default=Limit(max_gpus=12)), clock=clock)
+    a.sync_inventory(INVENTORY)
+    b = Ledger(db_url, config_rules=LimitRules(default=Limit(max_gpus=12)), clock=clock)
+    a.allocate("alice", [], 12, max_nodes=None)
+    a.allocate("bob", [], 2, lease_seconds=10)
+    entry = a.request("carol", [], 6, max_nodes=None).entry  # 2 free, 4 when bob's lease ends
+    assert entry is not None
+    seen = kept(b)  # b keeps the free GPUs at this generation
+    clock.advance(seconds=20)
+    with a._read() as s:
+        before = a._generation(s)
+    assert a.wait_turn(entry.id).allocation is None  # still waits; bob's lease ended meanwhile
+    with a._read() as s:
+        assert a._generation(s) == before + 1
+    assert len(kept(b)) == len(seen) + 2 == len(truth(b))
+    a.close()
+    b.close()

@@ -23,7 +23,7 @@ from ..models import (
     Preemption,
     is_live,
 )
-from .freeset import note_held
+from .freeset import CHANGES, note_held
 
 log = logging.getLogger("gpuhub.ledger")
 
@@ -209,7 +209,8 @@ class LedgerBase:
             s.info["inventory"] = lock.inventory  # read under the lock: what _present compares
             before = after = s.info["generation"] = lock.generation or 0
             yield s
-            if s.info.get("changed", True):
+            s.flush()
+            if s.info.get("changed", True) or s.info.get(CHANGES):  # a GPU that moved always counts
                 after = lock.generation = before + 1
         self._committed(s, before, after)
 

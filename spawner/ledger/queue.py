@@ -329,7 +329,7 @@ class QueueRecords:
             scene = self._scene(s, now)
             gpus = scene.plan.grants.get(e.id)
             if gpus is None:
-                s.info["changed"] = not ended  # a keepalive alone changes no decision
+                s.info["changed"] = bool(ended)  # a keepalive alone changes no decision
                 return Admission(entry=scene.info(_entry_info(e)))
             eff = policy.effective_limit(e.user, _groups(e.groups), self._rules(s))
             holdings = self._holdings(s, e.user, eff.limit)
