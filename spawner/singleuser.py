@@ -33,9 +33,11 @@ _lock = threading.Lock()
 class DeferredModule(types.ModuleType):
     """Stands for a module until first used: then imports the real one and delegates."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, path: list[str] | None = None):
         super().__init__(name, f"{name}, imported when first used (spawner.singleuser)")
         self._real: types.ModuleType | None = None
+        if path is not None:  # a package: its submodules import as usual
+            self.__path__ = path
 
     def real(self) -> types.ModuleType:
         with _lock:
@@ -57,9 +59,11 @@ class DeferredModule(types.ModuleType):
 def defer_import(name: str = DEFERRED) -> DeferredModule | None:
     """Register a stand-in for ``name`` (installed, not imported yet); None if there is nothing
     to defer."""
-    if name in sys.modules or importlib.util.find_spec(name) is None:
+    spec = None if name in sys.modules else importlib.util.find_spec(name)
+    if spec is None:
         return None
-    module = sys.modules[name] = DeferredModule(name)
+    locations = spec.submodule_search_locations
+    module = sys.modules[name] = DeferredModule(name, list(locations) if locations is not None else None)
     return module
 
 

@@ -94,6 +94,8 @@ def test_nothing_is_deferred_that_is_not_installed_or_already_imported():
         assert defer_import("json") is None and sys.modules["json"] is json
         m = defer_import()
         assert isinstance(sys.modules["rfc3987_syntax"], DeferredModule)
+        import rfc3987_syntax.utils  # a submodule imports as usual
+        assert isinstance(sys.modules["rfc3987_syntax"], DeferredModule)
         from rfc3987_syntax import is_valid_syntax  # what jsonschema imports
         assert is_valid_syntax("iri", "http://example.com/") and not is_valid_syntax("iri", "a b")
         assert not isinstance(sys.modules["rfc3987_syntax"], DeferredModule)  # the real one now
