@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/ledger_admission.py [cycles]
 
-Both sides do a durable, multi-process-safe write on the same kind of file (WAL, BEGIN
-IMMEDIATE). The baseline books one GPU row with no policy, no limits and no history;
+Both sides do a multi-process-safe write on the same kind of file (WAL, synchronous=NORMAL,
+BEGIN IMMEDIATE). The baseline books one GPU row with no policy, no limits and no history;
 gpuhub adds the limit check, placement, and the allocation record. Prints the ratio.
 """
 
@@ -36,6 +36,7 @@ def bench_gpuhub(path: Path, cycles: int) -> list[float]:
 def bench_bare_sqlite(path: Path, cycles: int) -> list[float]:
     conn = sqlite3.connect(path, isolation_level=None, timeout=30)
     conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")  # as the ledger's default (c.GpuHub.sqlite_synchronous)
     conn.execute("CREATE TABLE held (gpu INTEGER PRIMARY KEY, user TEXT)")
     times = []
     for k in range(cycles):
