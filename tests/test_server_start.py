@@ -28,6 +28,7 @@ from spawner import readiness
 from spawner.ledger import Ledger
 from spawner.slurm.watcher import next_interval
 
+from . import slurmtools
 from .hubtools import REPO, Hub, free_port, wait_for
 
 PY = sys.executable
@@ -283,6 +284,16 @@ def test_a_hub_server_is_started_by_the_launcher_and_answers_with_its_extensions
         assert info.status_code == 200 and "server_processes" in info.json()
     finally:
         hub.stop_server("alice")
+
+
+def test_a_slurm_server_is_started_by_the_launcher_and_answers(tmp_path):
+    with slurmtools.slurm_hub(tmp_path / "slurmhub") as slurm_hub:
+        r = slurm_hub.spawn("alice", {"gpus": 1})
+        assert r.status_code in (201, 202), r.text
+        slurm_hub.wait_ready("alice", timeout=120)
+        cmdline = open(f"/proc/{slurm_hub.server_pid('alice')}/cmdline", "rb").read().split(b"\0")
+        assert str(slurmtools.VENV_BIN / "gpuhub-singleuser").encode() in cmdline
+        assert slurm_hub.api_url_request("GET", "/user/alice/lab").status_code == 200
 
 
 def test_a_server_that_dies_before_it_answers_fails_the_spawn_and_frees_its_gpus(tmp_path):
