@@ -227,14 +227,18 @@ class GpuSpawnerMixin(Configurable):
             url, self.http_timeout, self.ready_poll_seconds, self.server_alive, fetch, ssl_context
         )
         if outcome == readiness.GONE:
-            raise SpawnException(
+            raise make_refusal(
                 "Your server stopped before it answered; its GPUs are released. Try again, or ask an "
-                "admin to look at the server's log."
+                "admin to look at the server's log.",
+                "server_gone",
+                500,
             )
         if outcome == readiness.TIMEOUT:
-            raise SpawnException(
+            raise make_refusal(
                 f"Your server did not answer within {self.http_timeout} s of starting "
-                "(c.Spawner.http_timeout); its GPUs are released. Try again, or ask an admin."
+                "(c.Spawner.http_timeout); its GPUs are released. Try again, or ask an admin.",
+                "server_silent",
+                500,
             )
 
     def get_env(self):

@@ -302,11 +302,15 @@ def test_a_server_that_dies_before_it_answers_fails_the_spawn_and_frees_its_gpus
     ).start()
     try:
         r = dying.spawn("bob", {"gpus": 1})
-        assert r.status_code in (201, 202, 500), r.text
-        if r.status_code != 500:
+        assert r.status_code in (202, 500), r.text
+        if r.status_code == 500:  # failed within the POST's wait (the demo's slow_spawn_timeout)
+            message = r.json()["message"]
+        else:
             events = list(dying.progress("bob", timeout=60))
             assert events[-1].get("failed"), events
-            assert "stopped before it answered" in events[-1]["message"], events[-1]
+            message = events[-1]["message"]
+        # gpuhub's own wait, not JupyterHub's "didn't respond in 60 seconds"
+        assert "stopped before it answered" in message, message
         ledger = Ledger(dying.ledger_url)
         wait_for(lambda: not ledger.active(purpose="server"), 30, "bob's GPUs to be released")
         assert dying.server("bob") is None
