@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from itertools import chain
 
 from .values import parse_count, parse_hours, parse_number, show
 
@@ -232,7 +233,7 @@ def check_request(
             f"The GPU count must be a whole number of 0 or more; got {n!r}.",
             reason="bad_request",
         )
-    models = sorted({g.model for g in inventory})
+    models = _models(inventory)
     if request.model is not None and request.model not in models:
         have = ", ".join(models) if models else "none"
         raise Refusal(
@@ -298,7 +299,7 @@ class GpuSet(tuple):
     def from_groups(cls, groups: dict[str, list[Gpu]]) -> GpuSet:
         """The GPUs of ``groups`` (nodes in order, each node's in order), remembering them
         as their grouping by node (any model)."""
-        made = cls(g for gs in groups.values() for g in gs)
+        made = cls(chain.from_iterable(groups.values()))
         made.__dict__["groups"] = {None: groups}
         return made
 
@@ -318,6 +319,12 @@ class GpuSet(tuple):
                     out.setdefault(g.node, []).append(g)
             groups[model] = out
         return groups[model]
+
+
+def _models(inventory: Sequence[Gpu]) -> list[str]:
+    if isinstance(inventory, GpuSet):
+        return inventory.remembered("models", lambda: sorted({g.model for g in inventory}))
+    return sorted({g.model for g in inventory})
 
 
 def _by_node(gpus: Iterable[Gpu], model: str | None) -> dict[str, list[Gpu]]:
@@ -366,12 +373,19 @@ def _place(request: Request, free: Sequence[Gpu], inventory: Sequence[Gpu]) -> t
     if request.max_nodes is None or request.max_nodes >= 1:
         # one node holds it: the best-fitting such node, as below with k = 1, without sorting
         # every node (thousands on a large cluster)
-        fits = [node for node, gs in free_by.items() if len(gs) >= n]
-        if fits:
-            fewest = min(len(free_by[node]) for node in fits)
-            tied = [node for node in fits if len(free_by[node]) == fewest]
-            wholes = [node for node in tied if whole(node)]
-            return tuple(free_by[min(wholes or tied)][:n])
+        # min of (free, not whole, name) in one pass over the nodes (they come in name order)
+        fewest, first, first_whole = None, None, None
+        for node, gs in free_by.items():
+            k = len(gs)
+            if k < n or (fewest is not None and k > fewest):
+                continue
+            is_whole = k == len(total_by.get(node, ()))
+            if fewest is None or k < fewest:
+                fewest, first, first_whole = k, node, node if is_whole else None
+            elif first_whole is None and is_whole:
+                first_whole = node
+        if first is not None:
+            return tuple(free_by[first_whole or first][:n])
     # as few nodes as possible: the smallest k whose k fullest nodes hold n
     order = sorted(free_by, key=lambda node: (-len(free_by[node]), not whole(node), node))
     k, total = 0, 0
