@@ -27,7 +27,7 @@ from pathlib import Path
 from notebook_shell import magic_shell
 
 TRAIN = """
-import gc, os, threading, time, torch, torch.distributed as dist, torch.nn as nn
+import gc, os, resource, threading, time, torch, torch.distributed as dist, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 if not dist.is_initialized():
     dist.init_process_group("gloo")
@@ -53,18 +53,25 @@ step()  # the first step
 if rank == 0:
     print("first-step", time.time(), flush=True)
 before, collections = ticks(), sum(s["collections"] for s in gc.get_stats())
+use = resource.getrusage(resource.RUSAGE_SELF)
 dist.barrier()
 t = time.perf_counter()
 for _ in range(STEPS):
     step()
 dist.barrier()
 rate = STEPS / (time.perf_counter() - t)
-after = ticks()
+after, used = ticks(), resource.getrusage(resource.RUSAGE_SELF)
 others = sum(v - before.get(k, 0) for k, v in after.items() if k != "training" and "gloo" not in k)
 if rank == 0:
     print("steps/s", rate, flush=True)
     gcs = sum(s["collections"] for s in gc.get_stats()) - collections
-    print("threads", len(os.listdir("/proc/self/task")), "other-ticks", others, "gc", gcs, flush=True)
+    cpu = (used.ru_utime + used.ru_stime - use.ru_utime - use.ru_stime) / STEPS * 1e3
+    switches = (used.ru_nivcsw - use.ru_nivcsw) / STEPS
+    print(
+        f"threads {len(os.listdir('/proc/self/task'))} other-ticks {others} gc {gcs} "
+        f"cpu-ms/step {cpu:.2f} preempted/step {switches:.2f}",
+        flush=True,
+    )
 """
 
 
@@ -97,7 +104,9 @@ def main() -> None:
     code = TRAIN.replace("STEPS", str(steps))
     _capture(shell, magic + code)  # warm-up: imports, first optimizer
     script = Path(tempfile.mkdtemp(prefix="gpuhub-bench-")) / "train.py"
-    script.write_text(code)
+    # a script's own end under torchrun (the engines' group lives on): without it a rank's exit
+    # sometimes aborts in gloo's threads ("terminate called without an active exception")
+    script.write_text(code + "dist.destroy_process_group()\n")
     torchrun = Path(sys.executable).with_name("torchrun")
 
     def in_engines() -> tuple[float, float, str]:
@@ -138,7 +147,13 @@ def main() -> None:
     )
     for name, runs_ in (("%%distributed", warm), ("torchrun", cold)):
         rates = sorted(x[1] for x in runs_)
-        print(f"  {name}: rounds {rates[0]:.1f}..{rates[-1]:.1f} steps/s; rank 0's loop: {runs_[-1][2]}")
+        seen = {k: statistics.median(x[2][k] for x in runs_) for k in runs_[0][2]}
+        print(
+            f"  {name}: rounds {rates[0]:.1f}..{rates[-1]:.1f} steps/s; rank 0's process during the "
+            f"loop, medians: {seen['threads']:.0f} threads, CPU {seen['cpu-ms/step']:.2f} ms/step, "
+            f"preempted {seen['preempted/step']:.1f} times/step, CPU ticks of its other threads "
+            f"(not training, not gloo) {seen['other-ticks']:.0f}, GC runs {seen['gc']:.0f}"
+        )
     w_first, c_first = (statistics.median(x[0] for x in runs_) for runs_ in (warm, cold))
     print(
         f"time to first step: warm engines {w_first:.2f} s, torchrun launch {c_first:.2f} s, "
@@ -146,11 +161,12 @@ def main() -> None:
     )
 
 
-def _reading(text: str, started: float) -> tuple[float, float, str]:
-    """(seconds to the first step, steps/s, rank 0's line on what else its process did during
-    the loop) from one run's output."""
-    line = next(x for x in text.splitlines() if "other-ticks" in x)
-    return _value(text, "first-step") - started, _value(text, "steps/s"), line.split("] ", 1)[-1]
+def _reading(text: str, started: float) -> tuple[float, float, dict[str, float]]:
+    """(seconds to the first step, steps/s, what rank 0's process did during the loop) from one
+    run's output."""
+    line = next(x for x in text.splitlines() if "other-ticks" in x).split("] ", 1)[-1].split()
+    seen = dict(zip(line[::2], map(float, line[1::2]), strict=True))
+    return _value(text, "first-step") - started, _value(text, "steps/s"), seen
 
 
 def _capture(shell, cell: str) -> str:
