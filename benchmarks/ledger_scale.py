@@ -41,6 +41,7 @@ from spawner.policy import Limit, LimitRules
 SIZES = {"small": (100, 50), "large": (10_000, 5_000)}
 GPUS_PER_NODE = 8
 HISTORY_DAYS = 365
+WARM = 5  # admissions each process makes before a throughput run is timed
 RULES = LimitRules(default=Limit(max_gpus=16, gpu_hours=2000, window_hours=24 * 30))
 
 
@@ -133,13 +134,15 @@ def interleaved(
     ledgers: dict[str, tuple[str, int]], cycles: int, seed: int, start=None
 ) -> dict[str, list[float]]:
     """Admission + release times on each ledger, taking turns (the machine's noise falls on
-    all). ``start``: a barrier to wait at once the ledgers are open (several processes)."""
+    all). ``start``: a barrier to wait at once the ledgers are open and warm (several processes)."""
     rnd = random.Random(seed)
     opened = {name: (Ledger(url, config_rules=RULES), users) for name, (url, users) in ledgers.items()}
-    if start is not None:
-        start.wait()
+    warm = WARM if start is not None else 0  # a process reads the inventory once before the clock starts
     times: dict[str, list[float]] = {name: [] for name in ledgers}
-    for _ in range(cycles):
+    for k in range(warm + cycles):
+        if k == warm and start is not None:
+            start.wait()
+            times = {name: [] for name in ledgers}
         for name, (ledger, users) in opened.items():
             user, count = f"user{rnd.randrange(users)}", rnd.choice((1, 2))
             t = time.perf_counter()
@@ -161,7 +164,7 @@ def _worker(url, users, cycles, seed, start, done):
 
 def throughput(url: str, users: int, procs: int, cycles: int) -> float:
     """Admissions (each with its release) per second from ``procs`` processes at once, timed
-    from the moment all have their ledger open to the moment the last is done."""
+    from the moment all have their ledger open and warm to the moment the last is done."""
     ctx = mp.get_context("fork")
     start, done = ctx.Barrier(procs + 1), ctx.Queue()
     ps = [ctx.Process(target=_worker, args=(url, users, cycles, 100 + k, start, done)) for k in range(procs)]

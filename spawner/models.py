@@ -258,6 +258,19 @@ def has_borrowed():
     return Allocation.borrowed > literal_column("0")
 
 
+class GpuMove(Base):
+    """A GPU that a write took (``held``) or gave back, at the ledger's ``generation`` then:
+    what lets a process bring the free GPUs it keeps up to date after another process wrote
+    (``spawner/ledger/freeset.py``). Only the newest generations are kept."""
+
+    __tablename__ = "gpu_moves"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    generation: Mapped[int] = mapped_column(Integer, index=True)
+    gpu_id: Mapped[int] = mapped_column(Integer)
+    held: Mapped[bool] = mapped_column(Boolean)
+
+
 class LedgerLock(Base):
     """One row that every writing transaction locks first (``SELECT ... FOR UPDATE``).
 
@@ -272,3 +285,5 @@ class LedgerLock(Base):
     # counted up when the GPUs or nodes change (``sync_inventory``): processes keep the
     # inventory in memory while it stays the same (migration 0007)
     inventory: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    # every GPU move of a generation after this one is in gpu_moves (older ones are pruned)
+    moves_after: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))

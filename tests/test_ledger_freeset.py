@@ -6,8 +6,8 @@ from datetime import datetime
 
 from sqlalchemy import select
 
-from spawner.ledger import Ledger
-from spawner.models import AllocationGpu
+from spawner.ledger import Ledger, freeset
+from spawner.models import AllocationGpu, LedgerLock
 from spawner.policy import Gpu, Limit, LimitRules
 
 from .ledgertools import Clock
@@ -88,5 +88,22 @@ def test_a_lease_that_runs_out_during_a_waiters_keepalive_moves_the_generation(d
     with a._read() as s:
         assert a._generation(s) == before + 1
     assert len(kept(b)) == len(seen) + 2 == len(truth(b))
+    a.close()
+    b.close()
+
+
+def test_when_the_moves_it_missed_are_no_longer_kept_a_ledger_reads_the_held_gpus_again(db_url, monkeypatch):
+    monkeypatch.setattr(freeset, "KEEP_GENERATIONS", 3)
+    monkeypatch.setattr(freeset, "PRUNE_EVERY", 2)
+    a = Ledger(db_url, config_rules=RULES)
+    a.sync_inventory(INVENTORY)
+    b = Ledger(db_url, config_rules=RULES)
+    assert kept(b) == INVENTORY  # b keeps the free GPUs now
+    live = [a.allocate(f"u{k}", [], 2).id for k in range(4)]  # then misses 4 writes...
+    a.release(live.pop(0))
+    with a._read() as s:  # ...whose moves are partly pruned already
+        assert s.scalar(select(LedgerLock.moves_after)) > 0
+    assert kept(b) == truth(b) == kept(a)
+    assert len(truth(b)) == len(INVENTORY) - 6
     a.close()
     b.close()

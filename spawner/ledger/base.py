@@ -23,7 +23,7 @@ from ..models import (
     Preemption,
     is_live,
 )
-from .freeset import CHANGES, note_held
+from .freeset import CHANGES, note_held, record_moves
 
 log = logging.getLogger("gpuhub.ledger")
 
@@ -208,10 +208,12 @@ class LedgerBase:
             lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update()).scalar_one()
             s.info["inventory"] = lock.inventory  # read under the lock: what _present compares
             before = after = s.info["generation"] = lock.generation or 0
+            s.info["moves_after"] = lock.moves_after or 0
             yield s
             s.flush()
             if s.info.get("changed", True) or s.info.get(CHANGES):  # a GPU that moved always counts
                 after = lock.generation = before + 1
+                record_moves(s, lock, after)
         self._committed(s, before, after)
 
     def _committed(self, s: Session, before: int, after: int) -> None:

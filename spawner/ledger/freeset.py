@@ -6,20 +6,46 @@ tagged with the ledger's ``generation`` (counted up by every write, whoever writ
 writing transaction that finds the generation unchanged since then uses it as it is; when
 its own transaction commits, it applies the GPUs that transaction took or gave back (seen
 at each flush, ``note_held``) and tags the result with the new generation. When another
-process wrote in between, the generations differ and the free GPUs are read again.
+process wrote in between, it applies the moves that process wrote in ``gpu_moves`` (every
+write records its own); only when those are no longer kept are the free GPUs read again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import inspect
+from sqlalchemy import delete, insert, inspect, select
 from sqlalchemy.orm import Session
 
 from .. import policy
-from ..models import AllocationGpu
+from ..models import AllocationGpu, GpuMove
 
 CHANGES = "held_changes"  # session.info key: [(gpu_id, held now)] in flush order
+KEEP_GENERATIONS = 4096  # gpu_moves keeps the moves of this many of the newest generations
+PRUNE_EVERY = 512  # ... pruned by the write whose generation is a multiple of this
+
+
+def record_moves(s: Session, lock, generation: int) -> None:
+    """Write this transaction's GPU moves as of ``generation`` (the lock row ``lock`` is
+    held), and now and then forget the oldest."""
+    changes = s.info.get(CHANGES)
+    if changes:
+        s.execute(insert(GpuMove), [{"generation": generation, "gpu_id": g, "held": h} for g, h in changes])
+    if generation % PRUNE_EVERY == 0 and generation > KEEP_GENERATIONS:
+        oldest = generation - KEEP_GENERATIONS
+        s.execute(delete(GpuMove).where(GpuMove.generation <= oldest))
+        lock.moves_after = max(lock.moves_after or 0, oldest)
+
+
+def moves_since(s: Session, generation: int) -> list[tuple[int, bool]] | None:
+    """The GPU moves of every write after ``generation``, in order; None when some of them
+    are no longer kept (read the held GPUs again)."""
+    if generation < (s.info.get("moves_after") or 0):
+        return None
+    rows = s.execute(
+        select(GpuMove.gpu_id, GpuMove.held).where(GpuMove.generation > generation).order_by(GpuMove.id)
+    )
+    return [(gpu_id, bool(held)) for gpu_id, held in rows]
 
 
 def note_held(session: Session, _flush_context) -> None:

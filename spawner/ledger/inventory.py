@@ -17,7 +17,7 @@ from ..models import (
     Node,
 )
 from .base import AllocationInfo, GpuStatus
-from .freeset import CHANGES, FreeState
+from .freeset import CHANGES, FreeState, moves_since
 
 
 @dataclass(frozen=True)
@@ -130,23 +130,28 @@ class InventoryRecords:
         if generation is None or s.info.get(CHANGES):  # a reader, or GPUs moved in this transaction
             return FreeState.read(-1, present, self._held_gpu_ids(s)).free
         state = getattr(self, "_free_state", None)
+        if state is not None and state.inventory == present.version and state.generation < generation:
+            moved = moves_since(s, state.generation)  # another process wrote since: its moves
+            state = None if moved is None else state.after(generation, present, moved)
         if state is None or state.generation != generation or state.inventory != present.version:
             state = FreeState.read(generation, present, self._held_gpu_ids(s))
-            self._free_state = state
+        self._free_state = state
         return state.free
 
     def _committed(self, s: Session, before: int, after: int) -> None:
         """After a writing transaction committed (generation ``before`` to ``after``): keep
         the free GPUs for the next one, with what this one took or gave back."""
         state, changes = getattr(self, "_free_state", None), s.info.get(CHANGES)
-        if state is None or state.generation != before or state.inventory != s.info.get("inventory"):
-            self._free_state = None  # another process wrote meanwhile, or the inventory changed
-        elif not changes:
-            self._free_state = replace(state, generation=after)  # no GPU moved
-        elif after == before:
-            self._free_state = None
-        else:
-            self._free_state = state.after(after, self._present(s), changes)
+        if state is None:
+            return
+        if state.inventory != s.info.get("inventory"):
+            self._free_state = None  # the inventory changed: read it all again
+        elif state.generation == before:  # still the newest: this transaction's moves on top
+            self._free_state = (
+                state.after(after, self._present(s), changes) if changes else replace(state, generation=after)
+            )
+        # else another process wrote since it was read: it stays as it was, at its own
+        # generation, and the next writing transaction catches up through gpu_moves
 
     def models(self) -> list[str]:
         with self._read() as s:
