@@ -144,11 +144,16 @@ class InventoryRecords:
         state, changes = getattr(self, "_free_state", None), s.info.get(CHANGES)
         if state is None:
             return
-        if state.inventory != s.info.get("inventory"):
+        present = getattr(self, "_present_cache", None)  # the session is closed: no reads now
+        if (
+            present is None
+            or state.inventory != s.info.get("inventory")
+            or present.version != state.inventory
+        ):
             self._free_state = None  # the inventory changed: read it all again
         elif state.generation == before:  # still the newest: this transaction's moves on top
             self._free_state = (
-                state.after(after, self._present(s), changes) if changes else replace(state, generation=after)
+                state.after(after, present, changes) if changes else replace(state, generation=after)
             )
         # else another process wrote since it was read: it stays as it was, at its own
         # generation, and the next writing transaction catches up through gpu_moves
