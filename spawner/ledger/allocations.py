@@ -29,9 +29,7 @@ class AllocationRecords:
     def _holdings(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
         """What counts against the limit: GPUs held, less those borrowed beyond it (they have an
         allowance of their own: ``_borrowed_part``), and the GPU-hours of the window."""
-        held = sum(
-            max(count or 0, n) - (borrowed or 0) for _, count, n, borrowed in self._live_counts(s, user)
-        )
+        held = sum(max(count or 0, n) - (borrowed or 0) for count, n, borrowed in self._live_counts(s, user))
         hours = 0.0
         if limit.gpu_hours is not None:
             # borrowed GPU-hours count against the budget unless c.GpuHub.borrowed_hours_count is off
@@ -43,17 +41,11 @@ class AllocationRecords:
             )
         return policy.Holdings(held=held, gpu_hours=hours)
 
-    def _live_counts(self, s: Session, user: str) -> list[tuple[int, int | None, int, int]]:
-        """``(id, GPUs asked for, GPUs recorded, borrowed)`` of the user's live allocations:
-        the counts an admission needs, without loading the allocations."""
-        return [
-            tuple(row)
-            for row in s.execute(
-                select(
-                    Allocation.id, Allocation.gpu_count, gpus_of(Allocation.id), Allocation.borrowed
-                ).where(Allocation.user == user, is_live())
-            )
-        ]
+    def _live_counts(self, s: Session, user: str) -> list[tuple[int | None, int, int]]:
+        """``(GPUs asked for, GPUs recorded, borrowed)`` of the user's live allocations: the
+        counts an admission needs, without loading the allocations."""
+        q = select(Allocation.gpu_count, gpus_of(Allocation.id), Allocation.borrowed)
+        return [tuple(row) for row in s.execute(q.where(Allocation.user == user, is_live()))]
 
     def allowance(self, user: str, groups: Iterable[str] = (), model: str | None = None) -> Allowance:
         groups = list(groups)

@@ -121,8 +121,8 @@ class InventoryRecords:
         return set(s.scalars(select(AllocationGpu.gpu_id).where(AllocationGpu.held)))
 
     def _free(self, s: Session) -> policy.GpuSet:
-        """The present GPUs no live allocation holds. A writing transaction that nobody
-        wrote before since this process's last write uses the free GPUs it kept (``freeset``)."""
+        """The present GPUs no live allocation holds. A writing transaction uses the free GPUs
+        this process kept, brought up to date with the moves written since (``freeset``)."""
         present = self._present(s)
         if s.new or s.dirty or s.deleted:
             s.flush()  # this transaction's own changes first (note_held records them)
