@@ -78,6 +78,7 @@ class Hub:
         self.hub_port = free_port()
         self.proxy_api_port = free_port()
         self.broker_port = free_port()
+        self.broker_host = "127.0.0.1"  # where the broker listens (and servers reach it)
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
         self.extra_config = extra_config
@@ -123,7 +124,7 @@ c.Spawner.poll_interval = 1
 c.GpuBroker.sweep_seconds = 1
 {self.extra_config}
 from spawner.broker import enable_broker
-enable_broker(c, url="http://127.0.0.1:{self.broker_port}")
+enable_broker(c, url="http://{self.broker_host}:{self.broker_port}")
 """
         )
         return cfg
