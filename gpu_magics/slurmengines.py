@@ -20,7 +20,9 @@ local id, whatever numbering ``CUDA_VISIBLE_DEVICES`` uses on that cluster.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -134,6 +136,7 @@ class SlurmLauncher:
         self.borrowed = 0  # GPUs of the burst beyond the limit: the job runs preemptible
         self.borrow_qos = os.environ.get("GPUHUB_SLURM_BORROW_QOS", "")
         self.autosave: tuple[list[str], str] | None = None  # the pool's --autosave: saved at SIGTERM
+        self.facts: dict[int, EngineFacts] = {}  # engine id -> where it runs (set by ``ranks``)
 
     @property
     def location(self) -> str:
@@ -274,6 +277,7 @@ class SlurmLauncher:
                 eid, d["node"], d["local_id"], tuple(d["gpus"]), tuple(d["cuda"]), d["host"], d["pid"]
             )
             self.step = self.step or d["step"]
+        self.facts = facts
         first = assign_ranks(list(facts.values()), 0, "gpuhub")[0][0]
         port = pool.client[first].apply_async(free_port).get(timeout=timeout)
         pairs = assign_ranks(list(facts.values()), port, f"gpuhub-{self.job_id}")
@@ -286,17 +290,30 @@ class SlurmLauncher:
         return envs, 0 if pool._remote else os.getpid()
 
     def signal(self, pool, sig: int, ranks: list[int] | None) -> None:
-        """By pid where the engines run here; else every engine task through Slurm (pids on
-        other machines mean nothing here)."""
+        """Signal the ranks' engine processes where they run: by pid on this machine, and on
+        other nodes through a Slurm step of the engines' own job on those nodes
+        (:func:`remote_signal_argv`: authenticated as the user, only the named ranks' pids;
+        pids on other machines mean nothing here)."""
         if not pool._remote:
             signal_pids(pool, sig, ranks)
             return
-        if self.job_id:
-            name = signal.Signals(sig).name.removeprefix("SIG")
-            flags = ["--full"] if self.mode == "job" else []
-            subprocess.run(
-                ["scancel", *flags, f"--signal={name}", self.target], capture_output=True, timeout=30
-            )
+        here, remote = socket.gethostname(), {}
+        for r in ranks if ranks is not None else range(pool.size):
+            f = self.facts.get(pool.engine_ids[r]) if r < len(pool.engine_ids) else None
+            if f is None:
+                continue
+            if f.host == here:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(f.pid, sig)
+            else:
+                remote.setdefault(f.node, []).append(f.pid)
+        if remote and self.job_id:
+            argv = remote_signal_argv(self.job_id, signal.Signals(sig).name.removeprefix("SIG"), remote)
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                subprocess.run(
+                    [shutil.which("srun") or "srun", *argv[1:]],
+                    capture_output=True, timeout=30, env=job_env(os.environ), stdin=subprocess.DEVNULL,
+                )  # fmt: skip
 
     def stop(self) -> None:
         if self.mode == "steps":
@@ -392,6 +409,21 @@ def preemption_report(directory: str, job_id: str) -> str | None:
         return None
     text = report.get("text") if isinstance(report, dict) else None
     return text if isinstance(text, str) else None
+
+
+def remote_signal_argv(job_id: str, name: str, pids_by_node: dict[str, list[int]]) -> list[str]:
+    """The ``srun`` that sends signal ``name`` (``INT``, ``USR1``, ``KILL``) to these engine
+    pids on their nodes (pure): one task per node, a step of the engines' job that overlaps
+    the engines' step and takes no GPU; each task signals only its own node's pids."""
+    nodes = sorted(pids_by_node)
+    cases = " ".join(
+        f"{shlex.quote(n)}) kill -s {name} {' '.join(str(int(p)) for p in pids_by_node[n])} ;;" for n in nodes
+    )
+    return [
+        "srun", f"--jobid={job_id}", "--overlap", "--gres=none", f"--nodes={len(nodes)}",
+        "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=0", "--quiet",
+        "/bin/sh", "-c", f'case "$SLURMD_NODENAME" in {cases} esac 2>/dev/null; exit 0',
+    ]  # fmt: skip
 
 
 def free_port() -> int:

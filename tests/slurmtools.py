@@ -6,6 +6,7 @@ they skip with a message that says how to enable them.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import subprocess
@@ -21,6 +22,10 @@ SCRIPT = REPO / "scripts" / "slurm-cluster"
 # the cluster's state directory (root-owned, 0755; scripts/slurm-cluster refuses any other)
 STATE_DIR = Path(os.environ.get("GPUHUB_SLURM_DIR", "/var/lib/gpuhub-slurm"))
 USERS = ("alice", "bob", "carol", "dave")
+# this machine as the nodes see it (scripts/slurm-cluster: each node is a network namespace on a
+# private bridge; /etc/hosts names the head and both nodes)
+HEAD = "gpu-head"
+NODES = ("gpu-node1", "gpu-node2")
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -85,6 +90,7 @@ UTIL_FILE = STATE_DIR / "test-utilization.json"
 
 SLURM_HUB_CONFIG = f"""
 c.JupyterHub.spawner_class = "gpu-slurm"
+c.JupyterHub.hub_ip = "{HEAD}"  # the servers on the nodes call the hub back there
 c.GpuHub.inventory = "slurm"
 c.SlurmAccounting.enabled = True
 c.Spawner.cmd = ["{VENV_BIN / "gpuhub-singleuser"}"]  # as hub_config/slurm_cluster.py
@@ -104,6 +110,7 @@ class SlurmHub(Hub):
 
     def __init__(self, workdir, extra_config: str = ""):
         super().__init__(workdir, SLURM_HUB_CONFIG + extra_config)
+        self.broker_host = HEAD  # the nodes' engines and servers report and ask there
 
     def job_id(self, user: str, name: str = "") -> str:
         return self.server(user, name)["state"]["job_id"]
@@ -125,15 +132,51 @@ class SlurmHub(Hub):
         raise AssertionError(f"no server process of job {job}")
 
 
+_turns = {"depth": 0, "file": None}
+
+
+@contextmanager
+def cluster_turn():
+    """The test cluster for this process alone while it lasts: two test runs on one machine
+    (two developers, or two checkouts) would otherwise cancel each other's jobs (a Slurm hub
+    test starts and ends by cancelling every job). An flock of the state directory's
+    ``run/tests.lock``, re-entrant within a process; without access to it, no turn is taken."""
+    if _turns["depth"] == 0:
+        try:
+            f = open(STATE_DIR / "run" / "tests.lock", "a")
+        except OSError:
+            f = None
+        if f is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        _turns["file"] = f
+    _turns["depth"] += 1
+    try:
+        yield
+    finally:
+        _turns["depth"] -= 1
+        if _turns["depth"] == 0 and _turns["file"] is not None:
+            _turns["file"].close()  # releases the lock
+            _turns["file"] = None
+
+
 @contextmanager
 def slurm_hub(workdir, extra_config: str = ""):
     """A started :class:`SlurmHub` on a cluster without jobs; every job ends with it."""
     require_cluster()
     ensure_unix_users()
-    cancel_all_jobs()
-    hub = SlurmHub(workdir, extra_config).start()
-    try:
-        yield hub
-    finally:
-        hub.stop()
+    with cluster_turn():
         cancel_all_jobs()
+        hub = SlurmHub(workdir, extra_config).start()
+        try:
+            yield hub
+        finally:
+            hub.stop()
+            cancel_all_jobs()
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster_turn():
+    """A module's tests have the test cluster alone (:func:`cluster_turn`); a module that
+    submits jobs outside :func:`slurm_hub` imports it and names it in ``pytestmark``."""
+    with cluster_turn():
+        yield

@@ -8,16 +8,14 @@
 
 from __future__ import annotations
 
-import glob
 import re
 
 import pytest
-from jupyter_client import BlockingKernelClient
 
 from spawner.ledger import Ledger
 from spawner.policy import Limit
 
-from . import slurmtools
+from . import slurmtools, wskernel
 from .hubtools import wait_for
 from .slurmtools import job_state, slurm
 from .test_distributed_hub import run
@@ -46,20 +44,9 @@ def hub(tmp_path_factory):
         yield h.wait_for_broker()
 
 
-def kernel_of(hub, user: str) -> tuple[BlockingKernelClient, str]:
-    r = hub.api_url_request("POST", f"/user/{user}/api/kernels", json={"name": "python3-gpus"})
-    assert r.status_code == 201, r.text
-    kid = r.json()["id"]
-    conn = wait_for(
-        lambda: glob.glob(f"/home/{user}/.local/share/jupyter/runtime/kernel-{kid}.json"),
-        30,
-        "the kernel file",
-    )[0]
-    kc = BlockingKernelClient(connection_file=conn)
-    kc.load_connection_file()
-    kc.start_channels()
-    kc.wait_for_ready(timeout=60)
-    return kc, kid
+def kernel_of(hub, user: str):
+    """A kernel of the user's server on its node, driven through the proxy as JupyterLab does."""
+    return wskernel.server_kernel(hub, user)
 
 
 def ranks_of(out: str) -> dict[int, tuple]:

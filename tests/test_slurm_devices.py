@@ -27,7 +27,9 @@ import pytest
 
 from . import slurmtools
 from .hubtools import wait_for
-from .slurmtools import job_state, slurm
+from .slurmtools import job_state, slurm, slurm_cluster_turn  # noqa: F401 (pytestmark)
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster_turn")
 
 USER = "alice"
 GRES_CONF = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")).with_name("gres.conf")

@@ -21,7 +21,9 @@ from spawner.slurm import jobs
 from spawner.slurm.watcher import SlurmWatcher
 
 from . import slurmtools
-from .slurmtools import job_state, slurm
+from .slurmtools import job_state, slurm, slurm_cluster_turn  # noqa: F401 (pytestmark)
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster_turn")
 
 
 @pytest.fixture

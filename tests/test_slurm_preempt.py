@@ -26,9 +26,9 @@ from spawner.slurm import accounting
 
 from . import slurmtools
 from .hubtools import REPO, wait_for
-from .slurmtools import job_state, slurm
+from .slurmtools import job_state, slurm, slurm_cluster_turn  # noqa: F401 (pytestmark)
 
-pytestmark = pytest.mark.hub
+pytestmark = [pytest.mark.hub, pytest.mark.usefixtures("slurm_cluster_turn")]
 
 BORROWER, OTHER = "dave", "bob"  # limits 1 and 4 here; dave may borrow 2
 GRACE = 20  # seconds: the borrow QOS's GraceTime

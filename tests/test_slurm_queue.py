@@ -22,11 +22,11 @@ from spawner.slurm import jobs, priority
 
 from . import slurmtools
 from .hubtools import DEMO_PASSWORD, wait_for
-from .slurmtools import job_state, slurm
+from .slurmtools import job_state, slurm, slurm_cluster_turn  # noqa: F401 (pytestmark)
 from .test_distributed_slurm import kernel_of
 from .test_hub_slurm import progress_until
 
-pytestmark = pytest.mark.hub
+pytestmark = [pytest.mark.hub, pytest.mark.usefixtures("slurm_cluster_turn")]
 
 HEAVY, LIGHT = "erin", "frank"  # this test's own users: their usage starts from nothing
 
