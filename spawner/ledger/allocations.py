@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, insert, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from .. import policy
@@ -16,11 +16,39 @@ from ..models import (
     Allocation,
     AllocationGpu,
     Gpu,
+    Preemption,
     QueueEntry,
+    Reclaim,
     is_live,
 )
 from .base import AllocationInfo, Allowance, _count, _info, gpus_of
+from .freeset import CHANGES
 from .queue import Admission
+from .usage import INTERVAL_COLUMNS, usage_interval
+
+_A, _AG = Allocation.__table__, AllocationGpu.__table__
+NEW_ALLOCATION = insert(_A).returning(_A.c.id)
+NEW_LINKS = insert(_AG)
+LIVE_COUNTS = select(_A.c.gpu_count, gpus_of(_A.c.id), _A.c.borrowed).where(
+    _A.c.user == bindparam("user"), is_live(_A.c.state)
+)
+WINDOW_ROWS = select(_A.c.state, _A.c.gpu_count, *INTERVAL_COLUMNS).where(
+    _A.c.user == bindparam("user"), or_(_A.c.ended.is_(None), _A.c.ended >= bindparam("since"))
+)
+ANY_EXPIRED = select(_A.c.id).where(is_live(_A.c.state), _A.c.lease_expires <= bindparam("now")).limit(1)
+# a release's one read: the allocation's state, its reclaim's reason, its preemption's
+RELEASE_READ = (
+    select(
+        _A.c.state,
+        Reclaim.__table__.c.reason.label("reclaimed"),
+        Preemption.__table__.c.reason.label("preempted"),
+        Preemption.__table__.c.due,
+    )
+    .select_from(_A)
+    .outerjoin(Reclaim.__table__, Reclaim.__table__.c.allocation_id == _A.c.id)
+    .outerjoin(Preemption.__table__, Preemption.__table__.c.allocation_id == _A.c.id)
+    .where(_A.c.id == bindparam("id"))
+)
 
 
 class AllocationRecords:
@@ -29,23 +57,27 @@ class AllocationRecords:
     def _holdings(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
         """What counts against the limit: GPUs held, less those borrowed beyond it (they have an
         allowance of their own: ``_borrowed_part``), and the GPU-hours of the window."""
-        held = sum(max(count or 0, n) - (borrowed or 0) for count, n, borrowed in self._live_counts(s, user))
-        hours = 0.0
-        if limit.gpu_hours is not None:
-            # borrowed GPU-hours count against the budget unless c.GpuHub.borrowed_hours_count is off
-            in_limit = not self.borrow_settings.count_borrowed_hours
-            now = self.clock()
-            since = now - timedelta(hours=limit.window_hours)
-            hours = policy.gpu_hours_used(
-                self._intervals(s, user=user, in_limit=in_limit, since=since), now, limit.window_hours
+        conn = s.connection()
+        if limit.gpu_hours is None:
+            held = sum(
+                max(count or 0, n) - (borrowed or 0)
+                for count, n, borrowed in conn.execute(LIVE_COUNTS, {"user": user})
             )
+            return policy.Holdings(held=held, gpu_hours=0.0)
+        # borrowed GPU-hours count against the budget unless c.GpuHub.borrowed_hours_count is off
+        in_limit = not self.borrow_settings.count_borrowed_hours
+        now = self.clock()
+        since = now - timedelta(hours=limit.window_hours)
+        # one query for both: a live allocation has no end yet (only ``_end`` and ``_end_row``
+        # write one, with the state released), so the window's rows hold every live one
+        held, intervals = 0, []
+        for state, count, *row in conn.execute(WINDOW_ROWS, {"user": user, "since": since}):
+            interval = usage_interval(*row, in_limit=in_limit)
+            if state in ACTIVE_STATES:
+                held += max(count or 0, row[-1]) - (row[-2] or 0)
+            intervals.append(interval)
+        hours = policy.gpu_hours_used(intervals, now, limit.window_hours)
         return policy.Holdings(held=held, gpu_hours=hours)
-
-    def _live_counts(self, s: Session, user: str) -> list[tuple[int | None, int, int]]:
-        """``(GPUs asked for, GPUs recorded, borrowed)`` of the user's live allocations: the
-        counts an admission needs, without loading the allocations."""
-        q = select(Allocation.gpu_count, gpus_of(Allocation.id), Allocation.borrowed)
-        return [tuple(row) for row in s.execute(q.where(Allocation.user == user, is_live()))]
 
     def allowance(self, user: str, groups: Iterable[str] = (), model: str | None = None) -> Allowance:
         groups = list(groups)
@@ -213,7 +245,7 @@ class AllocationRecords:
                     reason="too_large",
                 )
             if deferred:
-                alloc = self._book(
+                booked = self._book(
                     s,
                     user=user,
                     purpose=purpose,
@@ -225,7 +257,7 @@ class AllocationRecords:
                     deferred=True,
                     borrowed=borrowed,
                 )
-                return Admission(allocation=_info(alloc))
+                return Admission(allocation=booked)
             if borrowed:
                 return self._borrow_now(
                     s,
@@ -271,28 +303,52 @@ class AllocationRecords:
         deferred: bool = False,
         now: datetime | None = None,
         borrowed: int = 0,
-    ) -> Allocation:
-        """Write an allocation holding ``chosen`` (checked by the caller, in this transaction).
-        ``now``: the moment the caller decided at (the queue's plan), recorded as its creation."""
+    ) -> AllocationInfo:
+        """Write an allocation holding ``chosen`` (checked by the caller, in this transaction)
+        and return its record. ``now``: the moment the caller decided at (the queue's plan),
+        recorded as its creation. Two statements (the row, its GPUs), not the ORM's flush."""
+        if s.new or s.dirty or s.deleted:
+            s.flush()  # the ORM's changes first: a GPU that an ended allocation gave back
         ids = self._present(s).id_of
         now = now or self.clock()
         leased = lease_seconds is not None
-        alloc = Allocation(
+        running = leased and not deferred
+        row = dict(
             user=user,
             purpose=purpose,
             server_name=server_name,
-            state="running" if leased and not deferred else "starting",
+            state="running" if running else "starting",
             created=now,
-            started=now if leased and not deferred else None,
+            started=now if running else None,
             backend=backend,
             lease_expires=now + timedelta(seconds=lease_seconds) if leased else None,
             gpu_count=count,
             borrowed=borrowed,
         )
-        alloc.gpus = [AllocationGpu(gpu_id=ids[(g.node, g.index)], held=True) for g in chosen]
-        s.add(alloc)
-        s.flush()
-        return alloc
+        conn = s.connection()
+        aid = conn.execute(NEW_ALLOCATION, row).scalar_one()
+        gpus = tuple(sorted(chosen))
+        if gpus:
+            links = [{"allocation_id": aid, "gpu_id": ids[(g.node, g.index)], "held": True} for g in gpus]
+            conn.execute(NEW_LINKS, links)
+            s.info.setdefault(CHANGES, []).extend((link["gpu_id"], True) for link in links)
+        return AllocationInfo(
+            id=aid,
+            user=user,
+            purpose=purpose,
+            server_name=server_name,
+            state=row["state"],
+            created=now,
+            started=row["started"],
+            ended=None,
+            backend=backend,
+            backend_job_id=None,
+            end_reason=None,
+            gpus=gpus,
+            lease_expires=row["lease_expires"],
+            gpu_count=max(count, len(gpus)),
+            borrowed=borrowed,
+        )
 
     def mark_running(self, allocation_id: int, backend_job_id: str | None = None) -> AllocationInfo:
         with self._tx() as s:
@@ -382,17 +438,17 @@ class AllocationRecords:
     def release(self, allocation_id: int, reason: str = "released") -> bool:
         """Give the GPUs back. Idempotent: False when it was already released or unknown."""
         with self._tx() as s:
-            a = s.get(Allocation, allocation_id)
-            if a is None or a.state not in ACTIVE_STATES:
+            found = s.connection().execute(RELEASE_READ, {"id": allocation_id}).first()
+            if found is None or found.state not in ACTIVE_STATES:
                 return False
-            taken, p = self._reclaim_reason(s, a.id), a.preemption
-            if taken is None and p is not None:  # due: taken back; else given back after its notice
-                taken = (
-                    p.reason
-                    if self.clock() >= p.due
-                    else f"{p.reason}; given back before it was due ({reason})"
+            taken = None if found.reclaimed is None else f"reclaimed: {found.reclaimed}"
+            if taken is None and found.preempted is not None:  # due: taken back; else given back
+                taken = (  # after its notice
+                    found.preempted
+                    if self.clock() >= found.due
+                    else f"{found.preempted}; given back before it was due ({reason})"
                 )
-            self._end(a, taken or reason)
+            self._end_row(s, allocation_id, taken or reason)
             return True
 
     def renew(
@@ -421,6 +477,8 @@ class AllocationRecords:
 
     def _expire(self, s: Session) -> list[int]:
         now = self.clock()
+        if s.connection().execute(ANY_EXPIRED, {"now": now}).first() is None:
+            return []  # the usual answer, without loading anything
         expired = list(s.scalars(select(Allocation).where(is_live(), Allocation.lease_expires <= now)))
         for a in expired:
             # usage counts up to the end of the lease, not up to when someone noticed

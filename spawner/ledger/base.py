@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from sqlalchemy import event, func, select
+from sqlalchemy import bindparam, event, func, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from .. import borrowing, fairshare, policy
@@ -26,6 +26,30 @@ from ..models import (
 from .freeset import CHANGES, note_held, record_moves
 
 log = logging.getLogger("gpuhub.ledger")
+
+_LOCK = LedgerLock.__table__
+# every writing transaction's first statement: the lock row, counted up at once (a row lock on
+# PostgreSQL, as SELECT ... FOR UPDATE; SQLite's BEGIN IMMEDIATE has the file already), with
+# what the transaction needs to know of it
+TAKE_TURN = (
+    update(_LOCK)
+    .where(_LOCK.c.id == 1)
+    .values(generation=_LOCK.c.generation + 1)
+    .returning(_LOCK.c.generation, _LOCK.c.inventory, _LOCK.c.moves_after)
+)
+_A, _AG = Allocation.__table__, AllocationGpu.__table__
+END_ALLOCATION = (
+    update(_A)
+    .where(_A.c.id == bindparam("allocation"))
+    .values(state="released", ended=bindparam("at"), end_reason=bindparam("reason"))
+)
+FREE_GPUS = (
+    update(_AG)
+    .where(_AG.c.allocation_id == bindparam("allocation"), _AG.c.held)
+    .values(held=False)
+    .returning(_AG.c.gpu_id)
+)
+UNCOUNT = update(_LOCK).where(_LOCK.c.id == 1).values(generation=_LOCK.c.generation - 1)
 
 
 @dataclass(frozen=True)
@@ -203,17 +227,23 @@ class LedgerBase:
     def _tx(self) -> Iterator[Session]:
         """A writing transaction, holding the ledger's write lock. It counts up the lock's
         ``generation`` (what readers compare to know nothing changed) unless it sets
-        ``s.info["changed"] = False`` (a waiter's keepalive, which changes no decision)."""
+        ``s.info["changed"] = False`` (a waiter's keepalive, which changes no decision).
+
+        The count is taken with the lock, in the same statement; a transaction that changed
+        nothing gives it back before it commits (one statement more, for keepalives only)."""
         with self._turns.turn(), self._sessions.begin() as s:
-            lock = s.execute(select(LedgerLock).where(LedgerLock.id == 1).with_for_update()).scalar_one()
-            s.info["inventory"] = lock.inventory  # read under the lock: what _present compares
-            before = after = s.info["generation"] = lock.generation or 0
-            s.info["moves_after"] = lock.moves_after or 0
+            conn = s.connection()
+            after, inventory, moves_after = conn.execute(TAKE_TURN).one()
+            before = s.info["generation"] = after - 1
+            s.info["inventory"] = inventory  # read under the lock: what _present compares
+            s.info["moves_after"] = moves_after or 0
             yield s
             s.flush()
             if s.info.get("changed", True) or s.info.get(CHANGES):  # a GPU that moved always counts
-                after = lock.generation = before + 1
-                record_moves(s, lock, after)
+                record_moves(conn, s.info, after)
+            else:
+                conn.execute(UNCOUNT)
+                after = before
         self._committed(s, before, after)
 
     def _committed(self, s: Session, before: int, after: int) -> None:
@@ -235,6 +265,13 @@ class LedgerBase:
         a.end_reason = reason[:255]
         for ag in a.gpus:
             ag.held = False
+
+    def _end_row(self, s: Session, allocation_id: int, reason: str) -> None:
+        """``_end`` in two statements, for an allocation not loaded as an object (a release)."""
+        conn = s.connection()
+        conn.execute(END_ALLOCATION, {"allocation": allocation_id, "at": self.clock(), "reason": reason[:255]})
+        freed = conn.execute(FREE_GPUS, {"allocation": allocation_id})
+        s.info.setdefault(CHANGES, []).extend((gpu_id, False) for (gpu_id,) in freed)
 
     def _live_infos(self, s: Session, **where) -> list[AllocationInfo]:
         """The records of the live allocations (filtered by column values), in id order: read

@@ -14,27 +14,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import delete, insert, inspect, select
+from sqlalchemy import Connection, bindparam, delete, inspect, select, update
 from sqlalchemy.orm import Session
 
 from .. import policy
-from ..models import AllocationGpu, GpuMove
+from ..models import AllocationGpu, GpuMove, LedgerLock
 
 CHANGES = "held_changes"  # session.info key: [(gpu_id, held now)] in flush order
 KEEP_GENERATIONS = 4096  # gpu_moves keeps the moves of this many of the newest generations
 PRUNE_EVERY = 512  # ... pruned by the write whose generation is a multiple of this
+_MOVES = GpuMove.__table__
 
 
-def record_moves(s: Session, lock, generation: int) -> None:
-    """Write this transaction's GPU moves as of ``generation`` (the lock row ``lock`` is
-    held), and now and then forget the oldest."""
-    changes = s.info.get(CHANGES)
+def record_moves(conn: Connection, info: dict, generation: int) -> None:
+    """Write this transaction's GPU moves (``info``: its session's) as of ``generation`` (the
+    lock row is held), and now and then forget the oldest."""
+    changes = info.get(CHANGES)
     if changes:
-        s.execute(insert(GpuMove), [{"generation": generation, "gpu_id": g, "held": h} for g, h in changes])
+        conn.execute(
+            _MOVES.insert(), [{"generation": generation, "gpu_id": g, "held": h} for g, h in changes]
+        )
     if generation % PRUNE_EVERY == 0 and generation > KEEP_GENERATIONS:
         oldest = generation - KEEP_GENERATIONS
-        s.execute(delete(GpuMove).where(GpuMove.generation <= oldest))
-        lock.moves_after = max(lock.moves_after or 0, oldest)
+        conn.execute(delete(_MOVES).where(_MOVES.c.generation <= oldest))
+        lock = LedgerLock.__table__
+        after = max(info.get("moves_after") or 0, oldest)
+        conn.execute(update(lock).where(lock.c.id == 1).values(moves_after=after))
+
+
+MOVES_SINCE = (
+    select(_MOVES.c.gpu_id, _MOVES.c.held)
+    .where(_MOVES.c.generation > bindparam("generation"))
+    .order_by(_MOVES.c.id)
+)
 
 
 def moves_since(s: Session, generation: int) -> list[tuple[int, bool]] | None:
@@ -42,9 +54,7 @@ def moves_since(s: Session, generation: int) -> list[tuple[int, bool]] | None:
     are no longer kept (read the held GPUs again)."""
     if generation < (s.info.get("moves_after") or 0):
         return None
-    rows = s.execute(
-        select(GpuMove.gpu_id, GpuMove.held).where(GpuMove.generation > generation).order_by(GpuMove.id)
-    )
+    rows = s.connection().execute(MOVES_SINCE, {"generation": generation})
     return [(gpu_id, bool(held)) for gpu_id, held in rows]
 
 

@@ -19,6 +19,8 @@ from ..models import (
 from .base import AllocationInfo, GpuStatus
 from .freeset import CHANGES, FreeState, moves_since
 
+HELD_GPUS = select(AllocationGpu.__table__.c.gpu_id).where(AllocationGpu.__table__.c.held)
+
 
 @dataclass(frozen=True)
 class Present:
@@ -118,7 +120,7 @@ class InventoryRecords:
         return self._present(s).gpus
 
     def _held_gpu_ids(self, s: Session) -> set[int]:
-        return set(s.scalars(select(AllocationGpu.gpu_id).where(AllocationGpu.held)))
+        return set(s.connection().execute(HELD_GPUS).scalars())
 
     def _free(self, s: Session) -> policy.GpuSet:
         """The present GPUs no live allocation holds. A writing transaction uses the free GPUs

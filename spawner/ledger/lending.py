@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from .. import borrowing, policy
 from ..models import Allocation, Preemption, QueueEntry, has_borrowed, is_live
-from .base import _gpu, _info
+from .base import _gpu
 from .queue import Admission, _nodes
 
 
@@ -123,7 +123,7 @@ class LendingRecords:
                 reason="no_borrowing",
                 fits=fits,
             )
-        alloc = self._book(
+        booked = self._book(
             s,
             user=user,
             purpose=purpose,
@@ -135,7 +135,7 @@ class LendingRecords:
             now=now,
             borrowed=borrowed,
         )
-        return Admission(allocation=_info(alloc))
+        return Admission(allocation=booked)
 
     # taking back ------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ def _row_limit(row: LimitRow) -> policy.Limit:
 
 
 _WARNED: set[tuple] = set()
+ALL_LIMITS = select(LimitRow.__table__)
 
 
 def _usable(row: LimitRow, limit: policy.Limit) -> bool:
@@ -52,7 +53,7 @@ class LimitRecords:
     def _rules(self, s: Session) -> policy.LimitRules:
         base = self.config_rules
         default, groups, users = base.default, dict(base.groups), dict(base.users)
-        for row in s.scalars(select(LimitRow)):
+        for row in s.connection().execute(ALL_LIMITS):  # plain rows: read at every admission
             limit = _row_limit(row)
             if not _usable(row, limit):
                 continue  # the trait's (or no) rule for that key, rather than a 500

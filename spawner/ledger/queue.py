@@ -37,6 +37,8 @@ HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently
 RUNS_PER_USER = 20
 OVERDUE_MIN = timedelta(minutes=5)
 SCENE_SECONDS = timedelta(seconds=1)  # how long a read-only answer may reuse a computed scene
+_Q = QueueEntry.__table__
+ANY_WAITING = select(_Q.c.id).where(_Q.c.state == "waiting").limit(1)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,8 @@ class QueueRecords:
         quiet = now - timedelta(seconds=qs.keepalive_seconds)
         oldest = now - timedelta(hours=qs.max_wait_hours)
         ended, live = [], []
+        if not (s.new or s.dirty or s.deleted) and s.connection().execute(ANY_WAITING).first() is None:
+            return ended, live  # the usual answer, without loading anything
         for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")):
             if e.seen < quiet:
                 self._leave(
@@ -284,7 +288,7 @@ class QueueRecords:
             )
 
     def _grant(self, s: Session, e: QueueEntry, gpus, now: datetime) -> AllocationInfo:
-        alloc = self._book(
+        booked = self._book(
             s,
             user=e.user,
             purpose=e.purpose,
@@ -295,9 +299,9 @@ class QueueRecords:
             lease_seconds=e.lease_seconds,
             now=now,
         )
-        e.state, e.ended, e.allocation_id = "granted", now, alloc.id
+        e.state, e.ended, e.allocation_id = "granted", now, booked.id
         e.end_reason = f"started after {(now - e.created).total_seconds():.0f} s"
-        return _info(alloc)
+        return booked
 
     def wait_turn(self, entry_id: int) -> Admission:
         """The waiter's question: has my turn come? Books the GPUs when it has.
@@ -410,7 +414,7 @@ class QueueRecords:
     def _granted(
         self, s, user, purpose, server_name, request, gpus, backend, lease_seconds, now
     ) -> Admission:
-        alloc = self._book(
+        booked = self._book(
             s,
             user=user,
             purpose=purpose,
@@ -421,7 +425,7 @@ class QueueRecords:
             lease_seconds=lease_seconds,
             now=now,
         )
-        return Admission(allocation=_info(alloc, booked=gpus))
+        return Admission(allocation=booked)
 
     def _admit_or_queue(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .. import policy
@@ -13,28 +13,24 @@ from ..models import (
 )
 from .base import gpus_of
 
+_A = Allocation.__table__
+# what one allocation's GPU-hours are read from: its start, creation, end, borrowed part, GPUs
+INTERVAL_COLUMNS = (_A.c.started, _A.c.created, _A.c.ended, _A.c.borrowed, gpus_of(_A.c.id))
+
+
+def usage_interval(started, created, ended, borrowed, n, *, in_limit: bool = False):
+    """``(start, end, GPUs)`` of one allocation's row of ``INTERVAL_COLUMNS`` (``in_limit``:
+    its borrowed GPUs left out)."""
+    return started or created, ended, max(0, n - ((borrowed or 0) if in_limit else 0))
+
 
 class UsageRecords:
     """What was used, from the allocations' history."""
 
-    def _intervals(
-        self, s: Session, user: str | None = None, in_limit: bool = False, since: datetime | None = None
-    ):
-        """``(start, end, GPUs)`` of every allocation (``in_limit``: borrowed GPUs left out);
-        ``since``: only those still running then (what a window from ``since`` counts)."""
-        q = select(
-            Allocation.started,
-            Allocation.created,
-            Allocation.ended,
-            Allocation.borrowed,
-            gpus_of(Allocation.id),
-        )
-        if user is not None:
-            q = q.where(Allocation.user == user)
-        if since is not None:
-            q = q.where(or_(Allocation.ended.is_(None), Allocation.ended >= since))
-        for started, created, ended, borrowed, n in s.execute(q):
-            yield started or created, ended, max(0, n - ((borrowed or 0) if in_limit else 0))
+    def _intervals(self, s: Session, user: str):
+        """``(start, end, GPUs)`` of every allocation of ``user``."""
+        for row in s.connection().execute(select(*INTERVAL_COLUMNS).where(_A.c.user == user)):
+            yield usage_interval(*row)
 
     def usage_series(
         self, since: datetime, until: datetime, bucket_hours: float = 24.0, user: str | None = None
