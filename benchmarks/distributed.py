@@ -4,18 +4,25 @@
 
 1. A trivial cell on warm engines through %%distributed vs raw ipyparallel ``execute`` on the
    same engines (the magic's own overhead), ``repeats`` times interleaved. Also shown: raw
-   ``execute(silent=False)``, which is what a cell that shows its result has to ask for.
+   ``execute(silent=False)``, which is what a cell that shows its result has to ask for, and
+   all three again with the engines' output streams as ipykernel makes them (every flush a
+   round trip to the IOPub thread; ``engine.gate_flushes`` off), in blocks taking turns.
 2. DDP steps/s inside %%distributed vs the same training script under ``torchrun``, ``rounds``
    rounds interleaved, each going first in turn (this machine is shared, so one of each says
-   little): the medians, and the spread of the rounds' ratios. Rank 0 of each also says what
-   else its process did during the timed loop: CPU ticks of threads other than the training
-   thread and gloo's, and GC runs.
-3. Time to the first training step: re-running the cell on warm engines vs a torchrun launch.
+   little): the medians, the rounds' paired ratios with a 95% interval (their logs' mean, t),
+   the ratio by who went first, and how many rounds each won. Every rank also says what its
+   threads did during the timed loop (``/proc/self/task``: CPU and run-queue wait from
+   ``schedstat``, switches), summed over the ranks, per step.
+3. The same step without DDP on rank 0 alone (the other ranks idle), in the engine vs a fresh
+   ``python`` process, rounds interleaved: whether an engine's process does the same work in
+   the same time, apart from the ranks' communication.
+4. Time to the first training step: re-running the cell on warm engines vs a torchrun launch.
 
 Runs in an IPython shell in this process, on the CPU (gloo), with simulated server GPUs
 (no hub needed). Prints medians and ratios.
 """
 
+import json
 import os
 import statistics
 import subprocess
@@ -27,7 +34,7 @@ from pathlib import Path
 from notebook_shell import magic_shell
 
 TRAIN = """
-import gc, os, resource, threading, time, torch, torch.distributed as dist, torch.nn as nn
+import gc, json, os, threading, time, torch, torch.distributed as dist, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 if not dist.is_initialized():
     dist.init_process_group("gloo")
@@ -38,41 +45,67 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 X, y = torch.randn(128, 64), torch.randn(128, 1)
 def step():
     opt.zero_grad(); loss = ((model(X) - y) ** 2).mean(); loss.backward(); opt.step()
-def ticks():  # CPU ticks of this process's threads, by name (the training thread's own apart)
+def threads():  # per thread kind: [CPU ns, run-queue wait ns, switches, involuntary]
     me, out = threading.get_native_id(), {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
-                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+                name = f.read().split(" (", 1)[1].rsplit(")", 1)[0]
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait = map(int, f.read().split()[:2])
+            with open(f"/proc/self/task/{tid}/status") as f:
+                st = dict(x.split(":\t", 1) for x in f.read().splitlines() if ":\t" in x)
         except OSError:
             continue
-        key = "training" if int(tid) == me else name
-        out[key] = out.get(key, 0) + sum(map(int, rest.split()[11:13]))
+        kind = "gloo-tcp" if "gloo_tcp" in name else "gloo-work" if "gloo" in name else "other"
+        key = "training" if int(tid) == me else kind
+        vol, invol = int(st["voluntary_ctxt_switches"]), int(st["nonvoluntary_ctxt_switches"])
+        out[key] = [a + b for a, b in zip(out.get(key, [0] * 4), (run, wait, vol + invol, invol))]
     return out
 step()  # the first step
 if rank == 0:
     print("first-step", time.time(), flush=True)
-before, collections = ticks(), sum(s["collections"] for s in gc.get_stats())
-use = resource.getrusage(resource.RUSAGE_SELF)
+before, collections = threads(), sum(s["collections"] for s in gc.get_stats())
 dist.barrier()
 t = time.perf_counter()
 for _ in range(STEPS):
     step()
 dist.barrier()
 rate = STEPS / (time.perf_counter() - t)
-after, used = ticks(), resource.getrusage(resource.RUSAGE_SELF)
-others = sum(v - before.get(k, 0) for k, v in after.items() if k != "training" and "gloo" not in k)
+after, gcs = threads(), sum(s["collections"] for s in gc.get_stats()) - collections
+mine = {k: [(a - b) / STEPS for a, b in zip(v, before.get(k, [0] * 4))] for k, v in after.items()}
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, [mine, gcs, len(os.listdir("/proc/self/task"))])
 if rank == 0:
     print("steps/s", rate, flush=True)
-    gcs = sum(s["collections"] for s in gc.get_stats()) - collections
-    cpu = (used.ru_utime + used.ru_stime - use.ru_utime - use.ru_stime) / STEPS * 1e3
-    switches = (used.ru_nivcsw - use.ru_nivcsw) / STEPS
-    print(
-        f"threads {len(os.listdir('/proc/self/task'))} other-ticks {others} gc {gcs} "
-        f"cpu-ms/step {cpu:.2f} preempted/step {switches:.2f}",
-        flush=True,
-    )
+    print("threads-json", json.dumps(every), flush=True)
 """
+
+
+COMPUTE = """
+import os, time, torch, torch.nn as nn
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+X, y = torch.randn(128, 64), torch.randn(128, 1)
+def step():
+    opt.zero_grad(); loss = ((model(X) - y) ** 2).mean(); loss.backward(); opt.step()
+for _ in range(50):
+    step()
+t, c = time.perf_counter(), time.thread_time()
+for _ in range(STEPS):
+    step()
+print("compute", STEPS / (time.perf_counter() - t), (time.thread_time() - c) / STEPS * 1e6, flush=True)
+"""
+
+UNGATE = """
+import sys
+for s in (sys.stdout, sys.stderr):
+    if "_gpuhub_gate" in s.__dict__:
+        del s._gpuhub_gate, s.flush, s._flush
+"""
+GATE = "import sys; from gpu_magics.engine import gate_flushes; gate_flushes(sys.stdout, sys.stderr)"
 
 
 def main() -> None:
@@ -84,36 +117,45 @@ def main() -> None:
     assert shell.run_cell(magic + "1").success  # start the pool
     magics = shell.magics_manager.registry["DistributedMagics"]
     view = magics.pool.view
+    load = [os.getloadavg()[0]]
 
-    # 1. trivial cell: the magic vs raw ipyparallel on the same engines
+    # 1. trivial cell: the magic vs raw ipyparallel on the same engines, with the engines'
+    # flushes gated (as gpuhub starts them) and as ipykernel makes them, in blocks taking turns
     runs = {
         "magic": lambda: shell.run_cell(magic + "1", silent=True),
         "raw": lambda: view.execute("1", block=True),
         "raw, silent=False": lambda: view.execute("1", silent=False, block=True),
     }
-    times = {name: [] for name in runs}
-    for i in range(repeats):  # forwards, then backwards: each has every place as often
-        for name, run in list(runs.items())[:: 1 if i % 2 else -1]:
-            t = time.perf_counter()
-            got = run()
-            times[name].append(time.perf_counter() - t)
-            if hasattr(got, "wait_for_output"):  # untimed: its last messages (output, idle)
-                got.wait_for_output(5)  # must not land in the next one's time
+    times = {(gated, name): [] for gated in (True, False) for name in runs}
+    blocks = 4
+    for b in range(blocks):
+        for gated in (True, False) if b % 2 == 0 else (False, True):
+            view.execute(GATE if gated else UNGATE, block=True)
+            for i in range(max(1, repeats // blocks)):  # forwards, then backwards
+                for name, run in list(runs.items())[:: 1 if i % 2 else -1]:
+                    t = time.perf_counter()
+                    got = run()
+                    times[gated, name].append(time.perf_counter() - t)
+                    if hasattr(got, "wait_for_output"):  # untimed: its last messages (output, idle)
+                        got.wait_for_output(5)  # must not land in the next one's time
+    view.execute(GATE, block=True)
+    load.append(os.getloadavg()[0])
 
-    # 2 and 3: the training script, warm in the engines vs torchrun, rounds interleaved
+    # 2 and 4: the training script, warm in the engines vs torchrun, rounds interleaved
     code = TRAIN.replace("STEPS", str(steps))
     _capture(shell, magic + code)  # warm-up: imports, first optimizer
     script = Path(tempfile.mkdtemp(prefix="gpuhub-bench-")) / "train.py"
     # a script's own end under torchrun (the engines' group lives on): without it a rank's exit
-    # sometimes aborts in gloo's threads ("terminate called without an active exception")
-    script.write_text(code + "dist.destroy_process_group()\n")
+    # sometimes aborts in gloo's threads ("terminate called without an active exception"),
+    # and even with it (seen with the readings' all_gather_object): so leave without destructors
+    script.write_text(code + "dist.barrier()\ndist.destroy_process_group()\nos._exit(0)\n")
     torchrun = Path(sys.executable).with_name("torchrun")
 
-    def in_engines() -> tuple[float, float, str]:
+    def in_engines() -> tuple[float, float, list]:
         t = time.time()
         return _reading(_capture(shell, magic + code), t)
 
-    def under_torchrun() -> tuple[float, float, str]:
+    def under_torchrun() -> tuple[float, float, list]:
         t = time.time()
         proc = subprocess.run(
             [str(torchrun), "--standalone", f"--nproc_per_node={ranks}", str(script)],
@@ -124,49 +166,122 @@ def main() -> None:
             raise RuntimeError(f"torchrun failed:\n{proc.stdout}\n{proc.stderr[-3000:]}")
         return _reading(proc.stdout, t)
 
-    warm, cold = [], []
+    warm, cold, first = [], [], []
     order = [(warm, in_engines), (cold, under_torchrun)]
     for i in range(rounds):  # who goes first alternates: neither always has the same place
+        first.append("engines" if i % 2 == 0 else "torchrun")
         for readings, run in order if i % 2 == 0 else order[::-1]:
             readings.append(run())
-    shell.run_line_magic("distributed", "shutdown")
+    load.append(os.getloadavg()[0])
 
-    m, r, loud = (statistics.median(times[k]) for k in runs)
-    print(f"\n{ranks} ranks, gloo on CPU, {os.cpu_count()} cores")
-    print(
-        f"trivial cell, median of {repeats}: %%distributed {m * 1e3:.1f} ms, "
-        f"raw ipyparallel execute {r * 1e3:.1f} ms, ratio {m / r:.2f}x "
-        f"(raw execute(silent=False) {loud * 1e3:.1f} ms, {loud / r:.2f}x)"
-    )
+    # 3. the same step without DDP, rank 0 alone: in its engine vs a fresh process
+    compute = COMPUTE.replace("STEPS", str(steps * 5))
+    head0 = magic.replace("--output rank0", "--targets 0 --output rank0")
+    alone = {"engine": [], "process": []}
+    for i in range(rounds):
+        for where in ("engine", "process") if i % 2 == 0 else ("process", "engine"):
+            if where == "engine":
+                text = _capture(shell, head0 + compute)
+            else:
+                env = dict(os.environ, OMP_NUM_THREADS="1")
+                text = subprocess.run(
+                    [sys.executable, "-c", compute], capture_output=True, text=True, env=env, check=True
+                ).stdout
+            line = text.split("compute", 1)[1].split()
+            alone[where].append((float(line[0]), float(line[1])))
+    shell.run_line_magic("distributed", "shutdown")
+    load.append(os.getloadavg()[0])
+
+    print(f"\n{ranks} ranks, gloo on CPU, {os.cpu_count()} cores; load average (1 min) at each part's end:")
+    print("  " + ", ".join(f"{x:.1f}" for x in load))
+    per = max(1, repeats // blocks) * blocks
+    for gated in (True, False):
+        m, r, loud = (statistics.median(times[gated, k]) for k in runs)
+        label = "engines' flushes gated (gpuhub)" if gated else "engines' flushes as ipykernel's"
+        print(
+            f"trivial cell, {label}, median of {per}: %%distributed {m * 1e3:.2f} ms, "
+            f"raw execute {r * 1e3:.2f} ms, ratio {m / r:.2f}x "
+            f"(raw execute(silent=False) {loud * 1e3:.2f} ms, {loud / r:.2f}x; magic/that {m / loud:.2f}x)"
+        )
+    mg, mu = (statistics.median(times[g, "magic"]) for g in (True, False))
+    rg, ru = (statistics.median(times[g, "raw"]) for g in (True, False))
+    print(f"  gated / ungated: %%distributed {mg / mu:.3f}x, raw execute {rg / ru:.3f}x")
+    print(f"  %%distributed gated / raw execute on ungated engines (stock ipykernel): {mg / ru:.2f}x")
+
     w_rate, c_rate = (statistics.median(x[1] for x in runs_) for runs_ in (warm, cold))
-    ratios = sorted(a[1] / b[1] for a, b in zip(warm, cold, strict=True))
+    ratios = [a[1] / b[1] for a, b in zip(warm, cold, strict=True)]
+    lo, mid, hi = _interval(ratios)
     print(
         f"DDP steps/s, median of {rounds} rounds of {steps} steps: %%distributed {w_rate:.1f}, "
-        f"torchrun {c_rate:.1f}, ratio {w_rate / c_rate:.2f}x "
-        f"(rounds' ratios {ratios[0]:.2f}..{ratios[-1]:.2f}, median {statistics.median(ratios):.2f})"
+        f"torchrun {c_rate:.1f}, ratio of medians {w_rate / c_rate:.2f}x"
     )
+    print(
+        f"  paired rounds: geometric mean {mid:.3f}x, 95% interval {lo:.3f}..{hi:.3f}; "
+        f"range {min(ratios):.2f}..{max(ratios):.2f}; engines faster in "
+        f"{sum(x > 1 for x in ratios)} of {rounds}"
+    )
+    for who in ("engines", "torchrun"):
+        mine = [x for x, f in zip(ratios, first, strict=True) if f == who]
+        if mine:
+            listed = " ".join(f"{x:.2f}" for x in mine)
+            print(f"  {who} first: {listed} (median {statistics.median(mine):.2f})")
     for name, runs_ in (("%%distributed", warm), ("torchrun", cold)):
         rates = sorted(x[1] for x in runs_)
-        seen = {k: statistics.median(x[2][k] for x in runs_) for k in runs_[0][2]}
-        print(
-            f"  {name}: rounds {rates[0]:.1f}..{rates[-1]:.1f} steps/s; rank 0's process during the "
-            f"loop, medians: {seen['threads']:.0f} threads, CPU {seen['cpu-ms/step']:.2f} ms/step, "
-            f"preempted {seen['preempted/step']:.1f} times/step, CPU ticks of its other threads "
-            f"(not training, not gloo) {seen['other-ticks']:.0f}, GC runs {seen['gc']:.0f}"
-        )
+        print(f"  {name}: rounds {rates[0]:.1f}..{rates[-1]:.1f} steps/s; per step, ranks summed, medians:")
+        print("    " + _threads_line(runs_))
     w_first, c_first = (statistics.median(x[0] for x in runs_) for runs_ in (warm, cold))
+    e_rate, p_rate = (statistics.median(x[0] for x in alone[k]) for k in ("engine", "process"))
+    e_cpu, p_cpu = (statistics.median(x[1] for x in alone[k]) for k in ("engine", "process"))
+    lo, mid, hi = _interval([a[0] / b[0] for a, b in zip(alone["engine"], alone["process"], strict=True)])
+    print(
+        f"one rank, no DDP ({steps * 5} steps, the others idle), median of {rounds}: engine {e_rate:.0f} "
+        f"steps/s ({e_cpu:.0f} us CPU/step), fresh process {p_rate:.0f} ({p_cpu:.0f} us), "
+        f"paired {mid:.3f}x (95% {lo:.3f}..{hi:.3f})"
+    )
     print(
         f"time to first step: warm engines {w_first:.2f} s, torchrun launch {c_first:.2f} s, "
         f"ratio {c_first / w_first:.1f}x faster warm"
     )
 
 
-def _reading(text: str, started: float) -> tuple[float, float, dict[str, float]]:
-    """(seconds to the first step, steps/s, what rank 0's process did during the loop) from one
-    run's output."""
-    line = next(x for x in text.splitlines() if "other-ticks" in x).split("] ", 1)[-1].split()
-    seen = dict(zip(line[::2], map(float, line[1::2]), strict=True))
-    return _value(text, "first-step") - started, _value(text, "steps/s"), seen
+def _interval(ratios: list[float]) -> tuple[float, float, float]:
+    """(low, geometric mean, high): a 95% t interval on the ratios' logs (paired rounds)."""
+    import math
+
+    logs = [math.log(x) for x in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), math.exp(mean), math.exp(mean)
+    # two-sided 97.5% quantiles of Student's t for 1..30 degrees of freedom, then ~1.96
+    t = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13]
+    t += [2.12, 2.11, 2.10, 2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04]
+    q = t[len(logs) - 2] if len(logs) - 2 < len(t) else 1.96
+    half = q * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean - half), math.exp(mean), math.exp(mean + half)
+
+
+def _threads_line(runs_: list) -> str:
+    """What every rank's threads did per step, summed over the ranks, median over the rounds."""
+    kinds = ("training", "gloo-tcp", "gloo-work", "other")
+    parts = []
+    for kind in kinds:
+        rows = [[sum(r[0].get(kind, [0] * 4)[j] for r in x[2]) for j in range(4)] for x in runs_]
+        cpu, wait, switches, invol = (statistics.median(row[j] for row in rows) for j in range(4))
+        parts.append(
+            f"{kind} CPU {cpu / 1e3:.0f} us, waits {wait / 1e3:.0f} us, {switches:.0f} sw ({invol:.0f} inv)"
+        )
+    threads = statistics.median(sum(r[2] for r in x[2]) for x in runs_)
+    gcs = statistics.median(sum(r[1] for r in x[2]) for x in runs_)
+    return "; ".join(parts) + f"; {threads:.0f} threads, GC runs {gcs:.0f}"
+
+
+def _reading(text: str, started: float) -> tuple[float, float, list]:
+    """(seconds to the first step, steps/s, every rank's [threads' readings, GC runs, threads])
+    from one run's output."""
+    if "threads-json" not in text:
+        raise ValueError(f"no readings in the output:\n{text}")
+    every = json.loads(text.split("threads-json", 1)[1].split("\n", 1)[0])
+    return _value(text, "first-step") - started, _value(text, "steps/s"), every
 
 
 def _capture(shell, cell: str) -> str:
