@@ -25,7 +25,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, event, inspect
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -203,3 +203,9 @@ def safe_url(url: str) -> str:
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def connection(s: Session) -> Connection:
+    """The session's connection, for Core statements: the ledger's writing transaction keeps
+    it in ``s.info`` (``Session.connection()`` costs about as much as a small statement)."""
+    return s.info.get("connection") or s.connection()

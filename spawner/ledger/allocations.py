@@ -10,6 +10,7 @@ from sqlalchemy import bindparam, insert, or_, select
 from sqlalchemy.orm import Session, selectinload
 
 from .. import policy
+from ..db import connection
 from ..models import (
     ACTIVE_STATES,
     PURPOSES,
@@ -57,7 +58,7 @@ class AllocationRecords:
     def _holdings(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
         """What counts against the limit: GPUs held, less those borrowed beyond it (they have an
         allowance of their own: ``_borrowed_part``), and the GPU-hours of the window."""
-        conn = s.connection()
+        conn = connection(s)
         if limit.gpu_hours is None:
             held = sum(
                 max(count or 0, n) - (borrowed or 0)
@@ -325,7 +326,7 @@ class AllocationRecords:
             gpu_count=count,
             borrowed=borrowed,
         )
-        conn = s.connection()
+        conn = connection(s)
         aid = conn.execute(NEW_ALLOCATION, row).scalar_one()
         gpus = tuple(sorted(chosen))
         if gpus:
@@ -438,7 +439,7 @@ class AllocationRecords:
     def release(self, allocation_id: int, reason: str = "released") -> bool:
         """Give the GPUs back. Idempotent: False when it was already released or unknown."""
         with self._tx() as s:
-            found = s.connection().execute(RELEASE_READ, {"id": allocation_id}).first()
+            found = connection(s).execute(RELEASE_READ, {"id": allocation_id}).first()
             if found is None or found.state not in ACTIVE_STATES:
                 return False
             taken = None if found.reclaimed is None else f"reclaimed: {found.reclaimed}"
@@ -477,7 +478,7 @@ class AllocationRecords:
 
     def _expire(self, s: Session) -> list[int]:
         now = self.clock()
-        if s.connection().execute(ANY_EXPIRED, {"now": now}).first() is None:
+        if connection(s).execute(ANY_EXPIRED, {"now": now}).first() is None:
             return []  # the usual answer, without loading anything
         expired = list(s.scalars(select(Allocation).where(is_live(), Allocation.lease_expires <= now)))
         for a in expired:

@@ -12,7 +12,7 @@ from sqlalchemy import bindparam, event, func, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from .. import borrowing, fairshare, policy
-from ..db import WriterTurns, ensure_schema, make_engine, make_session_factory
+from ..db import WriterTurns, connection, ensure_schema, make_engine, make_session_factory
 from ..models import (
     ACTIVE_STATES,
     Allocation,
@@ -232,7 +232,7 @@ class LedgerBase:
         The count is taken with the lock, in the same statement; a transaction that changed
         nothing gives it back before it commits (one statement more, for keepalives only)."""
         with self._turns.turn(), self._sessions.begin() as s:
-            conn = s.connection()
+            conn = s.info["connection"] = s.connection()
             after, inventory, moves_after = conn.execute(TAKE_TURN).one()
             before = s.info["generation"] = after - 1
             s.info["inventory"] = inventory  # read under the lock: what _present compares
@@ -268,8 +268,8 @@ class LedgerBase:
 
     def _end_row(self, s: Session, allocation_id: int, reason: str) -> None:
         """``_end`` in two statements, for an allocation not loaded as an object (a release)."""
-        conn = s.connection()
-        conn.execute(END_ALLOCATION, {"allocation": allocation_id, "at": self.clock(), "reason": reason[:255]})
+        conn, at = connection(s), self.clock()
+        conn.execute(END_ALLOCATION, {"allocation": allocation_id, "at": at, "reason": reason[:255]})
         freed = conn.execute(FREE_GPUS, {"allocation": allocation_id})
         s.info.setdefault(CHANGES, []).extend((gpu_id, False) for (gpu_id,) in freed)
 

@@ -12,12 +12,14 @@ write records its own); only when those are no longer kept are the free GPUs rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 from sqlalchemy import Connection, bindparam, delete, inspect, select, update
 from sqlalchemy.orm import Session
 
 from .. import policy
+from ..db import connection
 from ..models import AllocationGpu, GpuMove, LedgerLock
 
 CHANGES = "held_changes"  # session.info key: [(gpu_id, held now)] in flush order
@@ -54,7 +56,7 @@ def moves_since(s: Session, generation: int) -> list[tuple[int, bool]] | None:
     are no longer kept (read the held GPUs again)."""
     if generation < (s.info.get("moves_after") or 0):
         return None
-    rows = s.connection().execute(MOVES_SINCE, {"generation": generation})
+    rows = connection(s).execute(MOVES_SINCE, {"generation": generation})
     return [(gpu_id, bool(held)) for gpu_id, held in rows]
 
 
@@ -74,19 +76,32 @@ def note_held(session: Session, _flush_context) -> None:
 
 @dataclass(frozen=True)
 class FreeState:
-    """The free GPUs at one generation of the ledger and one version of its inventory."""
+    """The free GPUs at one generation of the ledger and one version of its inventory, kept
+    as their groups by node: the set itself (a tuple of thousands) is made only when a
+    decision reads it, not after every commit and every catch-up."""
 
     generation: int
     inventory: int
     held: frozenset[int]
-    free: policy.GpuSet
+    groups: dict[str, list[policy.Gpu]]  # the free GPUs of each node with any (read only)
+
+    @cached_property
+    def free(self) -> policy.GpuSet:
+        return policy.GpuSet.from_groups(self.groups)
 
     @classmethod
     def read(cls, generation: int, present, held: set[int]) -> FreeState:
         free = policy.GpuSet.ordered(
             g for g, i in zip(present.gpus, present.ids, strict=True) if i not in held
         )
-        return cls(generation, present.version, frozenset(held), free)
+        return cls(generation, present.version, frozenset(held), free.by_node(None))
+
+    def at(self, generation: int) -> FreeState:
+        """The same free GPUs at a later generation (a write that moved none)."""
+        later = replace(self, generation=generation)
+        if "free" in self.__dict__:
+            later.__dict__["free"] = self.free
+        return later
 
     def after(self, generation: int, present, changes: list[tuple[int, bool]]) -> FreeState:
         """This state with ``changes`` applied: only their nodes are grouped again."""
@@ -95,7 +110,7 @@ class FreeState:
             (held.add if now else held.discard)(gpu_id)
         by_id = present.by_id
         touched = {by_id[i].node for i, _ in changes if i in by_id}
-        groups = dict(self.free.by_node(None))
+        groups = dict(self.groups)
         everyone = present.gpus.by_node(None)
         for node in touched:
             left = [g for g in everyone[node] if present.id_of[(g.node, g.index)] not in held]
@@ -103,6 +118,6 @@ class FreeState:
                 groups[node] = left
             else:
                 groups.pop(node, None)
-        if any(node not in self.free.by_node(None) for node in touched if node in groups):
+        if any(node not in self.groups for node in touched if node in groups):
             groups = dict(sorted(groups.items()))  # a node came back: keep the nodes in order
-        return FreeState(generation, self.inventory, frozenset(held), policy.GpuSet.from_groups(groups))
+        return FreeState(generation, self.inventory, frozenset(held), groups)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, selectinload
 
 from .. import policy
+from ..db import connection
 from ..models import (
     AllocationGpu,
     Gpu,
@@ -120,7 +121,7 @@ class InventoryRecords:
         return self._present(s).gpus
 
     def _held_gpu_ids(self, s: Session) -> set[int]:
-        return set(s.connection().execute(HELD_GPUS).scalars())
+        return set(connection(s).execute(HELD_GPUS).scalars())
 
     def _free(self, s: Session) -> policy.GpuSet:
         """The present GPUs no live allocation holds. A writing transaction uses the free GPUs
@@ -154,9 +155,7 @@ class InventoryRecords:
         ):
             self._free_state = None  # the inventory changed: read it all again
         elif state.generation == before:  # still the newest: this transaction's moves on top
-            self._free_state = (
-                state.after(after, present, changes) if changes else replace(state, generation=after)
-            )
+            self._free_state = state.after(after, present, changes) if changes else state.at(after)
         # else another process wrote since it was read: it stays as it was, at its own
         # generation, and the next writing transaction catches up through gpu_moves
 

@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .. import policy
+from ..db import connection
 from ..models import (
     SCOPES,
     KnownUser,
@@ -53,7 +54,7 @@ class LimitRecords:
     def _rules(self, s: Session) -> policy.LimitRules:
         base = self.config_rules
         default, groups, users = base.default, dict(base.groups), dict(base.users)
-        for row in s.connection().execute(ALL_LIMITS):  # plain rows: read at every admission
+        for row in connection(s).execute(ALL_LIMITS):  # plain rows: read at every admission
             limit = _row_limit(row)
             if not _usable(row, limit):
                 continue  # the trait's (or no) rule for that key, rather than a 500

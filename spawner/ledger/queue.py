@@ -29,6 +29,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from .. import fairshare, policy, queueplan, queueview
+from ..db import connection
 from ..models import Allocation, KnownUser, QueueEntry, Reclaim
 from .base import AllocationInfo, _gpu, _info
 
@@ -140,7 +141,7 @@ class QueueRecords:
         quiet = now - timedelta(seconds=qs.keepalive_seconds)
         oldest = now - timedelta(hours=qs.max_wait_hours)
         ended, live = [], []
-        if not (s.new or s.dirty or s.deleted) and s.connection().execute(ANY_WAITING).first() is None:
+        if not (s.new or s.dirty or s.deleted) and connection(s).execute(ANY_WAITING).first() is None:
             return ended, live  # the usual answer, without loading anything
         for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")):
             if e.seen < quiet:

@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .. import policy
+from ..db import connection
 from ..models import (
     Allocation,
 )
@@ -29,7 +30,7 @@ class UsageRecords:
 
     def _intervals(self, s: Session, user: str):
         """``(start, end, GPUs)`` of every allocation of ``user``."""
-        for row in s.connection().execute(select(*INTERVAL_COLUMNS).where(_A.c.user == user)):
+        for row in connection(s).execute(select(*INTERVAL_COLUMNS).where(_A.c.user == user)):
             yield usage_interval(*row)
 
     def usage_series(
