@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -320,11 +321,16 @@ class EnginePool:
     def _gone(self, ranks: list[int]) -> list[int]:
         """Ranks whose engine the controller dropped, or whose process here has ended."""
         known = set(self.client.ids)
-        return [
-            r
-            for r in ranks
-            if self.engine_ids[r] not in known or (not self._remote and not alive(self.infos[r]["pid"]))
-        ]
+        return [r for r in ranks if self.engine_ids[r] not in known or self._ended_here(r)]
+
+    def _ended_here(self, rank: int) -> bool:
+        """The rank's engine runs on this machine and its process has ended (a pid of another
+        host means nothing here: there the controller's heartbeat tells)."""
+        if rank >= len(self.infos):
+            return False
+        info = self.infos[rank]
+        here = not self._remote or info.get("host") == socket.gethostname()
+        return here and not alive(info["pid"])
 
     def settle(self, timeout: float = 60) -> list[str]:
         """After a failed or interrupted cell: keep the process group where every rank has run
@@ -384,8 +390,7 @@ class EnginePool:
             evalue = str(getattr(res, "evalue", res))
             tb = getattr(res, "traceback", "") or ""
             tb = ANSI.sub("", "\n".join(tb) if isinstance(tb, list) else str(tb))
-            gone = rank < len(self.infos) and not alive(self.infos[rank]["pid"])
-            if res is None or ename == "EngineError" or gone:
+            if res is None or ename == "EngineError" or self._ended_here(rank):
                 status = "killed" if killed else "died"
             elif ename == "KeyboardInterrupt":
                 status = "interrupted"

@@ -8,7 +8,14 @@
 
 from __future__ import annotations
 
+import os
+import pwd
 import re
+import socket
+import subprocess
+import threading
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -32,10 +39,15 @@ for step in range(20):
     x = torch.randn(16, 8); loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
     opt.zero_grad(); loss.backward(); opt.step()
 checksum = sum(float(p.sum()) for p in model.parameters())
+import socket
 print(f"node={{os.environ['SLURMD_NODENAME']}} job={{os.environ['SLURM_JOB_ID']}} world={{world_size}} "
-      f"gpu={{os.environ['GPUHUB_RANK_GPU']}} checksum={{checksum:.6f}}")
+      f"gpu={{os.environ['GPUHUB_RANK_GPU']}} checksum={{checksum:.6f}} host={{socket.gethostname()}} "
+      f"master={{os.environ['MASTER_ADDR']}}")
 """
-LINE = re.compile(r"\[rank (\d+)\] node=(\S+) job=(\d+) world=(\d+) gpu=(\S+) checksum=(\S+)")
+HOSTS = "%%distributed {args}\nimport socket\nprint('on', socket.gethostname())"
+LINE = re.compile(
+    r"\[rank (\d+)\] node=(\S+) job=(\d+) world=(\d+) gpu=(\S+) checksum=(\S+) host=(\S+) master=(\S+)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +59,54 @@ def hub(tmp_path_factory):
 def kernel_of(hub, user: str):
     """A kernel of the user's server on its node, driven through the proxy as JupyterLab does."""
     return wskernel.server_kernel(hub, user)
+
+
+def engines_of(user: str) -> list[int]:
+    """Pids of ``user``'s engine processes on any node (the nodes share this machine's pids)."""
+    uid, found = pwd.getpwnam(user).pw_uid, []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and proc.stat().st_uid == uid:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"gpu_magics.enginemain" in argv and b"python" in Path(argv[0].decode()).name.encode():
+                    found.append(int(proc.name))  # an engine, not the srun that started it
+        except OSError:
+            continue
+    return found
+
+
+def kill_when_there(marker: str, node: str, pid: str) -> None:
+    """Once ``marker`` exists, SIGKILL ``pid`` from inside ``node`` (as its OOM killer would)."""
+    wait_for(lambda: os.path.exists(marker), 120, f"{marker} to be written")
+    os.unlink(marker)
+    subprocess.run([str(slurmtools.SCRIPT), "exec", node, "kill", "-KILL", pid], check=True, timeout=30)
+
+
+def interrupted(hub, kc, kid: str, code: str, when: str) -> tuple[dict, str]:
+    """Run ``code``, press the notebook's stop button (the REST interrupt) once ``when`` is
+    shown: (the cell's reply, everything the cell showed)."""
+    msg_id, out, sent = kc.execute(code), [], False
+    while True:
+        msg = kc.get_iopub_msg(timeout=120)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        c = msg["content"]
+        if msg["msg_type"] == "status" and c["execution_state"] == "idle":
+            break
+        out.append(
+            c.get("text") or "\n".join(c.get("traceback", [])) or c.get("data", {}).get("text/plain", "")
+        )
+        if not sent and when in "".join(out):
+            r = hub.api_url_request("POST", f"/user/alice/api/kernels/{kid}/interrupt")
+            assert r.status_code == 204, r.text
+            sent = True
+    reply = kc.get_shell_msg(timeout=60)
+    return reply, "".join(out)
+
+
+def hosts_of(out: str) -> list[str]:
+    """Each rank's host name, in rank order, from the output of ``HOSTS``."""
+    return [host for _, host in sorted((int(r), h) for r, h in re.findall(r"\[rank (\d+)\] on (\S+)", out))]
 
 
 def ranks_of(out: str) -> dict[int, tuple]:
@@ -95,6 +155,13 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         assert sorted(ranks) == list(range(8)), out
         assert {r[0] for r in ranks.values()} == {"gpu-node1", "gpu-node2"}
         assert [r[0] for _, r in sorted(ranks.items())] == ["gpu-node1"] * 4 + ["gpu-node2"] * 4
+        # two hosts for real: each node's ranks run under its own host name and address, and every
+        # rank reached rank 0's store at gpu-node1 (its address on the nodes' network, not a loopback)
+        assert [r[5] for _, r in sorted(ranks.items())] == ["gpu-node1"] * 4 + ["gpu-node2"] * 4
+        assert socket.gethostname() not in {r[5] for r in ranks.values()}
+        assert {r[6] for r in ranks.values()} == {"gpu-node1"}
+        assert socket.gethostbyname("gpu-node1") != socket.gethostbyname("gpu-node2")
+        assert not socket.gethostbyname("gpu-node1").startswith("127.")
         assert {r[2] for r in ranks.values()} == {"8"} and len({r[4] for r in ranks.values()}) == 1
         [job] = {r[1] for r in ranks.values()}
         [burst] = [a for a in ledger.active(user="alice") if a.purpose == "distributed"]
@@ -121,17 +188,20 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         status, out = run(kc, pids)
         before = sorted(re.findall(r"\[rank (\d+)\] pid (\d+)", out))
         assert status == "ok" and len(before) == 8, out
-        kc.execute(
+        reply, out = interrupted(
+            hub,
+            kc,
+            kid,
             "%%distributed --gpus 8 --nodes 2\nimport time\nprint('waiting', flush=True)\n"
-            "if rank == 5:\n    time.sleep(600)\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+            "if rank == 5:\n    time.sleep(600)\nt = torch.ones(1)\ndist.all_reduce(t)\n",
+            "waiting",
         )
-        wait_for(
-            lambda: "waiting" in (kc.get_iopub_msg(timeout=30)["content"].get("text") or ""), 60, "the cell"
-        )
-        r = hub.api_url_request("POST", f"/user/alice/api/kernels/{kid}/interrupt")
-        assert r.status_code == 204, r.text
-        reply = kc.get_shell_msg(timeout=60)  # seconds, not the collective's timeout
-        assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+        assert reply["content"]["ename"] == "KeyboardInterrupt", (reply["content"], out)
+        # rank 5 (on gpu-node2) was interrupted in its sleep, the other seven freed from the
+        # collective it never reached: through Slurm on gpu-node2, by pid here
+        assert "rank 5 (node gpu-node2, GPU gpu-node2:1" in out and "restarting" not in out, out
+        freed = re.findall(r"rank (\d) \(node (\S+), .*? was waiting in a collective", out)
+        assert sorted(int(r) for r, _ in freed) == [0, 1, 2, 3, 4, 6, 7], out
         status, out = run(
             kc,
             "%%distributed --gpus 8 --nodes 2\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())",
@@ -156,7 +226,39 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         assert status == "ok", out
         assert sorted(ranks_of(out)) == list(range(8))
         assert {r[1] for r in ranks_of(out).values()} != {job}  # a new job
-        # 4. the server stops with the pool still up (no shutdown): nothing is left behind
+
+        # 4. a rank's process is killed on the other node mid-cell: the cell names the rank and its
+        # node, the next cell works on fresh engines
+        status, out = run(kc, pids)
+        victim = dict(re.findall(r"\[rank (\d+)\] pid (\d+)", out))["6"]
+        marker = f"/home/alice/.gpuhub-test-rank6-{uuid.uuid4().hex}"
+        killer = threading.Thread(target=kill_when_there, args=(marker, "gpu-node2", victim))
+        killer.start()
+        status, out = run(
+            kc,
+            "%%distributed --gpus 8 --nodes 2\nimport time\nif rank == 6:\n"
+            f"    open({marker!r}, 'w').close()\nfor _ in range(600):\n    time.sleep(0.1)\n",
+        )
+        killer.join()
+        assert status == "error", out
+        assert f"rank 6 (node gpu-node2, GPU gpu-node2:2, pid {victim}) died" in out, out
+        status, out = run(kc, HOSTS.format(args="--gpus 8 --nodes 2"))
+        assert status == "ok" and hosts_of(out) == ["gpu-node1"] * 4 + ["gpu-node2"] * 4, out
+
+        # 5. the kernel is shut down (JupyterLab's "Shut Down Kernel"): the engines end on both nodes
+        [burst] = [a for a in ledger.active(user="alice") if a.purpose == "distributed"]
+        assert len(engines_of("alice")) == 8, [open(f"/proc/{p}/cmdline").read() for p in engines_of("alice")]
+        kc.stop_channels()
+        r = hub.api_url_request("DELETE", f"/user/alice/api/kernels/{kid}")
+        assert r.status_code == 204, r.text
+        wait_for(lambda: not engines_of("alice"), 60, "alice's engines on both nodes to end")
+        wait_for(lambda: job_state(burst.backend_job_id) in ("CANCELLED", "COMPLETED", "GONE"), 60, "the job")
+        wait_for(lambda: ledger.get(burst.id).state == "released", 60, "the burst to be released")
+
+        # 6. the server stops with a pool still up (no shutdown): nothing is left behind
+        kc, kid = kernel_of(hub, "alice")
+        status, out = run(kc, HOSTS.format(args="--gpus 2 --nodes 2"))
+        assert status == "ok" and hosts_of(out) == ["gpu-node1", "gpu-node2"], out
         [burst] = [a for a in ledger.active(user="alice") if a.purpose == "distributed"]
         kc.stop_channels()
         hub.stop_server("alice")
@@ -166,6 +268,7 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
             "the burst job to end",
         )
         wait_for(lambda: ledger.get(burst.id).state == "released", 60, "the burst to be released")
+        wait_for(lambda: not engines_of("alice"), 60, "alice's engines to end")
         assert ledger.active(user="alice") == []
     finally:
         ledger.unset_limit("user", "alice")

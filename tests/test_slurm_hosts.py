@@ -17,7 +17,12 @@ from gpu_magics.slurmengines import EngineFacts, SlurmLauncher, remote_signal_ar
 @pytest.mark.parametrize(
     "pids, name, nodes, script",
     [
-        ({"gpu-node2": [7, 9]}, "USR1", "gpu-node2", 'case "$SLURMD_NODENAME" in gpu-node2) kill -s USR1 7 9 ;; esac'),
+        (
+            {"gpu-node2": [7, 9]},
+            "USR1",
+            "gpu-node2",
+            'case "$SLURMD_NODENAME" in gpu-node2) kill -s USR1 7 9 ;; esac',
+        ),
         (
             {"n2": [3], "n1": [1, 2]},
             "INT",
@@ -104,6 +109,26 @@ def test_engines_all_on_the_kernels_host_are_signalled_by_pid_only(monkeypatch):
     pool.infos = [{"pid": 31}, {"pid": 32}]
     killed = []
     monkeypatch.setattr("gpu_magics.launchers.os.kill", lambda pid, sig: killed.append((pid, sig)))
-    monkeypatch.setattr(slurmengines.subprocess, "run", lambda *a, **k: pytest.fail("no srun for local ranks"))
+    monkeypatch.setattr(slurmengines.subprocess, "run", lambda *a, **k: pytest.fail("no srun for these"))
     launcher.signal(pool, signal.SIGINT, [1])
     assert killed == [(32, signal.SIGINT)]
+
+
+def test_a_pid_of_another_host_is_never_read_as_a_process_of_this_one():
+    """A rank is lost here only when it runs here and its pid has ended; on another host its pid
+    means nothing here (the controller's heartbeat tells whether it lives)."""
+    from gpu_magics.pool import EnginePool
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    pool = EnginePool([], None, 10, launcher=SlurmLauncher("job", 2, 1, "/tmp"))
+    here = socket.gethostname()
+    pool.infos = [
+        {"pid": dead.pid, "host": here},
+        {"pid": dead.pid, "host": "other-node"},
+        {"pid": 1, "host": here},
+    ]
+    pool._remote = True
+    assert [pool._ended_here(r) for r in range(4)] == [True, False, False, False]
+    pool._remote = False  # every engine on the kernel's machine (the steps of its own job)
+    assert [pool._ended_here(r) for r in range(3)] == [True, True, False]

@@ -89,7 +89,8 @@ class WsKernelClient:
         try:
             return self.queues[channel].get(timeout=timeout)
         except queue.Empty:
-            raise queue.Empty(f"no {channel} message in {timeout} s (websocket closed: {self._closed.is_set()})")
+            closed = self._closed.is_set()
+            raise queue.Empty(f"no {channel} message in {timeout} s (websocket closed: {closed})") from None
 
     def wait_for_ready(self, timeout: float = 60) -> None:
         """A kernel_info reply has come back (the kernel answers its shell channel)."""
