@@ -12,7 +12,10 @@
    little): the medians, the rounds' paired ratios with a 95% interval (their logs' mean, t),
    the ratio by who went first, and how many rounds each won. Every rank also says what its
    threads did during the timed loop (``/proc/self/task``: CPU and run-queue wait from
-   ``schedstat``, switches), summed over the ranks, per step.
+   ``schedstat``, switches), summed over the ranks, per step. Then warm against warm, in
+   ``4 * rounds`` pairs: torchrun's workers stay up (rank 0 reads "go" from their standard
+   input) and run the same timed loop in turns with the engines, each pair seconds apart
+   instead of a torchrun launch (8-10 s of four processes importing torch) apart.
 3. The same step without DDP on rank 0 alone (the other ranks idle), in the engine vs a fresh
    ``python`` process, rounds interleaved: whether an engine's process does the same work in
    the same time, apart from the ranks' communication.
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from notebook_shell import magic_shell
 
-TRAIN = """
+SETUP = """
 import gc, json, os, threading, time, torch, torch.distributed as dist, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 if not dist.is_initialized():
@@ -62,25 +65,44 @@ def threads():  # per thread kind: [CPU ns, run-queue wait ns, switches, involun
         vol, invol = int(st["voluntary_ctxt_switches"]), int(st["nonvoluntary_ctxt_switches"])
         out[key] = [a + b for a, b in zip(out.get(key, [0] * 4), (run, wait, vol + invol, invol))]
     return out
+def timed(steps):  # the timed loop; rank 0 prints its steps/s and every rank's threads
+    before, collections = threads(), sum(s["collections"] for s in gc.get_stats())
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    rate = steps / (time.perf_counter() - t)
+    after, gcs = threads(), sum(s["collections"] for s in gc.get_stats()) - collections
+    mine = {k: [(a - b) / steps for a, b in zip(v, before.get(k, [0] * 4))] for k, v in after.items()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [mine, gcs, len(os.listdir("/proc/self/task"))])
+    if rank == 0:
+        print("steps/s", rate, flush=True)
+        print("threads-json", json.dumps(every), flush=True)
 step()  # the first step
 if rank == 0:
     print("first-step", time.time(), flush=True)
-before, collections = threads(), sum(s["collections"] for s in gc.get_stats())
-dist.barrier()
-t = time.perf_counter()
-for _ in range(STEPS):
-    step()
-dist.barrier()
-rate = STEPS / (time.perf_counter() - t)
-after, gcs = threads(), sum(s["collections"] for s in gc.get_stats()) - collections
-mine = {k: [(a - b) / STEPS for a, b in zip(v, before.get(k, [0] * 4))] for k, v in after.items()}
-every = [None] * dist.get_world_size()
-dist.all_gather_object(every, [mine, gcs, len(os.listdir("/proc/self/task"))])
-if rank == 0:
-    print("steps/s", rate, flush=True)
-    print("threads-json", json.dumps(every), flush=True)
 """
-
+TRAIN = SETUP + "timed(STEPS)\n"
+# torchrun's workers kept warm: rank 0 reads "go" (another loop) or anything else (the end)
+# from the standard input the workers share, and tells the others
+SERVE = (
+    SETUP
+    + """
+import sys
+while True:
+    command = [sys.stdin.readline().strip() if rank == 0 else None]
+    dist.broadcast_object_list(command)
+    if command[0] != "go":
+        break
+    timed(STEPS)
+"""
+)
+# a script's own end under torchrun (the engines' group lives on): without it a rank's exit
+# sometimes aborts in gloo's threads ("terminate called without an active exception"), and
+# even with it (seen with the readings' all_gather_object): so it leaves without destructors
+END = "dist.barrier()\ndist.destroy_process_group()\nos._exit(0)\n"
 
 COMPUTE = """
 import os, time, torch, torch.nn as nn
@@ -145,10 +167,7 @@ def main() -> None:
     code = TRAIN.replace("STEPS", str(steps))
     _capture(shell, magic + code)  # warm-up: imports, first optimizer
     script = Path(tempfile.mkdtemp(prefix="gpuhub-bench-")) / "train.py"
-    # a script's own end under torchrun (the engines' group lives on): without it a rank's exit
-    # sometimes aborts in gloo's threads ("terminate called without an active exception"),
-    # and even with it (seen with the readings' all_gather_object): so leave without destructors
-    script.write_text(code + "dist.barrier()\ndist.destroy_process_group()\nos._exit(0)\n")
+    script.write_text(code + END)
     torchrun = Path(sys.executable).with_name("torchrun")
 
     def in_engines() -> tuple[float, float, list]:
@@ -172,6 +191,45 @@ def main() -> None:
         first.append("engines" if i % 2 == 0 else "torchrun")
         for readings, run in order if i % 2 == 0 else order[::-1]:
             readings.append(run())
+    load.append(os.getloadavg()[0])
+
+    # 2b. warm against warm: torchrun's workers stay up and run the timed loop when told, in
+    # turns with the engines, so that each pair is seconds apart, not a torchrun launch apart
+    serve = Path(script).with_name("serve.py")
+    serve.write_text(SERVE.replace("STEPS", str(steps)) + END)
+    proc = subprocess.Popen(
+        [str(torchrun), "--standalone", f"--nproc_per_node={ranks}", str(serve)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+
+    def served() -> tuple[float, float, list]:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        lines = []
+        while not lines or not lines[-1].startswith("threads-json"):
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("torchrun's workers ended:\n" + "".join(lines))
+            lines.append(line)
+        return _reading("first-step 0\n" + "".join(lines), 0)
+
+    def engines_again() -> tuple[float, float, list]:
+        return _reading("first-step 0\n" + _capture(shell, magic + f"timed({steps})"), 0)
+
+    try:
+        served()  # the first loop of each: warm-up
+        engines_again()
+        pairs = {"engines": [], "torchrun": []}
+        for i in range(4 * rounds):
+            for who in ("engines", "torchrun") if i % 2 == 0 else ("torchrun", "engines"):
+                pairs[who].append(engines_again() if who == "engines" else served())
+    finally:
+        proc.stdin.write("stop\n")
+        proc.stdin.close()
+        proc.wait(60)
     load.append(os.getloadavg()[0])
 
     # 3. the same step without DDP, rank 0 alone: in its engine vs a fresh process
@@ -229,6 +287,25 @@ def main() -> None:
         rates = sorted(x[1] for x in runs_)
         print(f"  {name}: rounds {rates[0]:.1f}..{rates[-1]:.1f} steps/s; per step, ranks summed, medians:")
         print("    " + _threads_line(runs_))
+    w_rate, c_rate = (statistics.median(x[1] for x in pairs[k]) for k in ("engines", "torchrun"))
+    ratios = [a[1] / b[1] for a, b in zip(pairs["engines"], pairs["torchrun"], strict=True)]
+    lo, mid, hi = _interval(ratios)
+    print(
+        f"DDP steps/s, both warm (torchrun's workers kept up), {len(ratios)} pairs taking turns: "
+        f"%%distributed {w_rate:.1f}, torchrun {c_rate:.1f}, ratio of medians {w_rate / c_rate:.3f}x"
+    )
+    print(
+        f"  paired: geometric mean {mid:.3f}x, 95% interval {lo:.3f}..{hi:.3f}; median "
+        f"{statistics.median(ratios):.3f}; range {min(ratios):.2f}..{max(ratios):.2f}; engines faster "
+        f"in {sum(x > 1 for x in ratios)} of {len(ratios)}"
+    )
+    for j, who in enumerate(("engines", "torchrun")):
+        mine = ratios[j::2]
+        lo, mid, hi = _interval(mine)
+        print(f"  {who} first: geometric mean {mid:.3f}x (95% {lo:.3f}..{hi:.3f}), {len(mine)} pairs")
+    for name, key in (("%%distributed", "engines"), ("torchrun", "torchrun")):
+        print(f"  {name}, per step, ranks summed, medians:")
+        print("    " + _threads_line(pairs[key]))
     w_first, c_first = (statistics.median(x[0] for x in runs_) for runs_ in (warm, cold))
     e_rate, p_rate = (statistics.median(x[0] for x in alone[k]) for k in ("engine", "process"))
     e_cpu, p_cpu = (statistics.median(x[1] for x in alone[k]) for k in ("engine", "process"))
