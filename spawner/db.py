@@ -78,7 +78,9 @@ def make_engine(url: str, *, writer: bool = True, sqlite_sync: str = "normal") -
             conn.exec_driver_sql("BEGIN IMMEDIATE" if writer else "BEGIN")
 
         return engine
-    if writer or make_url(url).get_backend_name() != "postgresql":
+    if writer:  # the ledger's writing transaction finds a dropped connection itself
+        return create_engine(url)
+    if make_url(url).get_backend_name() != "postgresql":
         return create_engine(url, pool_pre_ping=True)
     return create_engine(
         url,

@@ -9,6 +9,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, func, insert, inspect, select, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
 from spawner import cli, db
@@ -332,3 +333,29 @@ def test_an_expired_lease_never_blocks_admission(ledger, clock):
     ledger.allocate("alice", [], 2, purpose="distributed", lease_seconds=10)
     clock.advance(seconds=11)  # nobody swept it
     assert len(ledger.allocate("alice", [], 2).gpus) == 2
+
+
+def test_a_writer_whose_connection_the_server_dropped_admits_on_a_fresh_one():
+    """The writer's pool does not ping before each transaction: a connection the server has
+    dropped (a restart) fails at the transaction's first statement, and the transaction
+    starts again on a fresh connection, so the admission neither fails nor half happens."""
+    with dbtools.postgres_database() as url:
+        ledger = Ledger(url, config_rules=LimitRules(default=Limit(max_gpus=2)))
+        ledger.sync_inventory(INV)
+        first = ledger.allocate("alice", [], 1)
+        admin = create_engine(dbtools.server_url(), isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            dropped = conn.scalar(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = :n"
+                ),
+                {"n": make_url(url).query["application_name"]},
+            )
+        admin.dispose()
+        assert dropped >= 1  # the writer's pooled connection among them
+        second = ledger.allocate("alice", [], 1)
+        assert not set(first.gpus) & set(second.gpus)
+        assert ledger.release(second.id) and ledger.release(first.id)
+        assert [a.id for a in ledger.active()] == []
+        ledger.close()

@@ -36,7 +36,6 @@ LIVE_COUNTS = select(_A.c.gpu_count, gpus_of(_A.c.id), _A.c.borrowed).where(
 WINDOW_ROWS = select(_A.c.state, _A.c.gpu_count, *INTERVAL_COLUMNS).where(
     _A.c.user == bindparam("user"), or_(_A.c.ended.is_(None), _A.c.ended >= bindparam("since"))
 )
-ANY_EXPIRED = select(_A.c.id).where(is_live(_A.c.state), _A.c.lease_expires <= bindparam("now")).limit(1)
 # a release's one read: the allocation's state, its reclaim's reason, its preemption's
 RELEASE_READ = (
     select(
@@ -478,8 +477,8 @@ class AllocationRecords:
 
     def _expire(self, s: Session) -> list[int]:
         now = self.clock()
-        if connection(s).execute(ANY_EXPIRED, {"now": now}).first() is None:
-            return []  # the usual answer, without loading anything
+        if not s.info.pop("leases_due", True):  # none was due when the transaction began
+            return []  # (read with the lock row): the usual answer, without loading anything
         expired = list(s.scalars(select(Allocation).where(is_live(), Allocation.lease_expires <= now)))
         for a in expired:
             # usage counts up to the end of the lease, not up to when someone noticed

@@ -8,7 +8,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from sqlalchemy import bindparam, event, func, select, update
+from sqlalchemy import Connection, Row, bindparam, event, exists, func, select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, selectinload
 
 from .. import borrowing, fairshare, policy
@@ -21,6 +22,7 @@ from ..models import (
     LedgerLock,
     Node,
     Preemption,
+    QueueEntry,
     is_live,
 )
 from .freeset import CHANGES, note_held, record_moves
@@ -35,7 +37,18 @@ TAKE_TURN = (
     update(_LOCK)
     .where(_LOCK.c.id == 1)
     .values(generation=_LOCK.c.generation + 1)
-    .returning(_LOCK.c.generation, _LOCK.c.inventory, _LOCK.c.moves_after)
+    .returning(
+        _LOCK.c.generation,
+        _LOCK.c.inventory,
+        _LOCK.c.moves_after,
+        # and, in the same round trip, whether a lease has run out or anyone waits: almost
+        # always not, and then an admission reads neither
+        exists()
+        .where(is_live(), Allocation.lease_expires <= bindparam("now"))
+        .correlate_except(Allocation)
+        .label("leases_due"),
+        exists().where(QueueEntry.state == "waiting").correlate_except(QueueEntry).label("waiting"),
+    )
 )
 _A, _AG = Allocation.__table__, AllocationGpu.__table__
 END_ALLOCATION = (
@@ -231,20 +244,40 @@ class LedgerBase:
 
         The count is taken with the lock, in the same statement; a transaction that changed
         nothing gives it back before it commits (one statement more, for keepalives only)."""
-        with self._turns.turn(), self._sessions.begin() as s:
-            conn = s.info["connection"] = s.connection()
-            after, inventory, moves_after = conn.execute(TAKE_TURN).one()
-            before = s.info["generation"] = after - 1
-            s.info["inventory"] = inventory  # read under the lock: what _present compares
-            s.info["moves_after"] = moves_after or 0
-            yield s
-            s.flush()
-            if s.info.get("changed", True) or s.info.get(CHANGES):  # a GPU that moved always counts
-                record_moves(conn, s.info, after)
-            else:
-                conn.execute(UNCOUNT)
-                after = before
+        with self._turns.turn():
+            s, conn, turn = self._begin_write()
+            with s:  # closing it rolls back whatever did not commit
+                after, before = turn.generation, turn.generation - 1
+                s.info["connection"], s.info["generation"] = conn, before
+                s.info["inventory"] = turn.inventory  # read under the lock: what _present compares
+                s.info["moves_after"] = turn.moves_after or 0
+                s.info["leases_due"], s.info["waiting"] = bool(turn.leases_due), bool(turn.waiting)
+                yield s
+                s.flush()
+                if s.info.get("changed", True) or s.info.get(CHANGES):  # a GPU that moved always counts
+                    record_moves(conn, s.info, after)
+                else:
+                    conn.execute(UNCOUNT)
+                    after = before
+                s.commit()
         self._committed(s, before, after)
+
+    def _begin_write(self) -> tuple[Session, Connection, Row]:
+        """A session in a writing transaction, its connection, and the lock row's turn.
+
+        The writer's pool does not ping a connection before each use (a round trip per
+        transaction): a connection the server dropped (a restart) fails at this first
+        statement, before anything is decided, and the transaction starts on a fresh one."""
+        for attempt in (1, 2):
+            s = self._sessions()
+            try:
+                conn = s.connection()
+                return s, conn, conn.execute(TAKE_TURN, {"now": self.clock()}).one()
+            except DBAPIError as e:
+                s.close()
+                if attempt == 2 or not e.connection_invalidated:
+                    raise
+        raise AssertionError("unreachable")
 
     def _committed(self, s: Session, before: int, after: int) -> None:
         """Called after a writing transaction committed (``InventoryRecords`` keeps the

@@ -29,7 +29,6 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from .. import fairshare, policy, queueplan, queueview
-from ..db import connection
 from ..models import Allocation, KnownUser, QueueEntry, Reclaim
 from .base import AllocationInfo, _gpu, _info
 
@@ -38,8 +37,6 @@ HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently
 RUNS_PER_USER = 20
 OVERDUE_MIN = timedelta(minutes=5)
 SCENE_SECONDS = timedelta(seconds=1)  # how long a read-only answer may reuse a computed scene
-_Q = QueueEntry.__table__
-ANY_WAITING = select(_Q.c.id).where(_Q.c.state == "waiting").limit(1)
 
 
 @dataclass(frozen=True)
@@ -141,8 +138,8 @@ class QueueRecords:
         quiet = now - timedelta(seconds=qs.keepalive_seconds)
         oldest = now - timedelta(hours=qs.max_wait_hours)
         ended, live = [], []
-        if not (s.new or s.dirty or s.deleted) and connection(s).execute(ANY_WAITING).first() is None:
-            return ended, live  # the usual answer, without loading anything
+        if not s.info.pop("waiting", True) and not (s.new or s.dirty or s.deleted):
+            return ended, live  # nobody waited when the transaction began (read with the lock row)
         for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")):
             if e.seen < quiet:
                 self._leave(
