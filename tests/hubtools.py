@@ -308,13 +308,33 @@ def tidy_ledger(hub: Hub, stop_servers: bool = False):
     try:
         yield led
     finally:
+        led.close()
+        tidy(hub, stop_servers)
+
+
+def tidy(
+    hub: Hub, stop_servers: bool = False, users=("alice", "bob", "carol", "dave"), limits: bool = False
+) -> None:
+    """Nothing waits in ``hub``'s queue and no burst is held; with ``stop_servers``, none of
+    ``users``' servers runs; with ``limits``, no limit is stored in the ledger (the hub's
+    configuration holds again). A hub that tests share is left as the next one expects it."""
+    from spawner.ledger import Ledger
+
+    led = Ledger(hub.ledger_url)
+    try:
+        if limits:
+            for e in led.limit_entries():
+                if e.origin == "ledger":
+                    led.unset_limit(e.scope, e.name)
         for q in led.queue():
             led.leave_queue(q.id, "test cleanup")
         for a in led.active():
             if a.purpose == "distributed":
                 led.release(a.id, "test cleanup")
-        if stop_servers:
-            for user in ("alice", "bob", "carol", "dave"):
-                if hub.server(user) is not None:
-                    hub.stop_server(user)
+    finally:
         led.close()
+    if stop_servers:
+        for user in users:
+            r = hub.api("GET", f"/users/{user}")
+            if r.status_code == 200 and "" in r.json()["servers"]:
+                hub.stop_server(user)
