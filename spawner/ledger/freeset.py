@@ -82,7 +82,6 @@ class FreeState:
 
     generation: int
     inventory: int
-    held: frozenset[int]
     groups: dict[str, list[policy.Gpu]]  # the free GPUs of each node with any (read only)
 
     @cached_property
@@ -94,7 +93,7 @@ class FreeState:
         free = policy.GpuSet.ordered(
             g for g, i in zip(present.gpus, present.ids, strict=True) if i not in held
         )
-        return cls(generation, present.version, frozenset(held), free.by_node(None))
+        return cls(generation, present.version, free.by_node(None))
 
     def at(self, generation: int) -> FreeState:
         """The same free GPUs at a later generation (a write that moved none)."""
@@ -104,20 +103,24 @@ class FreeState:
         return later
 
     def after(self, generation: int, present, changes: list[tuple[int, bool]]) -> FreeState:
-        """This state with ``changes`` applied: only their nodes are grouped again."""
-        held = set(self.held)
-        for gpu_id, now in changes:
-            (held.add if now else held.discard)(gpu_id)
-        by_id = present.by_id
-        touched = {by_id[i].node for i, _ in changes if i in by_id}
-        groups = dict(self.groups)
-        everyone = present.gpus.by_node(None)
-        for node in touched:
-            left = [g for g in everyone[node] if present.id_of[(g.node, g.index)] not in held]
-            if left:
-                groups[node] = left
+        """This state with ``changes`` applied, in order: only their nodes change (absent
+        GPUs are never free)."""
+        by_id, before = present.by_id, self.groups
+        nodes: dict[str, set[policy.Gpu]] = {}
+        for gpu_id, held in changes:
+            g = by_id.get(gpu_id)
+            if g is None:
+                continue
+            free = nodes.get(g.node)
+            if free is None:
+                free = nodes[g.node] = set(before.get(g.node, ()))
+            (free.discard if held else free.add)(g)
+        groups = dict(before)
+        for node, free in nodes.items():
+            if free:
+                groups[node] = sorted(free)
             else:
                 groups.pop(node, None)
-        if any(node not in self.groups for node in touched if node in groups):
+        if any(node not in before for node in nodes if node in groups):
             groups = dict(sorted(groups.items()))  # a node came back: keep the nodes in order
-        return FreeState(generation, self.inventory, frozenset(held), groups)
+        return FreeState(generation, self.inventory, groups)
