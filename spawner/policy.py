@@ -21,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -296,11 +297,14 @@ class GpuSet(tuple):
         return cls(gpus)
 
     @classmethod
-    def from_groups(cls, groups: dict[str, list[Gpu]]) -> GpuSet:
+    def from_groups(cls, groups: dict[str, list[Gpu]], fit: tuple[GpuSet, FitIndex] | None = None) -> GpuSet:
         """The GPUs of ``groups`` (nodes in order, each node's in order), remembering them
-        as their grouping by node (any model)."""
+        as their grouping by node (any model); ``fit``: the inventory they are free in and
+        their :func:`make_fit_index` against it, for the one-node best fit."""
         made = cls(chain.from_iterable(groups.values()))
         made.__dict__["groups"] = {None: groups}
+        if fit is not None:
+            made.__dict__["fit"] = fit
         return made
 
     def remembered(self, key, compute):
@@ -319,6 +323,49 @@ class GpuSet(tuple):
                     out.setdefault(g.node, []).append(g)
             groups[model] = out
         return groups[model]
+
+
+# the nodes with free GPUs by (how many are free, whether that is fewer than all of the
+# node's), each list in name order: the one-node best fit without a pass over every node
+FitIndex = dict[tuple[int, bool], list[str]]
+
+
+def make_fit_index(groups: Mapping[str, list[Gpu]], totals: Mapping[str, list[Gpu]]) -> FitIndex:
+    """The :data:`FitIndex` of the free GPUs ``groups`` (by node, nodes in name order) on a
+    cluster whose GPUs by node are ``totals``."""
+    index: FitIndex = {}
+    for node, gs in groups.items():
+        index.setdefault((len(gs), len(gs) != len(totals.get(node, ()))), []).append(node)
+    return index
+
+
+def refit(index: FitIndex, moved: Mapping[str, tuple[int, int, int]]) -> FitIndex:
+    """``index`` after the nodes of ``moved`` went from ``before`` to ``after`` free GPUs of
+    ``total`` (``node: (before, after, total)``); ``index`` itself is left as it was."""
+    out = dict(index)
+    for node, (before, after, total) in moved.items():
+        if before == after:
+            continue
+        if before:
+            key = (before, before != total)
+            left = [n for n in out[key] if n != node]
+            if left:
+                out[key] = left
+            else:
+                del out[key]
+        if after:
+            key = (after, after != total)
+            nodes = list(out.get(key, ()))
+            insort(nodes, node)
+            out[key] = nodes
+    return out
+
+
+def best_node(index: FitIndex, n: int) -> str | None:
+    """The node the one-node best fit gives ``n`` GPUs on: the fewest free that hold ``n``,
+    a whole node before a part of one, then by name (None: no node holds ``n``)."""
+    keys = [key for key in index if key[0] >= n]
+    return index[min(keys)][0] if keys else None
 
 
 def _models(inventory: Sequence[Gpu]) -> list[str]:
@@ -370,7 +417,12 @@ def _place(request: Request, free: Sequence[Gpu], inventory: Sequence[Gpu]) -> t
             return None
         return tuple(g for node in sorted(fitting[:want]) for g in free_by[node][:per])
 
-    if request.max_nodes is None or request.max_nodes >= 1:
+    fit = getattr(free, "fit", None) if request.model is None else None
+    if fit is not None and fit[0] is inventory and (request.max_nodes is None or request.max_nodes >= 1):
+        node = best_node(fit[1], n)  # kept from write to write by the ledger (freeset.py)
+        if node is not None:
+            return tuple(free_by[node][:n])
+    elif request.max_nodes is None or request.max_nodes >= 1:
         # one node holds it: the best-fitting such node, as below with k = 1, without sorting
         # every node (thousands on a large cluster)
         # min of (free, not whole, name) in one pass over the nodes (they come in name order)

@@ -18,7 +18,9 @@ from spawner.policy import (
     effective_limit,
     gpu_hours_used,
     largest_placeable,
+    make_fit_index,
     place,
+    refit,
 )
 
 RULES = LimitRules(
@@ -256,3 +258,28 @@ def test_placement_shortcuts_choose_what_the_general_rule_chooses():
         assert largest_placeable(gs_free, request.model, request.max_nodes) == largest_placeable(
             free, request.model, request.max_nodes
         )
+
+
+def test_the_kept_fit_index_chooses_what_the_general_rule_chooses():
+    """A ledger keeps the free GPUs' fit index from write to write (``refit``), and a
+    one-node request is placed from it: after every move it places as the general rule."""
+    rnd = random.Random(11)
+    for _ in range(60):
+        sizes = [rnd.choice((2, 4, 8)) for _ in range(rnd.randint(1, 10))]
+        inv = [Gpu(f"n{k:02d}", i, "A100") for k, size in enumerate(sizes) for i in range(size)]
+        everyone = GpuSet.ordered(inv)
+        free = {g for g in inv if rnd.random() < 0.5}
+        groups = GpuSet.ordered(sorted(free)).by_node(None)
+        index = make_fit_index(groups, everyone.by_node(None))
+        for _ in range(30):
+            moved = rnd.sample(inv, min(len(inv), rnd.randint(1, 3)))
+            before = {g.node: len(groups.get(g.node, ())) for g in moved}
+            free ^= set(moved)  # taken if it was free, given back if it was held
+            groups = GpuSet.ordered(sorted(free)).by_node(None)
+            total = everyone.by_node(None)
+            index = refit(index, {n: (k, len(groups.get(n, ())), len(total[n])) for n, k in before.items()})
+            assert index == make_fit_index(groups, total)
+            kept = GpuSet.from_groups(groups, (everyone, index))
+            for n in range(1, 10):
+                request = Request("u", n, None, rnd.choice((None, 1)))
+                assert place(request, kept, everyone) == _general_rule(request, sorted(free), inv)

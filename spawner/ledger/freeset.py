@@ -83,17 +83,21 @@ class FreeState:
     generation: int
     inventory: int
     groups: dict[str, list[policy.Gpu]]  # the free GPUs of each node with any (read only)
+    everyone: policy.GpuSet  # the present GPUs they are free among
+    fit: policy.FitIndex  # the groups' nodes by free count, for the one-node best fit
 
     @cached_property
     def free(self) -> policy.GpuSet:
-        return policy.GpuSet.from_groups(self.groups)
+        return policy.GpuSet.from_groups(self.groups, (self.everyone, self.fit))
 
     @classmethod
     def read(cls, generation: int, present, held: set[int]) -> FreeState:
         free = policy.GpuSet.ordered(
             g for g, i in zip(present.gpus, present.ids, strict=True) if i not in held
         )
-        return cls(generation, present.version, free.by_node(None))
+        groups = free.by_node(None)
+        fit = policy.make_fit_index(groups, present.gpus.by_node(None))
+        return cls(generation, present.version, groups, present.gpus, fit)
 
     def at(self, generation: int) -> FreeState:
         """The same free GPUs at a later generation (a write that moved none)."""
@@ -123,4 +127,9 @@ class FreeState:
                 groups.pop(node, None)
         if any(node not in before for node in nodes if node in groups):
             groups = dict(sorted(groups.items()))  # a node came back: keep the nodes in order
-        return FreeState(generation, self.inventory, groups)
+        everyone = self.everyone.by_node(None)
+        moved = {
+            node: (len(before.get(node, ())), len(free), len(everyone.get(node, ())))
+            for node, free in nodes.items()
+        }
+        return FreeState(generation, self.inventory, groups, self.everyone, policy.refit(self.fit, moved))
