@@ -7,6 +7,7 @@ import pytest
 from spawner.ledger import Ledger
 
 from . import dbtools
+from .hubtools import Hub, tidy
 
 
 @pytest.fixture
@@ -15,6 +16,24 @@ def ledger(hub):
     led = Ledger(hub.ledger_url)
     yield led
     led.close()
+
+
+@pytest.fixture(scope="session")
+def demo_hub(tmp_path_factory):
+    """One test hub with the demo's configuration alone (4 simulated GPUs), started once for
+    every module that needs nothing else; use it through ``tidy_demo_hub``."""
+    h = Hub(tmp_path_factory.mktemp("demo-hub")).start().wait_for_broker()
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def tidy_demo_hub(demo_hub):
+    """The shared demo hub, left after each test as a fresh one would be but for the
+    ledger's history and the hub's users: nothing waits, no burst is held, no demo user's
+    server runs, the configured limits hold (``hubtools.tidy``)."""
+    yield demo_hub
+    tidy(demo_hub, stop_servers=True, limits=True)
 
 
 @pytest.fixture(params=dbtools.BACKENDS)
