@@ -10,19 +10,16 @@ import re
 import pytest
 from playwright.sync_api import expect
 
-from .hubtools import DEMO_PASSWORD, Hub
+from .hubtools import DEMO_PASSWORD
 
 pytestmark = pytest.mark.hub
 
 ADMIN_PASSWORD = "gpuhub-demo-admin-password-change-me"
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("pages")).start()
-    h.wait_for_broker()
-    yield h
-    h.stop()
+@pytest.fixture
+def hub(tidy_demo_hub):
+    return tidy_demo_hub
 
 
 def login(browser, hub, user, password):

@@ -253,12 +253,9 @@ class Fuzz:
         assert self.hub.broker("GET", "me", self.tokens["bob"]).status_code == 200, f"after gpuhub {args}"
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("fuzz")).start()
-    h.wait_for_broker()
-    yield h
-    h.stop()
+@pytest.fixture
+def hub(tidy_demo_hub):
+    return tidy_demo_hub
 
 
 def log_tracebacks(hub, start: int) -> list[str]:

@@ -21,7 +21,7 @@ from playwright.sync_api import expect
 
 from spawner.ledger import Ledger, utcnow
 
-from .hubtools import Hub, wait_for
+from .hubtools import Hub, tidy, wait_for
 from .kerneltools import BrokerKernel
 
 pytestmark = pytest.mark.hub
@@ -70,12 +70,21 @@ def give_history(url: str, user: str, gpus: int, hours_ago: float, hours: float)
         ledger.close()
 
 
-@pytest.fixture
-def hub(tmp_path):
-    h = Hub(tmp_path, extra_config=CONFIG).start()
+@pytest.fixture(scope="module")
+def shared_hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("queue-hub"), extra_config=CONFIG).start()
     h.wait_for_broker()
     yield h
     h.stop()
+
+
+@pytest.fixture
+def hub(shared_hub):
+    """The module's hub; after each test nothing waits, no burst is held, no server runs
+    (the recent usage that orders the queue stays: the tests that share it ask about
+    users' usage they made themselves)."""
+    yield shared_hub
+    tidy(shared_hub, stop_servers=True, users=("alice", "bob", "carol", "dave", "erin", "frank"))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 
 from spawner.ledger import Ledger
 
-from .hubtools import Hub, wait_for
+from .hubtools import Hub, tidy, wait_for
 
 pytestmark = pytest.mark.hub
 
@@ -63,14 +63,41 @@ def reclaim_hub_in(workdir, extra_config: str = ""):
         ledger.close()
 
 
-@pytest.fixture
-def reclaim_hub(tmp_path):
-    with reclaim_hub_in(tmp_path) as found:
+@pytest.fixture(scope="module")
+def shared_reclaim_hub(tmp_path_factory):
+    with reclaim_hub_in(tmp_path_factory.mktemp("reclaim")) as found:
         yield found
+
+
+@pytest.fixture
+def reclaim_hub(shared_reclaim_hub):
+    """The module's hub, as a fresh one would be for what a test looks at: every GPU busy in
+    the file, and afterwards no server, burst or waiting request left (reclaim records and
+    GPU histories stay: the tests look at their own, and a new holder never sees the last
+    holder's readings)."""
+    hub, _ledger, util_file = shared_reclaim_hub
+    set_utilization(util_file, ALL_BUSY)
+    yield shared_reclaim_hub
+    set_utilization(util_file, ALL_BUSY)
+    tidy(hub, stop_servers=True)
+
+
+def new_reclaims(hub, token, before: list[dict]) -> list[dict]:
+    """The reclaim records the caller sees now that were not in ``before``."""
+    seen = {r["id"] for r in before}
+    return [r for r in hub.broker("GET", "reclaims", token).json()["reclaims"] if r["id"] not in seen]
+
+
+def reclaims_counted(metrics: str) -> float:
+    m = re.search(r'^gpuhub_reclaims_total{purpose="server"} ([0-9.]+)$', metrics, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(reclaim_hub):
     hub, ledger, util_file = reclaim_hub
+    admin = hub.user_token("admin")
+    before = hub.broker("GET", "reclaims", admin).json()
+    counted = reclaims_counted(hub.broker("GET", "../../metrics", admin).text)
     for user in ("alice", "dave", "bob"):  # bob is in "students": exempt
         assert hub.spawn(user, {"gpus": 1}).status_code in (201, 202)
     for user in ("alice", "dave", "bob"):
@@ -110,9 +137,9 @@ def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(rec
     assert idle_state(hub, alloc["bob"].id)["state"] == "exempt"
     assert ledger.get(alloc["dave"].id).state == "running" and ledger.get(alloc["bob"].id).state == "running"
 
-    # the reclaim is recorded with its reason and the idle GPU-hours it ended
-    recs = hub.broker("GET", "reclaims", hub.user_token("admin")).json()
-    [rec] = recs["reclaims"]
+    # the reclaim is recorded (once) with its reason and the idle GPU-hours it ended
+    recs = hub.broker("GET", "reclaims", admin).json()
+    [rec] = new_reclaims(hub, admin, before["reclaims"])
     assert (rec["user"], rec["allocation_id"], rec["purpose"], rec["gpus"]) == (
         "alice",
         alloc["alice"].id,
@@ -122,7 +149,9 @@ def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(rec
     assert rec["idle_seconds"] >= 12 and rec["gpu_hours"] == pytest.approx(
         rec["idle_seconds"] / 3600, abs=1e-4
     )
-    assert recs["users"]["alice"]["reclaims"] == 1 and recs["total"]["reclaims"] == 1
+    alice_before = before["users"].get("alice", {}).get("reclaims", 0)
+    assert recs["users"]["alice"]["reclaims"] == alice_before + 1
+    assert recs["total"]["reclaims"] == before["total"]["reclaims"] + 1
     # another user sees only their own
     assert hub.broker("GET", "reclaims", hub.user_token("dave")).json()["reclaims"] == []
 
@@ -135,7 +164,7 @@ def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(rec
     metrics = hub.broker("GET", "../../metrics", hub.user_token("admin")).text
     assert re.search(r'gpuhub_gpu_utilization_percent{[^}]*user="dave"[^}]*} 85\.0', metrics)
     assert re.search(r'gpuhub_reclaimed_gpu_hours{user="alice"} [0-9.]+', metrics)
-    assert 'gpuhub_reclaims_total{purpose="server"} 1.0' in metrics
+    assert reclaims_counted(metrics) == counted + 1
 
     # starting again clears the notice
     assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
@@ -175,6 +204,7 @@ def test_an_idle_burst_pool_is_reclaimed_and_its_engines_stopped(reclaim_hub):
     from .test_distributed_hub import run
 
     hub, ledger, util_file = reclaim_hub
+    before = hub.broker("GET", "reclaims", hub.user_token("alice")).json()["reclaims"]
     assert hub.spawn("alice", {"gpus": 0}).status_code in (201, 202)
     hub.wait_ready("alice")
     kc = hub.server_kernel("alice")
@@ -212,7 +242,7 @@ def test_an_idle_burst_pool_is_reclaimed_and_its_engines_stopped(reclaim_hub):
         assert ledger.get(burst.id).end_reason.startswith("reclaimed: its 2 GPUs stayed below 5%")
         # the kernel learns it at its next renewal and stops the engines
         wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "the engines stopped")
-        [rec] = hub.broker("GET", "reclaims", hub.user_token("alice")).json()["reclaims"]
+        [rec] = new_reclaims(hub, hub.user_token("alice"), before)  # the burst's, once; not the server's
         assert (rec["allocation_id"], rec["purpose"], rec["gpus"]) == (burst.id, "distributed", 2)
 
         # the next cell works on a new burst

@@ -264,11 +264,9 @@ def test_the_watcher_asks_sooner_right_after_a_submit(previous, changed, waiting
 # on a real hub ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    h = Hub(tmp_path_factory.mktemp("hub")).start()
-    yield h
-    h.stop()
+@pytest.fixture
+def hub(tidy_demo_hub):
+    return tidy_demo_hub
 
 
 def test_a_hub_server_is_started_by_the_launcher_and_answers_with_its_extensions(hub):
