@@ -11,6 +11,7 @@ thread only when they hold output (``gate_flushes``).
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import sys
 import tempfile
@@ -130,8 +131,11 @@ def open_rendezvous(kind: str, world_size: int, timeout_s: float) -> dict:
 
     ``file``: all ranks share this node, and meet in a ``FileStore`` in a new directory of mode
     0700, so no other account can join, read or write it (no port at all). ``tcp``: ranks on
-    several nodes meet in a ``TCPStore`` that picked its own port (no bind-close-reuse race);
-    TCPStore has no authentication, so what protects it is the cluster's network.
+    several nodes meet in a ``TCPStore`` that picked its own port (no bind-close-reuse race).
+    TCPStore has no authentication and any account on the cluster's network reaches its port,
+    so every key of the group lives under a secret prefix (:func:`_store`): made here, it
+    reaches the other ranks only through ipyparallel's signed messages, and without it a
+    connection to the port can neither read nor overwrite a key of the group.
     """
     global _STORE
     if kind == "file":
@@ -141,7 +145,7 @@ def open_rendezvous(kind: str, world_size: int, timeout_s: float) -> dict:
     _STORE = dist.TCPStore(
         "0.0.0.0", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
-    return {"kind": "tcp", "port": _STORE.port}
+    return {"kind": "tcp", "port": _STORE.port, "secret": secrets.token_hex(32)}
 
 
 def _store(rendezvous: dict, env: dict, timeout_s: float):
@@ -151,14 +155,16 @@ def _store(rendezvous: dict, env: dict, timeout_s: float):
     if rendezvous["kind"] == "file":
         return dist.FileStore(rendezvous["path"], world)
     if int(env["RANK"]) == 0:
-        return _STORE
-    return dist.TCPStore(
-        env["MASTER_ADDR"],
-        int(rendezvous["port"]),
-        world,
-        is_master=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
+        store = _STORE
+    else:
+        store = dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(rendezvous["port"]),
+            world,
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return dist.PrefixStore(f"gpuhub-{rendezvous['secret']}", store)
 
 
 def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int, rendezvous: dict) -> dict:

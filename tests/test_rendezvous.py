@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import shutil
 import stat
+from datetime import timedelta
 
 import pytest
 
@@ -33,14 +34,24 @@ def _tcp_rank(rank: int, world: int, ports, out) -> None:
     if rank == 0:
         rendezvous = engine.open_rendezvous("tcp", world, 30)
         for _ in range(world - 1):
-            ports.put(rendezvous["port"])
+            ports.put(rendezvous)  # as the kernel passes it on: through ipyparallel's signed messages
     else:
-        rendezvous = {"kind": "tcp", "port": ports.get(timeout=60)}
+        rendezvous = ports.get(timeout=60)
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
     dist.init_process_group("gloo", store=engine._store(rendezvous, env, 30), rank=rank, world_size=world)
     x = torch.tensor([float(rank + 1)])
     dist.all_reduce(x)
-    out.put((rank, x.item(), rendezvous["port"]))
+    seen = None
+    if rank == 0:
+        # a plain connection to the port (what any account on the network can open) finds
+        # none of the group's keys by their names; through the secret prefix, all of them
+        port = rendezvous["port"]
+        raw = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=5))
+        keys = [f"0//cpu//0/{r}" for r in range(world)]  # gloo's addresses of the ranks (torch 2.13)
+        prefixed = dist.PrefixStore(f"gpuhub-{rendezvous['secret']}", raw)
+        seen = (raw.check(keys), prefixed.check(keys), raw.num_keys() > 0)
+    out.put((rank, x.item(), rendezvous["port"], seen))
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -74,6 +85,7 @@ def test_ranks_on_several_nodes_meet_in_a_tcp_store_that_chose_its_port(world):
     ports = ctx.Queue()
     results = _run(_tcp_rank, ports, world=world)
     total = float(sum(range(1, world + 1)))
-    assert [(r, v) for r, v, _ in results] == [(r, total) for r in range(world)]
-    [port] = {p for _, _, p in results}
+    assert [(r, v) for r, v, _, _ in results] == [(r, total) for r in range(world)]
+    [port] = {p for _, _, p, _ in results}
     assert 1024 <= port < 65536  # the store's own port, the same for every rank
+    assert results[0][3] == (False, True, True)  # the keys exist, but only under the secret prefix
