@@ -8,7 +8,9 @@ average, 1-8 GPUs, 1-8 hours) and the cluster half full now. Then, in one run:
 
 - one admission (``request`` of 1-2 GPUs by a random user, with a GPU-hours budget, then
   ``release``): median time at each size, and the ratio large / small;
-- several processes admitting and releasing at once: admissions per second;
+- several processes admitting and releasing at once: admissions per second, against one
+  process alone; and two ledgers taking turns in one process (what catching up on another
+  writer's moves costs, without the scheduler's hand-overs between processes);
 - the broker's reads at the large size: My GPUs (``allowance`` + ``active``), GPU admin
   (``gpu_table`` + ``limit_entries`` + ``queue``), the metrics scrape, the idle pass.
 
@@ -178,6 +180,34 @@ def throughput(url: str, users: int, procs: int, cycles: int) -> float:
     return procs * cycles / (max(ends) - t)
 
 
+def taking_turns(url: str, users: int, cycles: int) -> tuple[float, float]:
+    """Median admission + release of one ledger alone, and of two ledgers (as two processes
+    would have) taking turns, each cycle after the other's: what catching up on another
+    writer costs, without the scheduler's hand-overs. Rounds of both interleave."""
+    rnd = random.Random(5)
+    a, b = Ledger(url, config_rules=RULES), Ledger(url, config_rules=RULES)
+
+    def cycle(ledger: Ledger) -> float:
+        t = time.perf_counter()
+        got = ledger.request(f"user{rnd.randrange(users)}", ["lab"], rnd.choice((1, 2)))
+        if got.allocation is not None:
+            ledger.release(got.allocation.id)
+        else:
+            ledger.leave_queue(got.entry.id)
+        return time.perf_counter() - t
+
+    for ledger in (a, b):
+        for _ in range(WARM):
+            cycle(ledger)
+    alone, turns = [], []
+    for _ in range(5):
+        alone += [cycle(a) for _ in range(cycles // 5)]
+        turns += [cycle(a if k % 2 else b) for k in range(cycles // 5)]
+    a.close()
+    b.close()
+    return statistics.median(alone), statistics.median(turns)
+
+
 def reads(url: str) -> dict[str, float]:
     from spawner.broker.metrics import LedgerCollector
 
@@ -244,7 +274,14 @@ def run_backend(label: str, urls: dict[str, str], args) -> None:
         print(f"  {g:>6} GPUs {u:>5} users, a year of history  {m * 1e3:7.2f} ms")
     print(f"  ratio large / small: {med['large'] / med['small']:.2f}x (goal: at most 1.5x)")
     rate = throughput(urls["large"], SIZES["large"][1], args.procs, args.cycles)
+    alone = throughput(urls["large"], SIZES["large"][1], 1, args.cycles)
     print(f"  {args.procs} processes at once, large: {rate:.0f} admissions/s (each with its release)")
+    print(f"  one process, large: {alone:.0f} admissions/s ({args.procs} processes: {rate / alone:.2f}x)")
+    one, two = taking_turns(urls["large"], SIZES["large"][1], args.cycles)
+    print(
+        f"  two ledgers taking turns in one process (each write after the other's): {two * 1e3:.2f} ms "
+        f"against one ledger's {one * 1e3:.2f} ms ({two / one:.2f}x)"
+    )
     print(f"{label}: the broker's reads at the large size (goal: each within 100 ms)")
     for name, t in reads(urls["large"]).items():
         print(f"  {name:40s} {t * 1e3:7.1f} ms")

@@ -272,7 +272,8 @@ class GpuMove(Base):
 
 
 class LedgerLock(Base):
-    """One row that every writing transaction locks first (``SELECT ... FOR UPDATE``).
+    """One row that every writing transaction locks first (its first statement counts up
+    ``generation``: an ``UPDATE`` takes the row lock as ``SELECT ... FOR UPDATE`` would).
 
     It serialises admission on databases with row locks (PostgreSQL); SQLite gets the
     same from ``BEGIN IMMEDIATE``.
