@@ -44,6 +44,19 @@ print(f"node={{os.environ['SLURMD_NODENAME']}} job={{os.environ['SLURM_JOB_ID']}
       f"gpu={{os.environ['GPUHUB_RANK_GPU']}} checksum={{checksum:.6f}} host={{socket.gethostname()}} "
       f"master={{os.environ['MASTER_ADDR']}}")
 """
+# another account's view of rank 0's TCPStore: the names torch 2.13's gloo gives the ranks'
+# addresses (keys of the group, were they not under gpuhub's secret prefix), then a forgery
+STORE_PROBE = """
+import socket, sys
+from datetime import timedelta
+import torch.distributed as dist
+host, port, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+raw = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=20))
+keys = [f"0//cpu//0/{r}" for r in range(world)]
+print(f"bob reached the store on {socket.gethostname()}: found {raw.check(keys)}", flush=True)
+for k in keys:
+    raw.set(k, b"forged by bob")
+"""
 HOSTS = "%%distributed {args}\nimport socket\nprint('on', socket.gethostname())"
 LINE = re.compile(
     r"\[rank (\d+)\] node=(\S+) job=(\d+) world=(\d+) gpu=(\S+) checksum=(\S+) host=(\S+) master=(\S+)"
@@ -178,9 +191,29 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         wait_for(burst_reported, 30, "the engines on both nodes to report their GPUs")
 
         # the same pool answers the next cell (warm engines, same job)
-        status, out = run(kc, "%%distributed --gpus 8 --nodes 2\nprint('again', os.environ['SLURM_JOB_ID'])")
+        status, out = run(
+            kc,
+            "%%distributed --gpus 8 --nodes 2\n"
+            "print('again', os.environ['SLURM_JOB_ID'], os.environ['MASTER_PORT'])",
+        )
         assert status == "ok" and out.count(f"again {job}") == 8, out
         assert ledger.get(burst.id).state == "running"  # the burst stays with its warm pool
+
+        # bob, in a job of his own on gpu-node2, reaches rank 0's rendezvous port on gpu-node1 (the
+        # nodes' network is open to every account): he finds none of the group's keys by name,
+        # and what he writes there changes nothing for alice's ranks
+        [port] = set(re.findall(rf"again {job} (\d+)", out))
+        slurm("sacctmgr", "-i", "add", "user", "bob", "account=gpuhub", check=False)
+        probe = slurm(
+            "srun", "--account=gpuhub", "-w", "gpu-node2", "-n1", "--gres=none", "--job-name=gpuhub-test",
+            str(slurmtools.VENV_BIN / "python"), "-c", STORE_PROBE, "gpu-node1", port, "8", user="bob",
+        )  # fmt: skip
+        assert "bob reached the store on gpu-node2: found False" in probe.stdout, (probe.stdout, probe.stderr)
+        status, out = run(
+            kc,
+            "%%distributed --gpus 8 --nodes 2\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())",
+        )
+        assert status == "ok" and out.count("sum 8.0") == 8, out
 
         # an interrupt while rank 5 (on the second node) sleeps and the others wait in a collective
         # for it: every rank is stopped, the waiting ones freed, and the same processes go on
