@@ -59,6 +59,7 @@ def sync_accounting():
     config.GpuHub.user_borrow = {BORROWER: 2}
     config.GpuHub.preempt_grace_seconds = GRACE
     acc = accounting.SlurmAccounting(enabled=True, config=config)
+    accounting.SlurmAccounting.forget()  # the QOS is deleted under this process's memo of it
     return acc.sync(Ledger())
 
 

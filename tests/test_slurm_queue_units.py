@@ -75,6 +75,14 @@ class FakeLedger:
         return {u: self.groups.get(u, []) for u in users}
 
 
+@pytest.fixture(autouse=True)
+def _nothing_verified():
+    """Each test starts with nothing remembered of Slurm's accounting (a per-process memo)."""
+    accounting.SlurmAccounting.forget()
+    yield
+    accounting.SlurmAccounting.forget()
+
+
 def test_sync_writes_each_known_users_effective_share(monkeypatch):
     config = Config()
     config.GpuHub.group_shares = {"staff": 4}

@@ -330,6 +330,88 @@ def test_sync_writes_the_others_then_names_the_refused(monkeypatch):
     assert not any("a,b=c" in part or part == "-x" for argv in ran for part in argv)
 
 
+@pytest.fixture(autouse=True)
+def _nothing_verified():
+    """Each test starts with nothing remembered of Slurm's accounting (a per-process memo)."""
+    accounting.SlurmAccounting.forget()
+    yield
+    accounting.SlurmAccounting.forget()
+
+
+class FakeSacctmgr:
+    """Slurm's associations as sacctmgr keeps them: ``show assoc`` reads them, ``add user`` and
+    ``modify user ... set GrpTRES= Fairshare=`` change them; every call is recorded."""
+
+    def __init__(self):
+        self.assoc: dict[str, dict[str, str]] = {}
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv):
+        self.calls.append(argv)
+        if argv[:4] == ["sacctmgr", "-n", "-P", "show"]:
+            return "\n".join(
+                f"{u}|gpuhub|{a.get('GrpTRES', '')}|{a.get('Fairshare', '1')}" for u, a in self.assoc.items()
+            )
+        if argv[2:4] == ["add", "user"]:
+            self.assoc.setdefault(argv[4], {})
+        elif argv[2:4] == ["modify", "user"]:
+            user = argv[5].removeprefix("name=")
+            for part in argv[argv.index("set") + 1 :]:
+                key, _, value = part.partition("=")  # GrpTRES=gres/gpu=2, Fairshare=1
+                self.assoc[user][key] = value
+        return ""
+
+    def reads(self) -> int:
+        return sum(1 for argv in self.calls if "show" in argv)
+
+
+def test_a_users_association_once_verified_is_not_read_again_until_it_may_have_changed(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(accounting.time, "monotonic", lambda: clock[0])
+    slurm = FakeSacctmgr()
+    limit = {"alice": eff(2)}
+
+    class FakeLedger:
+        def effective_limits(self, users=None):
+            return dict(limit)
+
+        def known_groups(self, users):
+            return {u: [] for u in users}
+
+    acc = accounting.SlurmAccounting(enabled=True, borrow_qos="", verified_seconds=300)
+    monkeypatch.setattr(acc, "_run", slurm)
+    acc.sync(FakeLedger())  # first seen: read, added, limit written
+    assert slurm.reads() == 1 and slurm.assoc["alice"]["GrpTRES"] == "gres/gpu=2"
+    acc.sync(FakeLedger())
+    clock[0] += 299
+    acc.sync(FakeLedger())
+    assert slurm.reads() == 1  # the next jobs within 300 s: sacctmgr is not asked at all
+    limit["alice"] = eff(3)  # a new limit is written at once, whatever the memo says
+    acc.sync(FakeLedger())
+    assert slurm.reads() == 2 and slurm.assoc["alice"]["GrpTRES"] == "gres/gpu=3"
+    limit["alice"] = eff(2)  # and back: the memo of "2" is not taken for what Slurm says now
+    acc.sync(FakeLedger())
+    assert slurm.reads() == 3 and slurm.assoc["alice"]["GrpTRES"] == "gres/gpu=2"
+    # an operator's sacctmgr outside gpuhub: seen once verified_seconds have passed ...
+    slurm.assoc["alice"]["GrpTRES"] = "gres/gpu=7"
+    clock[0] += 299
+    acc.sync(FakeLedger())
+    assert slurm.assoc["alice"]["GrpTRES"] == "gres/gpu=7"
+    clock[0] += 2
+    acc.sync(FakeLedger())
+    assert slurm.reads() == 4 and slurm.assoc["alice"]["GrpTRES"] == "gres/gpu=2"
+    # ... or at once when forgotten (a job Slurm refused); 0 reads before every job
+    slurm.assoc["alice"]["GrpTRES"] = "gres/gpu=7"
+    accounting.SlurmAccounting.forget("alice")
+    acc.sync(FakeLedger())
+    assert slurm.reads() == 5 and slurm.assoc["alice"]["GrpTRES"] == "gres/gpu=2"
+    every = accounting.SlurmAccounting(enabled=True, borrow_qos="", verified_seconds=0)
+    monkeypatch.setattr(every, "_run", slurm)
+    every.sync(FakeLedger())
+    every.sync(FakeLedger())
+    assert slurm.reads() == 7
+
+
 # watcher.py: decisions -------------------------------------------------------------------
 
 NOW = datetime(2026, 11, 1, 12, 0)

@@ -29,6 +29,7 @@ with :class:`~.jobs.SlurmError` naming it, and never reaches ``sacctmgr``.
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -309,6 +310,18 @@ class SlurmAccounting(LoggingConfigurable):
         ``Preempt=<borrow_qos>``. ``c.SlurmAccounting.qos = "normal"``""",
     ).tag(config=True)
 
+    verified_seconds = Float(
+        300.0,
+        help="""How long what gpuhub last found (or wrote) in Slurm's accounting for a user, their
+        limit and fair share, and for the borrow QOS, is trusted before their next job without
+        asking ``sacctmgr`` again (each ``show`` costs a round trip to slurmdbd before every
+        ``sbatch``). Anything gpuhub wants different (a new limit, share or allowance) is
+        written at once whatever this says; what it bounds is how long a change made outside
+        gpuhub (an operator's ``sacctmgr``) goes unseen, and a job Slurm refuses makes gpuhub
+        read and write the user's association again and submit once more. 0: read before
+        every job. ``c.SlurmAccounting.verified_seconds = 300``""",
+    ).tag(config=True)
+
     @property
     def account_for_jobs(self) -> str:
         """The account gpuhub's jobs are submitted under: the one carrying the limits (a user
@@ -365,15 +378,44 @@ class SlurmAccounting(LoggingConfigurable):
             except SlurmError as e:
                 refused[user] = str(e)
                 del limits[user]
-        commands = plan(limits, self.associations(), self.account, fairshares) if limits else []
+        wanted = {
+            ("user", self.account, u): (wanted_gpus(lim), fairshares.get(u)) for u, lim in limits.items()
+        }
+        todo = {u: lim for u, lim in limits.items() if not self._verified(("user", self.account, u), wanted)}
+        commands = plan(todo, self.associations(), self.account, fairshares) if todo else []
+        checked = [("user", self.account, u) for u in todo]
         if self.borrow_qos:
-            commands += _borrow_qos_commands(self, ledger)
+            wanted[("borrow", self.account)] = borrow = _borrow_qos_inputs(self, ledger)
+            if borrow is not None and not self._verified(("borrow", self.account), wanted):
+                commands += _borrow_qos_commands(self, borrow)
+                checked.append(("borrow", self.account))
         for argv in commands:
             self.log.info("gpuhub: %s", " ".join(argv))
             self._run(argv)
+        now = time.monotonic()  # what was read (and written where it differed) matches Slurm now
+        _VERIFIED.update({slot: (wanted[slot], now) for slot in checked})
         if refused:  # the others' limits are written; these names never reach sacctmgr
             raise SlurmError("; ".join(refused[u] for u in sorted(refused)))
         return commands
+
+    def _verified(self, slot: tuple, wanted: dict) -> bool:
+        """Whether Slurm was found (or made) to say what ``wanted[slot]`` says, within
+        ``verified_seconds``."""
+        value, when = _VERIFIED.get(slot, (None, None))
+        return when is not None and value == wanted[slot] and time.monotonic() - when < self.verified_seconds
+
+    @staticmethod
+    def forget(user: str | None = None) -> None:
+        """Trust nothing remembered about ``user`` and the borrow QOS (everything: ``None``):
+        the next sync reads Slurm's accounting again."""
+        for slot in list(_VERIFIED):
+            if user is None or slot[0] == "borrow" or slot[2] == user:
+                _VERIFIED.pop(slot, None)
+
+
+# ("user", account, name) or ("borrow", account) -> (what Slurm was found or made to say, when:
+# time.monotonic()); one per hub process, shared by its spawners (SlurmAccounting.sync, .forget)
+_VERIFIED: dict[tuple, tuple] = {}
 
 
 def _account_qos(text: str, account: str) -> list[str] | None:
@@ -384,8 +426,10 @@ def _account_qos(text: str, account: str) -> list[str] | None:
     return None
 
 
-def _borrow_qos_commands(self: SlurmAccounting, ledger) -> list[list[str]]:
-    """The commands that bring the borrow QOS in line with the hub's settings (not run here)."""
+def _borrow_qos_inputs(self: SlurmAccounting, ledger) -> tuple | None:
+    """What the borrow QOS must say, from the ledger and the hub's settings alone: ("borrow",
+    name, preemptor, account, grace, per-user ceiling, GPUs); None when nobody may borrow
+    (gpuhub then submits nothing under the QOS, and writes none)."""
     from ..settings import GpuHub
 
     hub = GpuHub(config=self.config)
@@ -394,22 +438,28 @@ def _borrow_qos_commands(self: SlurmAccounting, ledger) -> list[list[str]]:
     known = known_groups(ledger, everyone)
     allowances = {u: _allowance(u, known.get(u, ()), settings) for u in everyone}
     ceiling = borrow_ceiling(everyone, allowances)
-    if ceiling == 0:  # nobody may borrow: gpuhub submits nothing under the QOS, and writes none
-        return []
+    if ceiling == 0:
+        return None
+    total = max(1, sum(1 for st in ledger.gpu_table() if st.present))
+    return ("borrow", self.borrow_qos, self.qos, self.account, settings.grace_seconds, ceiling, total)
+
+
+def _borrow_qos_commands(self: SlurmAccounting, inputs: tuple) -> list[list[str]]:
+    """The commands that bring the borrow QOS in line with ``inputs`` (not run here)."""
+    _, name, preemptor, account, grace_seconds, ceiling, total = inputs
     qos = parse_qos(self._run(["sacctmgr", "-n", "-P", "show", "qos", QOS_FORMAT]))
     assoc = self._run(
-        ["sacctmgr", "-n", "-P", "show", "assoc", f"account={self.account}", "format=account,user,qos"]
+        ["sacctmgr", "-n", "-P", "show", "assoc", f"account={account}", "format=account,user,qos"]
     )
-    total = max(1, sum(1 for st in ledger.gpu_table() if st.present))
     return borrow_qos_plan(
         qos,
-        name=self.borrow_qos,
-        preemptor=self.qos,
-        account=self.account,
-        grace_seconds=settings.grace_seconds,
+        name=name,
+        preemptor=preemptor,
+        account=account,
+        grace_seconds=grace_seconds,
         per_user=ceiling,
         total_gpus=total,
-        account_qos=_account_qos(assoc, self.account),
+        account_qos=_account_qos(assoc, account),
     )
 
 

@@ -347,19 +347,22 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         env = self.get_env()
         if "SLURM_CONF" in os.environ:  # a cluster whose config is not in /etc/slurm
             env.setdefault("SLURM_CONF", os.environ["SLURM_CONF"])
-        # shielded: a spawn cancelled now must still learn the job id (stop() cancels that job;
-        # a job whose id is lost anyway is found by its --comment and cancelled by the watcher)
-        submitted = asyncio.ensure_future(run_command(argv, 60, input=text, env=env))
         try:
-            out = await asyncio.shield(submitted)
-        except asyncio.CancelledError:
-            # this spawn is over (its state may be cleared already): end the job it submitted
-            task = asyncio.ensure_future(self._cancel_when_submitted(submitted))
-            _BACKGROUND.add(task)
-            task.add_done_callback(_BACKGROUND.discard)
-            raise
+            out = await self._sbatch(argv, text, env)
         except jobs.SlurmError as e:
-            raise make_refusal(f"Slurm refused the job: {e}", "slurm_refused", 400) from None
+            if not self._accounting().enabled:
+                raise make_refusal(f"Slurm refused the job: {e}", "slurm_refused", 400) from None
+            # what gpuhub remembered of the user's association may be stale (an operator's
+            # sacctmgr): read and write it again, and submit once more
+            self.log.info(
+                "gpuhub: Slurm refused %s's job (%s); checking their association again", self.user.name, e
+            )
+            SlurmAccounting.forget(self.user.name)
+            try:
+                await asyncio.to_thread(self._sync_account)
+                out = await self._sbatch(argv, text, env)
+            except jobs.SlurmError as e:
+                raise make_refusal(f"Slurm refused the job: {e}", "slurm_refused", 400) from None
         self.job_id = jobs.parse_sbatch(out)
         self.watcher.track(self.job_id)
         self._save_state()  # a hub restarted while this job queues must know it
@@ -370,6 +373,20 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
                 self.log.warning("gpuhub: job %s of %s not attached: %s", self.job_id, self.user.name, e)
         self._progress(30, submitted_message(self.job_id, self._borrowed(), self.job_qos(), self._grace()))
         return self.job_id
+
+    async def _sbatch(self, argv: list[str], text: str, env: dict) -> str:
+        """sbatch's output; a :class:`SlurmError` when Slurm refused the job (none submitted)."""
+        # shielded: a spawn cancelled now must still learn the job id (stop() cancels that job;
+        # a job whose id is lost anyway is found by its --comment and cancelled by the watcher)
+        submitted = asyncio.ensure_future(run_command(argv, 60, input=text, env=env))
+        try:
+            return await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            # this spawn is over (its state may be cleared already): end the job it submitted
+            task = asyncio.ensure_future(self._cancel_when_submitted(submitted))
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
+            raise
 
     def _grace(self) -> float:
         return float(self.gpuhub.preempt_grace_seconds)
