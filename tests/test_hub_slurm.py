@@ -210,6 +210,33 @@ def _limits_bound_plain_sbatch(gpuhub):
     wait_for(lambda: job_state(ids[2]) == "RUNNING", 30, "the third job to start under the new limit")
 
 
+def test_a_limit_changed_outside_gpuhub_is_put_back_when_slurm_refuses_the_next_job(hub, ledger, clean):
+    """A repeat spawn trusts what the hub last found in the user's association (no sacctmgr
+    before sbatch); an operator's sacctmgr that cuts alice's GPUs to 0 makes Slurm refuse her
+    next job, and the hub then reads and writes her association again and submits once more."""
+    assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
+    hub.wait_ready("alice", timeout=120)
+    hub.stop_server("alice")
+    assert grp_gpus("alice") == "gres/gpu=3"  # the demo's limit for alice, written at her spawn
+    slurm(
+        "sacctmgr",
+        "-i",
+        "modify",
+        "user",
+        "where",
+        "name=alice",
+        "account=gpuhub",
+        "set",
+        "GrpTRES=gres/gpu=0",
+    )
+    assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
+    hub.wait_ready("alice", timeout=120)
+    assert grp_gpus("alice") == "gres/gpu=3"
+    log = hub.log()
+    assert "Slurm refused alice's job" in log and "checking their association again" in log, log[-3000:]
+    hub.stop_server("alice")
+
+
 def grp_gpus(user: str) -> str:
     out = slurm(
         "sacctmgr", "-n", "-P", "show", "assoc", f"user={user}", "account=gpuhub", "format=grptres"
