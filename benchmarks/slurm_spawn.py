@@ -48,7 +48,7 @@ c.Spawner.pre_spawn_hook = _untuned
 """
 SERVER_JOB = """#!/bin/bash
 export HOME=/home/alice
-exec {python} -m jupyter_server --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port={port} \\
+exec {python} -m jupyter_server --no-browser --ServerApp.ip=0.0.0.0 --ServerApp.port={port} \\
     --IdentityProvider.token= --ServerApp.root_dir=/home/alice
 """
 
@@ -87,11 +87,18 @@ def bare_server_job() -> float:
     port = free_port()
     t, job = submit(SERVER_JOB.format(python=sys.executable, port=port))
 
+    node = []  # the test cluster's nodes are hosts of their own: the server is at its node's name
+
     def answers():
         if slurmtools.job_state(job) in ("FAILED", "COMPLETED", "CANCELLED", "GONE"):
             raise RuntimeError(f"the bare server's job {job} ended")
+        if not node:
+            name = slurmtools.slurm("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
+            if not name:
+                return False
+            node.append(name)
         try:
-            return requests.get(f"http://127.0.0.1:{port}/api", timeout=30).status_code == 200
+            return requests.get(f"http://{node[0]}:{port}/api", timeout=30).status_code == 200
         except requests.ConnectionError:
             return False
 
@@ -106,8 +113,8 @@ def main() -> None:
     if subprocess.run([str(slurmtools.SCRIPT), "status"], capture_output=True).returncode != 0:
         sys.exit("start the test cluster first: sudo scripts/slurm-cluster start")
     slurmtools.ensure_unix_users()
-    slurmtools.cancel_all_jobs()
-    with tempfile.TemporaryDirectory() as d:
+    with slurmtools.cluster_turn(), tempfile.TemporaryDirectory() as d:  # the cluster alone
+        slurmtools.cancel_all_jobs()
         hub = SlurmHub(Path(d), extra_config=UNTUNED).start()
         bare, server, spawn, untuned = [], [], [], []
         try:
