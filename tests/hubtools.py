@@ -26,7 +26,6 @@ DEMO_CONFIG = REPO / "hub_config" / "demo.py"
 # the admin's is the one tests/test_broker_pages.py logs in with
 DEMO_PASSWORD = secrets.token_urlsafe(12)
 ADMIN_PASSWORD = "gpuhub-demo-admin-password-change-me"
-JUPYTERHUB = Path(sys.executable).with_name("jupyterhub")
 
 
 def free_port() -> int:
@@ -134,7 +133,10 @@ enable_broker(c, url="http://{self.broker_host}:{self.broker_port}")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         bindir = Path(self.python or sys.executable).parent
         env["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{bindir}:{env['PATH']}"
-        command = [str(JUPYTERHUB)] if self.python is None else [str(self.python), "-m", "jupyterhub"]
+        # this checkout's hub through gpuhub's launcher (JupyterHub without an unused parser:
+        # seconds per start, spawner/hub.py); an installed gpuhub through the plain command
+        python = self.python or sys.executable
+        command = [str(python), "-m", "spawner.hub" if self.python is None else "jupyterhub"]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [*command, "-f", str(cfg)],
