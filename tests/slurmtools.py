@@ -64,6 +64,13 @@ def slurm(*argv: str, user: str | None = None, input: str | None = None, check=T
     return subprocess.run(cmd, capture_output=True, text=True, input=input, check=check, timeout=60)
 
 
+def set_slurm_gpus(user: str, gpus: int, check: bool = True):
+    """An operator's ``sacctmgr`` on the user's association in account gpuhub: at most ``gpus``
+    GPUs at once (-1: no limit)."""
+    where = ["where", f"name={user}", "account=gpuhub"]
+    return slurm("sacctmgr", "-i", "modify", "user", *where, "set", f"GrpTRES=gres/gpu={gpus}", check=check)
+
+
 def job_state(job_id: str) -> str:
     out = slurm("squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T", check=False).stdout.strip()
     return out or "GONE"

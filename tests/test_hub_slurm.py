@@ -218,17 +218,7 @@ def test_a_limit_changed_outside_gpuhub_is_put_back_when_slurm_refuses_the_next_
     hub.wait_ready("alice", timeout=120)
     hub.stop_server("alice")
     assert grp_gpus("alice") == "gres/gpu=3"  # the demo's limit for alice, written at her spawn
-    slurm(
-        "sacctmgr",
-        "-i",
-        "modify",
-        "user",
-        "where",
-        "name=alice",
-        "account=gpuhub",
-        "set",
-        "GrpTRES=gres/gpu=0",
-    )
+    slurmtools.set_slurm_gpus("alice", 0)
     assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
     hub.wait_ready("alice", timeout=120)
     assert grp_gpus("alice") == "gres/gpu=3"

@@ -33,17 +33,7 @@ def cluster():
     for user in ("alice", "bob"):
         slurm("sacctmgr", "-i", "add", "user", user, "account=gpuhub", check=False)
         # no GPU limit left in Slurm by an earlier test's hub (bob holds three GPUs here)
-        slurm(
-            "sacctmgr",
-            "-i",
-            "modify",
-            "user",
-            "where",
-            f"name={user}",
-            "set",
-            "GrpTRES=gres/gpu=-1",
-            check=False,
-        )
+        slurmtools.set_slurm_gpus(user, -1, check=False)
     yield
     slurmtools.cancel_all_jobs()
 
