@@ -33,23 +33,38 @@ _LOCK = LedgerLock.__table__
 # every writing transaction's first statement: the lock row, counted up at once (a row lock on
 # PostgreSQL, as SELECT ... FOR UPDATE; SQLite's BEGIN IMMEDIATE has the file already), with
 # what the transaction needs to know of it
-TAKE_TURN = (
-    update(_LOCK)
-    .where(_LOCK.c.id == 1)
-    .values(generation=_LOCK.c.generation + 1)
-    .returning(
-        _LOCK.c.generation,
-        _LOCK.c.inventory,
-        _LOCK.c.moves_after,
-        # and, in the same round trip, whether a lease has run out or anyone waits: almost
-        # always not, and then an admission reads neither
-        exists()
-        .where(is_live(), Allocation.lease_expires <= bindparam("now"))
-        .correlate_except(Allocation)
-        .label("leases_due"),
-        exists().where(QueueEntry.state == "waiting").correlate_except(QueueEntry).label("waiting"),
-    )
+# whether a lease has run out or anyone waits: almost always not, and then an admission reads
+# neither
+_DUE_FLAGS = (
+    exists()
+    .where(is_live(), Allocation.lease_expires <= bindparam("now"))
+    .correlate_except(Allocation)
+    .label("leases_due"),
+    exists().where(QueueEntry.state == "waiting").correlate_except(QueueEntry).label("waiting"),
 )
+_TURN = update(_LOCK).where(_LOCK.c.id == 1).values(generation=_LOCK.c.generation + 1)
+# SQLite: the flags in the same statement (its writers take turns before BEGIN IMMEDIATE, so the
+# statement sees every earlier write)
+TAKE_TURN = _TURN.returning(_LOCK.c.generation, _LOCK.c.inventory, _LOCK.c.moves_after, *_DUE_FLAGS)
+# PostgreSQL: an UPDATE that waited for the lock row sees that row as the last writer left it,
+# but its subqueries see the snapshot taken before the wait (READ COMMITTED): a queue entry or
+# lease the last writer made would be missed, and an admission would pass a waiting user's turn.
+# So the flags come from a statement of their own, after the lock is held.
+TAKE_TURN_ONLY = _TURN.returning(_LOCK.c.generation, _LOCK.c.inventory, _LOCK.c.moves_after)
+DUE_FLAGS = select(*_DUE_FLAGS)
+
+
+@dataclass(frozen=True)
+class _Turn:
+    """The lock row's turn and the due flags, as one row of TAKE_TURN has them."""
+
+    generation: int
+    inventory: int
+    moves_after: int | None
+    leases_due: bool
+    waiting: bool
+
+
 _A, _AG = Allocation.__table__, AllocationGpu.__table__
 END_ALLOCATION = (
     update(_A)
@@ -272,7 +287,11 @@ class LedgerBase:
             s = self._sessions()
             try:
                 conn = s.connection()
-                return s, conn, conn.execute(TAKE_TURN, {"now": self.clock()}).one()
+                if conn.dialect.name != "postgresql":
+                    return s, conn, conn.execute(TAKE_TURN, {"now": self.clock()}).one()
+                lock = conn.execute(TAKE_TURN_ONLY).one()
+                flags = conn.execute(DUE_FLAGS, {"now": self.clock()}).one()
+                return s, conn, _Turn(*lock, *flags)
             except DBAPIError as e:
                 s.close()
                 if attempt == 2 or not e.connection_invalidated:
