@@ -256,7 +256,7 @@ class DistributedMagics(CheckpointCommands, Magics):
         self._notice: Notice | None = None  # a preemption notice for the pool's burst
         self._preempt_report: str | None = None  # a preemption that stopped the idle pool
         self._releasing: list[Burst] = []  # preempted parts released at their due time
-        atexit.register(self.shutdown)  # kernel shutdown: no orphaned engines, GPUs back
+        atexit.register(self._at_exit)  # kernel shutdown: no orphaned engines, GPUs back
 
     def _touch(self) -> None:
         self.last_used = time.monotonic()
@@ -544,8 +544,8 @@ class DistributedMagics(CheckpointCommands, Magics):
                     # exit handlers run last registered first: the engines' stop and the burst's
                     # release come before ipyparallel's own (which would take the 2.5 s Jupyter
                     # gives a kernel before its SIGTERM)
-                    atexit.unregister(self.shutdown)
-                    atexit.register(self.shutdown)
+                    atexit.unregister(self._at_exit)
+                    atexit.register(self._at_exit)
                 except KeyboardInterrupt:
                     self._release_burst()  # nothing may keep GPUs that no engine uses
                     raise DistributedInterrupt(
@@ -616,9 +616,13 @@ class DistributedMagics(CheckpointCommands, Magics):
                 return
         self._arm_idle_timer()
 
+    def _at_exit(self) -> None:
+        """The kernel's exit hook: the engines' stop and the burst's release, not cut short by
+        the kernel manager's SIGTERM (:func:`_hold_sigterm`)."""
+        _hold_sigterm()
+        self.shutdown()
+
     def shutdown(self, why: str = "exit") -> None:
-        if why == "exit":
-            _hold_sigterm()
         with self.lock:
             if self._idle_timer:
                 self._idle_timer.cancel()

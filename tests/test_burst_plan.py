@@ -279,8 +279,9 @@ class FakePool:
     def start(self, progress):
         progress(self.size, self.size)
 
-    def stop(self):
+    def stop(self, graceful=True):
         self.stopped = True
+        self.graceful = graceful  # False only at the kernel's exit
 
 
 @pytest.fixture
