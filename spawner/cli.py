@@ -23,14 +23,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-from sqlalchemy.exc import SQLAlchemyError
-from traitlets import TraitError
-from traitlets.config import Config, PyFileConfigLoader
-
-from . import db, values
-from .inventory import InventoryError
-from .ledger import Ledger, utcnow
+# only what parsing the command line needs is imported here: the ledger's modules (SQLAlchemy,
+# alembic: most of a second) come in the commands that open a ledger, so --help, a refused
+# option or a missing config file answer at once
+from . import values
 from .policy import (
     DEFAULT_WINDOW_HOURS,
     MAX_COUNT,
@@ -41,8 +39,10 @@ from .policy import (
     Limit,
     parse_limit_field,
 )
-from .settings import GpuHub
-from .slurm.jobs import SlurmError
+
+if TYPE_CHECKING:
+    from .ledger import Ledger
+    from .settings import GpuHub
 
 
 class UsageError(Exception):
@@ -218,6 +218,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def load_settings(args: argparse.Namespace) -> GpuHub:
+    from traitlets import TraitError
+    from traitlets.config import Config, PyFileConfigLoader
+
     path = args.config
     if path is None and os.path.exists("jupyterhub_config.py"):
         path = "jupyterhub_config.py"
@@ -230,6 +233,8 @@ def load_settings(args: argparse.Namespace) -> GpuHub:
             config = loader.load_config()
         except Exception as e:  # the admin's own Python: any error it raises is theirs to fix
             raise UsageError(f"cannot read {path}: {type(e).__name__}: {_first_line(e)}") from None
+    from .settings import GpuHub
+
     try:
         settings = GpuHub(config=config)
     except (TraitError, ValueError) as e:
@@ -273,6 +278,10 @@ def _first_line(e: BaseException) -> str:
 
 def open_ledger(settings: GpuHub) -> Ledger:
     """The ledger read-only of its inventory, or a one-line ``UsageError`` naming the URL."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from . import db
+
     try:
         return settings.open_ledger(sync=False)  # the hub keeps the inventory; this only reads it
     except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
@@ -296,6 +305,10 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         return 0
     settings = load_settings(args)
     if args.command == "db":
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from . import db
+
         try:
             db.upgrade(settings.db_url)
         except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
@@ -371,6 +384,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         print(format_table(("NODE", "GPU", "MODEL", "", "HOLDER", "SINCE (UTC)", "FOR"), rows), file=out)
         return 0
     if args.command == "usage":
+        from .ledger import utcnow
+
         now = utcnow()
         since = parse_when(args.since, now, "--since")
         until = parse_when(args.until, now, "--until") if args.until else now
@@ -459,12 +474,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (UsageError, db.SchemaError, InventoryError, SlurmError) as e:
+    except UsageError as e:
         print(f"gpuhub: error: {e}", file=sys.stderr)
         return 2
-    except SQLAlchemyError as e:  # the database went away or refused mid-command
-        print(f"gpuhub: error: the ledger database failed: {_first_line(e)}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        # imported only now: whatever raised one of these had imported its module already
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from .db import SchemaError
+        from .inventory import InventoryError
+        from .slurm.jobs import SlurmError
+
+        if isinstance(e, (SchemaError, InventoryError, SlurmError)):
+            print(f"gpuhub: error: {e}", file=sys.stderr)
+            return 2
+        if isinstance(e, SQLAlchemyError):  # the database went away or refused mid-command
+            print(f"gpuhub: error: the ledger database failed: {_first_line(e)}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":
