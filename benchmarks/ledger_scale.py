@@ -26,6 +26,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -159,17 +160,47 @@ def interleaved(
     return times
 
 
-def _worker(url, users, cycles, seed, start, done):
-    interleaved({"one": (url, users)}, cycles, seed, start)
+def _worker(url, users, cycles, seed, start, done, threads=1):
+    if threads == 1:
+        interleaved({"one": (url, users)}, cycles, seed, start)
+        done.put(time.perf_counter())
+        return
+    # one ledger shared by the threads, as a hub's or broker's thread pool shares its own
+    ledger = Ledger(url, config_rules=RULES)
+    ready = threading.Barrier(threads + 1)
+
+    def requester(k: int) -> None:
+        rnd = random.Random(seed * 1000 + k)
+        for i in range(WARM + cycles):
+            if i == WARM:
+                ready.wait()
+            got = ledger.request(f"user{rnd.randrange(users)}", ["lab"], rnd.choice((1, 2)))
+            if got.allocation is not None:
+                ledger.release(got.allocation.id)
+            else:
+                ledger.leave_queue(got.entry.id)
+
+    ts = [threading.Thread(target=requester, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    ready.wait()
+    start.wait()
+    for t in ts:
+        t.join()
     done.put(time.perf_counter())
+    ledger.close()
 
 
-def throughput(url: str, users: int, procs: int, cycles: int) -> float:
-    """Admissions (each with its release) per second from ``procs`` processes at once, timed
-    from the moment all have their ledger open and warm to the moment the last is done."""
+def throughput(url: str, users: int, procs: int, cycles: int, threads: int = 1) -> float:
+    """Admissions (each with its release) per second from ``procs`` processes at once (each
+    with ``threads`` threads asking, sharing the process's ledger), timed from the moment all
+    have their ledger open and warm to the moment the last is done."""
     ctx = mp.get_context("fork")
     start, done = ctx.Barrier(procs + 1), ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(url, users, cycles, 100 + k, start, done)) for k in range(procs)]
+    ps = [
+        ctx.Process(target=_worker, args=(url, users, cycles, 100 + k, start, done, threads))
+        for k in range(procs)
+    ]
     for p in ps:
         p.start()
     start.wait()
@@ -177,7 +208,7 @@ def throughput(url: str, users: int, procs: int, cycles: int) -> float:
     ends = [done.get() for _ in ps]
     for p in ps:
         p.join()
-    return procs * cycles / (max(ends) - t)
+    return procs * threads * cycles / (max(ends) - t)
 
 
 def taking_turns(url: str, users: int, cycles: int) -> tuple[float, float]:

@@ -17,6 +17,7 @@ outside the write transaction, a new request ranked differently from a waiting o
 import itertools
 import multiprocessing as mp
 import random
+import threading
 from collections import Counter, defaultdict
 from datetime import datetime, timedelta
 
@@ -45,9 +46,32 @@ COUNTS = [1, 1, 2, 2, 3, 4]  # GPUs asked for
 FOREVER = datetime.max  # the end of what has not ended
 
 
-def worker(url: str, seed: int, ops: int, results) -> None:
-    rng = random.Random(seed)
+def worker(url: str, seed: int, ops: int, results, threads: int = 1) -> None:
+    """One process: ``threads`` workers asking at once through the process's one ledger (as a
+    hub's or broker's thread pool does: their writes that wait together commit together)."""
     ledger = Ledger(url, config_rules=RULES, queue=QUEUE, borrow=BORROW)
+    outcomes = []
+
+    def one(k: int) -> None:
+        outcomes.append(work(ledger, seed * 10 + k, ops // threads))
+
+    pool = [threading.Thread(target=one, args=(k,)) for k in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    ledger.close()
+    assert len(outcomes) == threads, "a worker thread failed (its error is printed above)"
+    n: Counter = Counter(ledger.write_counts)
+    shapes: dict[int, int | None] = {}
+    for counts, made in outcomes:
+        n.update(counts)
+        shapes.update(made)
+    results.put((dict(n), shapes))
+
+
+def work(ledger: Ledger, seed: int, ops: int) -> tuple[dict, dict]:
+    rng = random.Random(seed)
     mine: list[int] = []  # allocations held
     waits: list[int] = []  # queue entries waited on
     lent: set[int] = set()  # of mine, those with borrowed GPUs
@@ -152,8 +176,7 @@ def worker(url: str, seed: int, ops: int, results) -> None:
         ledger.leave_queue(e, "stress end")
     for a in mine[: len(mine) // 2]:
         ledger.release(a, "stress end")
-    ledger.close()
-    results.put((dict(n), shapes))
+    return dict(n), shapes
 
 
 def read(url: str, *queries):
@@ -380,7 +403,8 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(db_url, tmp_pat
     first.close()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(url, seed, 330, results)) for seed in range(4)]
+    # two processes of one worker, two of two worker threads sharing their process's ledger
+    procs = [ctx.Process(target=worker, args=(url, seed, 330, results, 1 + seed // 2)) for seed in range(4)]
     for p in procs:
         p.start()
     live_problems = []
@@ -400,6 +424,9 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(db_url, tmp_pat
     assert counts["queued"] > 25 and counts["granted after waiting"] > 10 and counts["left"] > 8, counts
     assert counts["borrowed"] > 5 and counts["borrow refused: no_borrowing"] > 5, counts
     assert counts["preemptions"] > 0 and counts["preempted and released"] > 0, counts
+    # the threads' writes that waited together were made in one transaction, and a refusal
+    # among them had the others made again
+    assert counts["combined"] > 0 and counts["made again"] > 0, counts
     assert live_problems == []
     assert check_invariants(*history(url)) == []
     assert check_grant_order(url, str(tmp_path / "replay.sqlite"), shapes) == []

@@ -219,75 +219,114 @@ class AllocationRecords:
             raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}")
         groups = list(groups)
         request = policy.Request(user, count, model, max_nodes, gpus_per_node)
-        with self._tx() as s:
-            self._expire(s)
-            eff = policy.effective_limit(user, groups, self._rules(s))
-            inventory, free = self._inventory(s), self._free(s)
-            if on_nodes is not None:
-                on_nodes = set(on_nodes)
-                inventory = policy.GpuSet.ordered(g for g in inventory if g.node in on_nodes)
-                free = policy.GpuSet.ordered(g for g in free if g.node in on_nodes)
-            holdings = self._holdings(s, user, eff.limit)
-            borrowed = self._borrowed_part(s, user, groups, eff, holdings, count)
-            within = max(0, (eff.limit.max_gpus or 0) - holdings.held)  # what the limit leaves
-            if borrowed:  # beyond the limit, within the allowance: the limit check counts it
-                limit = replace(eff.limit, max_gpus=eff.limit.max_gpus + borrowed)
-                eff = policy.EffectiveLimit(limit, eff.source)
-            # the limit and what could ever fit; capacity is the queue's (or the scheduler's)
-            policy.check_request(request, eff, holdings, inventory, inventory)
-            if count == 0:
-                raise policy.Refusal("An allocation needs at least 1 GPU.", reason="bad_request", fits=None)
-            if policy.place(request, inventory, inventory) is None:
-                raise policy.Refusal(
-                    f"{count} GPUs cannot be split as asked ({gpus_per_node or 'any'} per node, at most "
-                    f"{max_nodes or 'any'} nodes) on these nodes, even when all are free; "
-                    "ask for another split.",
-                    reason="too_large",
-                )
-            if deferred:
-                booked = self._book(
-                    s,
-                    user=user,
-                    purpose=purpose,
-                    server_name=server_name,
-                    count=count,
-                    chosen=(),
-                    backend=backend,
-                    lease_seconds=lease_seconds,
-                    deferred=True,
-                    borrowed=borrowed,
-                )
-                return Admission(allocation=booked)
-            if borrowed:
-                return self._borrow_now(
-                    s,
-                    user=user,
-                    request=request,
-                    free=free,
-                    inventory=inventory,
-                    purpose=purpose,
-                    server_name=server_name,
-                    backend=backend,
-                    lease_seconds=lease_seconds,
-                    borrowed=borrowed,
-                    within=within,
-                )
-            return self._admit_or_queue(
+        return self._write(
+            lambda s: self._admit_in(
+                s,
+                user,
+                groups,
+                count,
+                request,
+                purpose=purpose,
+                server_name=server_name,
+                model=model,
+                max_nodes=max_nodes,
+                gpus_per_node=gpus_per_node,
+                backend=backend,
+                lease_seconds=lease_seconds,
+                on_nodes=on_nodes,
+                deferred=deferred,
+                wait=wait,
+            )
+        )
+
+    def _admit_in(
+        self,
+        s: Session,
+        user,
+        groups,
+        count,
+        request,
+        *,
+        purpose,
+        server_name,
+        model,
+        max_nodes,
+        gpus_per_node,
+        backend,
+        lease_seconds,
+        on_nodes,
+        deferred,
+        wait,
+    ) -> Admission:
+        """``_admit``'s decision and write, in the writing transaction ``s``."""
+        self._expire(s)
+        eff = policy.effective_limit(user, groups, self._rules(s))
+        inventory, free = self._inventory(s), self._free(s)
+        if on_nodes is not None:
+            on_nodes = set(on_nodes)
+            inventory = policy.GpuSet.ordered(g for g in inventory if g.node in on_nodes)
+            free = policy.GpuSet.ordered(g for g in free if g.node in on_nodes)
+        holdings = self._holdings(s, user, eff.limit)
+        borrowed = self._borrowed_part(s, user, groups, eff, holdings, count)
+        within = max(0, (eff.limit.max_gpus or 0) - holdings.held)  # what the limit leaves
+        if borrowed:  # beyond the limit, within the allowance: the limit check counts it
+            limit = replace(eff.limit, max_gpus=eff.limit.max_gpus + borrowed)
+            eff = policy.EffectiveLimit(limit, eff.source)
+        # the limit and what could ever fit; capacity is the queue's (or the scheduler's)
+        policy.check_request(request, eff, holdings, inventory, inventory)
+        if count == 0:
+            raise policy.Refusal("An allocation needs at least 1 GPU.", reason="bad_request", fits=None)
+        if policy.place(request, inventory, inventory) is None:
+            raise policy.Refusal(
+                f"{count} GPUs cannot be split as asked ({gpus_per_node or 'any'} per node, at most "
+                f"{max_nodes or 'any'} nodes) on these nodes, even when all are free; "
+                "ask for another split.",
+                reason="too_large",
+            )
+        if deferred:
+            booked = self._book(
                 s,
                 user=user,
-                groups=groups,
+                purpose=purpose,
+                server_name=server_name,
+                count=count,
+                chosen=(),
+                backend=backend,
+                lease_seconds=lease_seconds,
+                deferred=True,
+                borrowed=borrowed,
+            )
+            return Admission(allocation=booked)
+        if borrowed:
+            return self._borrow_now(
+                s,
+                user=user,
                 request=request,
-                eff=eff,
-                held=holdings.held,
-                inventory=inventory,
                 free=free,
-                on_nodes=on_nodes,
+                inventory=inventory,
                 purpose=purpose,
                 server_name=server_name,
                 backend=backend,
                 lease_seconds=lease_seconds,
-                wait=wait,
+                borrowed=borrowed,
+                within=within,
             )
+        return self._admit_or_queue(
+            s,
+            user=user,
+            groups=groups,
+            request=request,
+            eff=eff,
+            held=holdings.held,
+            inventory=inventory,
+            free=free,
+            on_nodes=on_nodes,
+            purpose=purpose,
+            server_name=server_name,
+            backend=backend,
+            lease_seconds=lease_seconds,
+            wait=wait,
+        )
 
     def _book(
         self,
@@ -437,19 +476,21 @@ class AllocationRecords:
 
     def release(self, allocation_id: int, reason: str = "released") -> bool:
         """Give the GPUs back. Idempotent: False when it was already released or unknown."""
-        with self._tx() as s:
-            found = connection(s).execute(RELEASE_READ, {"id": allocation_id}).first()
-            if found is None or found.state not in ACTIVE_STATES:
-                return False
-            taken = None if found.reclaimed is None else f"reclaimed: {found.reclaimed}"
-            if taken is None and found.preempted is not None:  # due: taken back; else given back
-                taken = (  # after its notice
-                    found.preempted
-                    if self.clock() >= found.due
-                    else f"{found.preempted}; given back before it was due ({reason})"
-                )
-            self._end_row(s, allocation_id, taken or reason)
-            return True
+        return self._write(lambda s: self._release_in(s, allocation_id, reason))
+
+    def _release_in(self, s: Session, allocation_id: int, reason: str) -> bool:
+        found = connection(s).execute(RELEASE_READ, {"id": allocation_id}).first()
+        if found is None or found.state not in ACTIVE_STATES:
+            return False
+        taken = None if found.reclaimed is None else f"reclaimed: {found.reclaimed}"
+        if taken is None and found.preempted is not None:  # due: taken back; else given back
+            taken = (  # after its notice
+                found.preempted
+                if self.clock() >= found.due
+                else f"{found.preempted}; given back before it was due ({reason})"
+            )
+        self._end_row(s, allocation_id, taken or reason)
+        return True
 
     def renew(
         self, allocation_id: int, lease_seconds: float, active_at: datetime | None = None

@@ -25,6 +25,7 @@ from ..models import (
     QueueEntry,
     is_live,
 )
+from .combine import CombinedWrites
 from .freeset import CHANGES, note_held, record_moves
 
 log = logging.getLogger("gpuhub.ledger")
@@ -217,7 +218,7 @@ def _gpu(g: Gpu) -> policy.Gpu:
     return policy.Gpu(g.node.name, g.index, g.model, g.memory_mib, g.uuid)
 
 
-class LedgerBase:
+class LedgerBase(CombinedWrites):
     """The database and its transactions; the other parts of :class:`Ledger` build on these."""
 
     def __init__(
@@ -241,6 +242,7 @@ class LedgerBase:
         self._reader = make_engine(url, writer=False, sqlite_sync=sqlite_sync)
         self._read_sessions = make_session_factory(self._reader)
         self._turns = WriterTurns(url)
+        self._init_combined()
         event.listen(self._sessions, "after_flush", note_held)
         with self._sessions.begin() as s:
             if s.get(LedgerLock, 1) is None:

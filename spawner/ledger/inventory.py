@@ -130,15 +130,20 @@ class InventoryRecords:
         if s.new or s.dirty or s.deleted:
             s.flush()  # this transaction's own changes first (note_held records them)
         generation = s.info.get("generation")
-        if generation is None or s.info.get(CHANGES):  # a reader, or GPUs moved in this transaction
+        if generation is None:  # a reader
             return FreeState.read(-1, present, self._held_gpu_ids(s)).free
         state = getattr(self, "_free_state", None)
         if state is not None and state.inventory == present.version and state.generation < generation:
             moved = moves_since(s, state.generation)  # another process wrote since: its moves
             state = None if moved is None else state.after(generation, present, moved)
         if state is None or state.generation != generation or state.inventory != present.version:
+            if s.info.get(CHANGES):  # GPUs moved in this transaction, before anything was kept
+                return FreeState.read(-1, present, self._held_gpu_ids(s)).free
             state = FreeState.read(generation, present, self._held_gpu_ids(s))
-        self._free_state = state
+        self._free_state = state  # as at the transaction's start (what _committed builds on)
+        changes = s.info.get(CHANGES)
+        if changes:  # GPUs moved in this transaction (an earlier write of a combined turn)
+            return state.after(generation, present, changes).free
         return state.free
 
     def _committed(self, s: Session, before: int, after: int) -> None:

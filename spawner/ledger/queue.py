@@ -509,6 +509,7 @@ class QueueRecords:
         e.lease_seconds, e.seen = lease_seconds, now
         if adopt is None:
             s.add(e)
+            s.info["queued"] = True  # someone waits now (the next write of a combined turn reads it)
         s.flush()
         # the entry's id replaces NEW in the same scene: its place is the plan's
         scene.order = [e.id if i == NEW else i for i in scene.order]
