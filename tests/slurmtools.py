@@ -106,6 +106,10 @@ c.GpuSlurmSpawner.batchspawner_singleuser_cmd = "{VENV_BIN / "batchspawner-singl
 c.SlurmWatcher.min_interval = 0.5
 c.SlurmWatcher.max_interval = 2
 c.Spawner.start_timeout = 120
+# a Slurm server answers within a second of its port callback (hubtools allows 60 s); a
+# restarted hub gives up on a server it cannot reach (a job cancelled while nobody watched, a
+# spawn still queued in Slurm) only after this long
+c.Spawner.http_timeout = 20
 c.GpuHub.utilization_source = "simulated"
 c.GpuHub.simulated_utilization_file = "{UTIL_FILE}"
 c.GpuHub.report_seconds = 1
