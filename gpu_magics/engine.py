@@ -69,6 +69,22 @@ def quiet_cells(shell, rank: int) -> None:
         hook.compute_format_data = lambda result: ({}, {})
 
 
+def lift_log_levels(*loggers) -> None:
+    """Each logger's level raised to the lowest level of its handlers, so that a record none of
+    them would write is never built. ipyparallel's engine (a traitlets application) sets its
+    logger to DEBUG and filters in the handler (``--log-level``, WARNING in gpuhub's engines,
+    ``enginemain``): its debug calls per message (the whole reply, among them) each made a
+    record only to drop it."""
+    import logging
+
+    for log in loggers:
+        if not isinstance(log, logging.Logger) or not log.handlers:
+            continue
+        lowest = min(h.level for h in log.handlers)
+        if lowest > log.level:
+            log.setLevel(lowest)
+
+
 class _FlushGate:
     """An output stream's ``flush`` that costs nothing when there is nothing to send.
 
@@ -201,6 +217,9 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
     shell = get_ipython()
     quiet_cells(shell, dist.get_rank())
     gate_flushes(sys.stdout, sys.stderr)
+    import logging
+
+    lift_log_levels(getattr(getattr(shell, "kernel", None), "log", None), logging.getLogger("IPEngine"))
     ns = shell.user_ns
     ns.update(
         device=device,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .launchers import LocalLauncher
-from .procs import alive
+from .procs import ExitWatch, alive
 from .ranks import RankSpec
 from .reaper import kill_trees
 from .recovery import FREE_SIGNAL
@@ -143,6 +143,7 @@ class EnginePool:
         self.report_allocation = 0  # the burst whose GPUs the engines hold (0: the server's own)
         self.multi_host = False  # ranks on several hosts: a TCPStore rendezvous, else a FileStore
         self.rendezvous: dict = {}
+        self._exits: ExitWatch | None = None  # the engines' processes here (``_ended``)
 
     @property
     def size(self) -> int:
@@ -159,8 +160,9 @@ class EnginePool:
 
         n = self.size
         self.cluster = ipp.Cluster(n=0, log=_quiet_log(), **self.launcher.cluster_options())
-        # detect a dead engine in ~1.5 s rather than ~10 s
-        self.cluster.controller_args = [f"--HeartMonitor.period={HEARTBEAT_MS}"]
+        # detect a dead engine in ~1.5 s rather than ~10 s; log warnings only (at its default,
+        # INFO, the controller writes two lines per request and engine: every rank, every cell)
+        self.cluster.controller_args = [f"--HeartMonitor.period={HEARTBEAT_MS}", "--log-level=WARN"]
         self.cluster.start_controller_sync()
         self.controller_pid = self.cluster.controller.pid
         self._start_reaper([self.controller_pid])  # from now on a killed kernel leaves nothing
@@ -319,18 +321,28 @@ class EnginePool:
         return outcome
 
     def _gone(self, ranks: list[int]) -> list[int]:
-        """Ranks whose engine the controller dropped, or whose process here has ended."""
+        """Ranks whose engine the controller dropped, or whose process here has ended (checked
+        before every cell: one ``poll`` of the engines' pidfds, ``ExitWatch``)."""
         known = set(self.client.ids)
-        return [r for r in ranks if self.engine_ids[r] not in known or self._ended_here(r)]
+        ended = self._ended()
+        return [r for r in ranks if self.engine_ids[r] not in known or r in ended]
 
     def _ended_here(self, rank: int) -> bool:
         """The rank's engine runs on this machine and its process has ended (a pid of another
         host means nothing here: there the controller's heartbeat tells)."""
-        if rank >= len(self.infos):
-            return False
-        info = self.infos[rank]
-        here = not self._remote or info.get("host") == socket.gethostname()
-        return here and not alive(info["pid"])
+        return rank < len(self.infos) and rank in self._ended()
+
+    def _ended(self) -> set[int]:
+        """The ranks whose engine runs on this machine and whose process has ended."""
+        host = socket.gethostname() if self._remote else None
+        here = tuple(info["pid"] if host is None or info.get("host") == host else 0 for info in self.infos)
+        watch = self._exits
+        if watch is None or watch.pids != here:  # the pool's engines changed: watch the new ones
+            if watch is not None:
+                watch.close()
+            watch = self._exits = ExitWatch(here)
+        ended = watch.ended()
+        return {r for r, pid in enumerate(here) if pid and pid in ended}
 
     def settle(self, timeout: float = 60) -> list[str]:
         """After a failed or interrupted cell: keep the process group where every rank has run
@@ -443,6 +455,9 @@ class EnginePool:
                 self.reaper.wait()
             self.cluster = self.client = self.view = self.reaper = None
             self.infos = []  # these pids are not ours any more: never signal them again
+            if self._exits is not None:
+                self._exits.close()
+                self._exits = None
 
 
 def replies(ar) -> list[dict]:
