@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import psycopg
 from sqlalchemy import Connection, Row, bindparam, event, exists, func, select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, selectinload
@@ -53,6 +54,32 @@ TAKE_TURN = _TURN.returning(_LOCK.c.generation, _LOCK.c.inventory, _LOCK.c.moves
 # So the flags come from a statement of their own, after the lock is held.
 TAKE_TURN_ONLY = _TURN.returning(_LOCK.c.generation, _LOCK.c.inventory, _LOCK.c.moves_after)
 DUE_FLAGS = select(*_DUE_FLAGS)
+
+
+_PIPELINED: dict[str, tuple[str, dict, str, dict]] = {}
+
+
+def _pipelined_turn(conn: Connection, now: datetime) -> _Turn:
+    """PostgreSQL: the transaction's start, the lock row and then the due flags in one round
+    trip (the driver's pipeline: the server runs them in order, so the flags' statement, with
+    a snapshot of its own, still starts after the lock is held) instead of three."""
+    dialect = conn.dialect.name
+    if dialect not in _PIPELINED:
+        lock = TAKE_TURN_ONLY.compile(dialect=conn.dialect)
+        # the live states' IN list rendered in place (the driver knows nothing of expanding lists)
+        expanded = DUE_FLAGS.params(now=now).compile(
+            dialect=conn.dialect, compile_kwargs={"render_postcompile": True}
+        )
+        flags_sql = str(expanded)
+        params = DUE_FLAGS.compile(dialect=conn.dialect).params
+        flags_params = {k: v for k, v in params.items() if f"%({k})s" in flags_sql}
+        _PIPELINED[dialect] = (str(lock), lock.params, flags_sql, flags_params)
+    lock_sql, lock_params, flags_sql, flags_params = _PIPELINED[dialect]
+    raw = conn.connection.driver_connection
+    with raw.pipeline():
+        took = raw.execute(lock_sql, lock_params)
+        due = raw.execute(flags_sql, {**flags_params, "now": now})
+    return _Turn(*took.fetchone(), *due.fetchone())
 
 
 @dataclass(frozen=True)
@@ -291,12 +318,15 @@ class LedgerBase(CombinedWrites):
                 conn = s.connection()
                 if conn.dialect.name != "postgresql":
                     return s, conn, conn.execute(TAKE_TURN, {"now": self.clock()}).one()
-                lock = conn.execute(TAKE_TURN_ONLY).one()
-                flags = conn.execute(DUE_FLAGS, {"now": self.clock()}).one()
-                return s, conn, _Turn(*lock, *flags)
+                return s, conn, _pipelined_turn(conn, self.clock())
             except DBAPIError as e:
                 s.close()
                 if attempt == 2 or not e.connection_invalidated:
+                    raise
+            except psycopg.OperationalError:  # the driver's own (the pipeline's): the same
+                conn.invalidate()
+                s.close()
+                if attempt == 2:
                     raise
         raise AssertionError("unreachable")
 

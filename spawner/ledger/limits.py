@@ -52,6 +52,17 @@ class LimitRecords:
     """Limits and the users they apply to."""
 
     def _rules(self, s: Session) -> policy.LimitRules:
+        """The limits as this transaction sees them: read once per writing transaction (a
+        combined turn's writes share it; only ``set_limit``/``unset_limit`` change them, in a
+        transaction of their own), at every call of a reading one."""
+        if "generation" not in s.info:
+            return self._read_rules(s)
+        rules = s.info.get("rules")
+        if rules is None:
+            rules = s.info["rules"] = self._read_rules(s)
+        return rules
+
+    def _read_rules(self, s: Session) -> policy.LimitRules:
         base = self.config_rules
         default, groups, users = base.default, dict(base.groups), dict(base.users)
         for row in connection(s).execute(ALL_LIMITS):  # plain rows: read at every admission
@@ -130,6 +141,7 @@ class LimitRecords:
         if problem:
             raise ValueError(problem)
         with self._tx() as s:
+            s.info.pop("rules", None)
             row = s.scalars(
                 select(LimitRow).where(LimitRow.scope == scope, LimitRow.name == name)
             ).one_or_none()
@@ -143,6 +155,7 @@ class LimitRecords:
 
     def unset_limit(self, scope: str, name: str = "") -> bool:
         with self._tx() as s:
+            s.info.pop("rules", None)
             row = s.scalars(
                 select(LimitRow).where(
                     LimitRow.scope == scope, LimitRow.name == ("" if scope == "default" else name)
