@@ -1,6 +1,6 @@
 """How an admission and the broker's reads grow with the cluster, on SQLite and PostgreSQL.
 
-    .venv/bin/python benchmarks/ledger_scale.py [--postgres URL] [--cycles N] [--procs P]
+    .venv/bin/python benchmarks/ledger_scale.py [--postgres URL] [--cycles N] [--procs P] [--threads T]
 
 Two ledgers are built with the same shape at two sizes: 100 GPUs / 50 users and 10,000
 GPUs / 5,000 users, each with a year of history (every user runs a job every other day on
@@ -9,8 +9,10 @@ average, 1-8 GPUs, 1-8 hours) and the cluster half full now. Then, in one run:
 - one admission (``request`` of 1-2 GPUs by a random user, with a GPU-hours budget, then
   ``release``): median time at each size, and the ratio large / small;
 - several processes admitting and releasing at once: admissions per second, against one
-  process alone; and two ledgers taking turns in one process (what catching up on another
-  writer's moves costs, without the scheduler's hand-overs between processes);
+  process alone; then again with several threads asking in each process (a hub's or broker's
+  thread pool, whose writes waiting at once share one transaction); and two ledgers taking
+  turns in one process (what catching up on another writer's moves costs, without the
+  scheduler's hand-overs between processes);
 - the broker's reads at the large size: My GPUs (``allowance`` + ``active``), GPU admin
   (``gpu_table`` + ``limit_entries`` + ``queue``), the metrics scrape, the idle pass.
 
@@ -308,6 +310,14 @@ def run_backend(label: str, urls: dict[str, str], args) -> None:
     alone = throughput(urls["large"], SIZES["large"][1], 1, args.cycles)
     print(f"  {args.procs} processes at once, large: {rate:.0f} admissions/s (each with its release)")
     print(f"  one process, large: {alone:.0f} admissions/s ({args.procs} processes: {rate / alone:.2f}x)")
+    if args.threads > 1:  # a hub's or broker's thread pool: writes waiting together share a commit
+        both = throughput(urls["large"], SIZES["large"][1], args.procs, args.cycles // 2, args.threads)
+        one = throughput(urls["large"], SIZES["large"][1], 1, args.cycles // 2, args.threads)
+        print(
+            f"  {args.procs} processes of {args.threads} threads each, large: {both:.0f} admissions/s "
+            f"({both / rate:.2f}x of {args.procs} single-threaded); one such process: {one:.0f}/s "
+            f"({one / alone:.2f}x of one single-threaded)"
+        )
     one, two = taking_turns(urls["large"], SIZES["large"][1], args.cycles)
     print(
         f"  two ledgers taking turns in one process (each write after the other's): {two * 1e3:.2f} ms "
@@ -323,6 +333,7 @@ def main() -> None:
     ap.add_argument("--postgres", help="SQLAlchemy URL of a PostgreSQL server (CREATE DATABASE allowed)")
     ap.add_argument("--cycles", type=int, default=200)
     ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=4, help="threads per process in the threaded run")
     ap.add_argument("--only", choices=("sqlite", "postgres"))
     args = ap.parse_args()
     if args.only != "postgres":

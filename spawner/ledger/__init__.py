@@ -1,9 +1,10 @@
 """The GPU ledger: the single source of truth for who holds which GPU.
 
-Every method is one short transaction. Admission (``allocate``) reads what exists, what is
-free and what the user holds, asks :mod:`spawner.policy`, and writes the answer, all under
-the database's write lock (``BEGIN IMMEDIATE`` on SQLite, the ``ledger_lock`` row
-elsewhere), so several processes can allocate against one database without exceeding a
+Every method is one short transaction (admissions and releases of one process's threads that
+wait for the writer's turn at once share one: ``combine``). Admission (``allocate``) reads
+what exists, what is free and what the user holds, asks :mod:`spawner.policy`, and writes
+the answer, all under the database's write lock (``BEGIN IMMEDIATE`` on SQLite, the
+``ledger_lock`` row elsewhere), so several processes can allocate against one database without exceeding a
 limit; the partial unique index on held GPUs makes double-booking impossible even if
 that lock were bypassed.
 
@@ -12,7 +13,7 @@ writes with ``gpuhub limits set``. A row in the database wins over the trait for
 key (default, one group, one user); ``gpuhub limits unset`` returns that key to the trait.
 
 The ledger is one class, :class:`Ledger`, made of parts, one module each: ``base`` (the
-database and transactions), ``inventory``, ``limits``, ``allocations`` (admission),
+database and transactions), ``combine``, ``inventory``, ``limits``, ``allocations`` (admission),
 ``queue`` (waiting for GPUs), ``usage`` and ``spawner.reclaims``.
 """
 
