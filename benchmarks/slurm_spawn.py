@@ -14,7 +14,8 @@ Interleaved rounds, so every arm sees the same machine noise:
 - **gpu-slurm spawn**: POST to the hub's REST API for 2 GPUs until the hub's progress
   stream says ready (ledger admission, accounting, sbatch, the watcher, batchspawner's port
   callback, the Jupyter server's own start), then stop;
-- **untuned**: the same for bob, whose spawns the same hub makes without gpuhub's launcher,
+- **untuned**: the same for bob, whose spawns the same hub makes without gpuhub's launcher
+  (batchspawner's ``batchspawner-singleuser`` and ``jupyterhub-singleuser``),
   its wait for the server and the fast start loop (``UNTUNED``, a ``pre_spawn_hook``): gpuhub
   before, but for the watcher's faster polling after a submit, which is the hub's (one watcher).
 
@@ -42,6 +43,7 @@ UNTUNED = f"""
 def _untuned(spawner):
     if spawner.user.name == "bob":
         spawner.cmd = ["{slurmtools.VENV_BIN / "jupyterhub-singleuser"}"]
+        spawner.batchspawner_singleuser_cmd = "{slurmtools.VENV_BIN / "batchspawner-singleuser"}"
         spawner.ready_poll_seconds = 0
         spawner.startup_poll_interval = 0.5
 c.Spawner.pre_spawn_hook = _untuned

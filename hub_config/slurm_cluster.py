@@ -24,7 +24,8 @@ c.JupyterHub.cleanup_servers = False  # a hub restart leaves the jobs (and their
 
 c.JupyterHub.spawner_class = "gpu-slurm"
 c.Spawner.cmd = [str(USER_ENV / "gpuhub-singleuser")]  # jupyterhub-singleuser, started faster
-c.GpuSlurmSpawner.batchspawner_singleuser_cmd = str(USER_ENV / "batchspawner-singleuser")
+# batchspawner-singleuser's port report, without its import of the hub's API handlers
+c.GpuSlurmSpawner.batchspawner_singleuser_cmd = str(USER_ENV / "gpuhub-singleuser")
 c.GpuSlurmSpawner.default_partition = "gpu"
 c.GpuSlurmSpawner.cpus_per_gpu = 8
 c.GpuSlurmSpawner.req_runtime = "8:00:00"

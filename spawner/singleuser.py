@@ -14,6 +14,22 @@ practice). Every other format check, the event validation and the server's exten
 untouched. Where the package is not installed, nothing is registered (jsonschema then has no
 ``iri`` check, as without the launcher).
 
+The same goes for JupyterLab's npm registry: ``jupyterlab.labapp`` asks for the app's version
+when imported, and the ``_AppHandler`` that reads it first runs ``node yarn.js config --json``
+(0.3-0.5 s of every server start where Node.js is on the PATH) for a registry that reading the
+version never uses. The launcher's ``get_app_version()`` reads the same version with the
+default registry given; a build or an install still asks yarn (their own ``AppOptions``).
+
+**In a Slurm job** it also takes ``batchspawner-singleuser``'s place
+(``c.GpuSlurmSpawner.batchspawner_singleuser_cmd``): ``gpuhub-singleuser COMMAND ARGS...``
+picks a free port, POSTs ``{"port": N}`` to the hub's ``/hub/api/batchspawner`` with the
+server's token, exactly as batchspawner's launcher does, then runs ``COMMAND ARGS...`` in this
+process, as batchspawner's does (``runpy``).
+batchspawner's launcher imports the ``batchspawner`` package first, and with it the hub's API
+handlers, ORM and SQLAlchemy (0.6-0.8 s in every job, before the port is even reported) that
+a single-user server never uses. A port the hub refuses ends the launcher with the hub's
+answer (batchspawner's would start a server the hub can never find).
+
 The hub's spawners start ``gpuhub-singleuser`` by default (``c.Spawner.cmd``); it takes
 ``jupyterhub-singleuser``'s arguments. ``python -m spawner.singleuser`` is the same.
 """
@@ -21,7 +37,11 @@ The hub's spawners start ``gpuhub-singleuser`` by default (``c.Spawner.cmd``); i
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
+import os
+import runpy
+import shutil
 import sys
 import threading
 import types
@@ -67,8 +87,147 @@ def defer_import(name: str = DEFERRED) -> DeferredModule | None:
     return module
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` once the module ``name`` has been executed, whoever imports it
+    (and only if someone does); then steps out of the import system."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _PatchingLoader(spec.loader, self.patch)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader, patch):
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.patch(module)
+
+    def __getattr__(self, name):  # get_resource_reader, get_source, ...: the real loader's
+        return getattr(self.loader, name)
+
+
+LAB_COMMANDS = "jupyterlab.commands"
+
+
+def lab_version_without_yarn(commands: types.ModuleType) -> bool:
+    """Give ``commands.get_app_version()`` (no options: the call ``jupyterlab.labapp`` makes
+    at import) the default registry, so that reading the version runs no ``yarn config``.
+    False (nothing changed) where JupyterLab's commands are not as expected."""
+    original = getattr(commands, "get_app_version", None)
+    options = getattr(commands, "AppOptions", None)
+    registry = getattr(commands, "YARN_DEFAULT_REGISTRY", None)
+    if original is None or options is None or not isinstance(registry, str):
+        return False
+    if "registry" not in getattr(options, "class_trait_names", lambda: [])():
+        return False
+
+    def get_app_version(app_options=None):
+        if app_options is None:  # the version comes from the app directory, not the registry
+            app_options = options(registry=registry)
+        return original(app_options)
+
+    get_app_version.__wrapped__ = original
+    get_app_version.__doc__ = original.__doc__
+    commands.get_app_version = get_app_version
+    return True
+
+
+def defer_lab_registry() -> bool:
+    """Have :func:`lab_version_without_yarn` applied to JupyterLab's commands when (if ever)
+    they are imported; False if they are imported already or JupyterLab is not installed."""
+    if LAB_COMMANDS in sys.modules or any(
+        isinstance(f, _AfterImport) and f.name == LAB_COMMANDS for f in sys.meta_path
+    ):
+        return False
+    try:
+        if importlib.util.find_spec("jupyterlab") is None:
+            return False
+    except (ImportError, ValueError):
+        return False
+    sys.meta_path.insert(0, _AfterImport(LAB_COMMANDS, lab_version_without_yarn))
+    return True
+
+
+# batchspawner-singleuser's part ----------------------------------------------------------
+
+
+class PortRefused(RuntimeError):
+    pass
+
+
+def report_port(port: int | None = None) -> int:
+    """What ``batchspawner-singleuser`` does before it starts the server: pick a free port,
+    tell the hub (``POST {"port": N}`` to ``$JUPYTERHUB_API_URL/batchspawner``, with the
+    server's token and the hub's internal TLS where it has one) and put the port into
+    ``$JUPYTERHUB_SERVICE_URL``. Returns the port; :class:`PortRefused` if the hub refused it."""
+    import requests
+    from jupyterhub.services.auth import HubAuth
+    from jupyterhub.utils import random_port, url_path_join
+
+    port = port or random_port()
+    hub_auth = HubAuth()
+    kwargs = {}
+    if hub_auth.certfile and hub_auth.keyfile:
+        kwargs["cert"] = (hub_auth.certfile, hub_auth.keyfile)
+    if hub_auth.client_ca:
+        kwargs["verify"] = hub_auth.client_ca
+    r = requests.post(
+        url_path_join(hub_auth.api_url, "batchspawner"),
+        headers={"Authorization": f"token {hub_auth.api_token}"},
+        json={"port": port},
+        timeout=60,
+        **kwargs,
+    )
+    if r.status_code >= 400:
+        raise PortRefused(f"the hub refused the server's port {port}: {r.status_code} {r.text[:500]}")
+    service_url = os.environ.get("JUPYTERHUB_SERVICE_URL", "")
+    if service_url:
+        from urllib.parse import urlparse, urlunparse
+
+        url = urlparse(service_url)
+        os.environ["JUPYTERHUB_SERVICE_URL"] = urlunparse(url._replace(netloc=f"{url.hostname}:{port}"))
+    else:  # JupyterHub < 2.0 passes the port on the command line
+        sys.argv.append(f"--port={port}")
+    return port
+
+
+def launched_command(argv: list[str]) -> str | None:
+    """In ``gpuhub-singleuser COMMAND ARGS...`` (batchspawner-singleuser's place), the path of
+    ``COMMAND``; None when ``argv`` is a server's own command line (its arguments are options)."""
+    if len(argv) < 2 or argv[1].startswith("-"):
+        return None
+    return shutil.which(argv[1])
+
+
 def main() -> None:
     defer_import()
+    defer_lab_registry()
+    command = launched_command(sys.argv)
+    if command is not None:
+        try:
+            report_port()
+        except PortRefused as e:
+            sys.exit(f"gpuhub-singleuser: {e}")
+        sys.argv = sys.argv[1:]
+        # as batchspawner-singleuser runs it (gpuhub-singleuser itself: main() again, which
+        # finds its deferrals in place and the server's options in sys.argv)
+        runpy.run_path(command, run_name="__main__")
+        return
     from jupyterhub.singleuser import main as singleuser_main
 
     sys.exit(singleuser_main())

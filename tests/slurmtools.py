@@ -102,7 +102,7 @@ c.GpuHub.inventory = "slurm"
 c.SlurmAccounting.enabled = True
 c.Spawner.cmd = ["{VENV_BIN / "gpuhub-singleuser"}"]  # as hub_config/slurm_cluster.py
 c.Spawner.args = []
-c.GpuSlurmSpawner.batchspawner_singleuser_cmd = "{VENV_BIN / "batchspawner-singleuser"}"
+c.GpuSlurmSpawner.batchspawner_singleuser_cmd = "{VENV_BIN / "gpuhub-singleuser"}"  # reports the port
 c.SlurmWatcher.min_interval = 0.5
 c.SlurmWatcher.max_interval = 2
 c.Spawner.start_timeout = 120
@@ -134,7 +134,7 @@ class SlurmHub(Hub):
                 continue
             try:
                 cmd = (proc / "cmdline").read_bytes()
-                if b"-singleuser" not in cmd:  # batchspawner-singleuser gpuhub-singleuser ...
+                if b"-singleuser" not in cmd:  # gpuhub-singleuser gpuhub-singleuser ... (or batchspawner's)
                     continue
                 if process_environ(int(proc.name)).get("SLURM_JOB_ID") == job:
                     return int(proc.name)
