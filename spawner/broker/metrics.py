@@ -43,16 +43,11 @@ class LedgerCollector:
         self.ledger = ledger
 
     def collect(self):
-        table = self.ledger.gpu_table()
+        counts, live = self.ledger.gpu_census()
         gpus = GaugeMetricFamily(
             "gpuhub_gpus", "GPUs in the inventory by node, model and state", labels=["node", "model", "state"]
         )
-        counts: dict[tuple[str, str, str], int] = {}
-        for st in table:
-            state = "absent" if not st.present else ("allocated" if st.holder else "free")
-            key = (st.gpu.node, st.gpu.model, state)
-            counts[key] = counts.get(key, 0) + 1
-        for node, model in sorted({(st.gpu.node, st.gpu.model) for st in table}):
+        for node, model in sorted({(node, model) for node, model, _ in counts}):
             for state in ("allocated", "free", "absent"):
                 gpus.add_metric([node, model, state], counts.get((node, model, state), 0))
         yield gpus
@@ -68,7 +63,6 @@ class LedgerCollector:
             "GPUs of live allocations borrowed beyond their users' limits, by purpose",
             labels=["purpose"],
         )
-        live = self.ledger.active()
         for purpose in PURPOSES:
             mine = [a for a in live if a.purpose == purpose]
             allocations.add_metric([purpose], len(mine))
@@ -188,14 +182,13 @@ class UtilizationCollector:
             "Latest reported memory in use on each allocated GPU, MiB",
             labels=["node", "index", "model", "user"],
         )
-        for st in b.ledger.gpu_table():
-            if st.holder is None:
-                continue
-            since = epoch(st.holder.started or st.holder.created)
-            r = b.utilization.latest(st.gpu.node, st.gpu.index, b.reclaim_rules.stale_after, since)
+        held = sorted(((g, a) for a in b.ledger.active() for g in a.gpus), key=lambda held: held[0])
+        for gpu, holder in held:  # every held GPU with its holder, in (node, index) order
+            since = epoch(holder.started or holder.created)
+            r = b.utilization.latest(gpu.node, gpu.index, b.reclaim_rules.stale_after, since)
             if r is None:
                 continue
-            labels = [st.gpu.node, str(st.gpu.index), st.gpu.model, st.holder.user]
+            labels = [gpu.node, str(gpu.index), gpu.model, holder.user]
             util.add_metric(labels, r.utilization)
             mem.add_metric(labels, r.memory_used_mib)
         yield util

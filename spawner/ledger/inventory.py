@@ -168,6 +168,22 @@ class InventoryRecords:
         with self._read() as s:
             return sorted({g.model for g in self._inventory(s)})
 
+    def gpu_census(self) -> tuple[dict[tuple[str, str, str], int], list[AllocationInfo]]:
+        """The GPUs counted by (node, model, state: ``allocated``, ``free`` or ``absent``) and
+        the live allocations, from one snapshot: what the metrics scrape reads, without a
+        record per GPU (``gpu_table`` makes ten thousand on a large cluster)."""
+        with self._read() as s:
+            live = self._live_infos(s)
+            held = {(g.node, g.index) for a in live for g in a.gpus}
+            counts: dict[tuple[str, str, str], int] = {}
+            for g in self._present(s).gpus:
+                key = (g.node, g.model, "allocated" if (g.node, g.index) in held else "free")
+                counts[key] = counts.get(key, 0) + 1
+            absent = select(Node.name, Gpu.model).join(Node, Node.id == Gpu.node_id).where(~Gpu.present)
+            for node, model in s.execute(absent):
+                counts[(node, model, "absent")] = counts.get((node, model, "absent"), 0) + 1
+        return counts, live
+
     def gpu_table(self) -> list[GpuStatus]:
         with self._read() as s:
             holders: dict[tuple[str, int], AllocationInfo] = {}
