@@ -64,10 +64,10 @@ class LedgerCollector:
             labels=["purpose"],
         )
         for purpose in PURPOSES:
-            mine = [a for a in live if a.purpose == purpose]
-            allocations.add_metric([purpose], len(mine))
-            held.add_metric([purpose], sum(len(a.gpus) for a in mine))
-            borrowed.add_metric([purpose], sum(a.borrowed for a in mine))
+            n, gpus, lent = live.get(purpose, (0, 0, 0))
+            allocations.add_metric([purpose], n)
+            held.add_metric([purpose], gpus)
+            borrowed.add_metric([purpose], lent)
         yield allocations
         yield held
         yield borrowed

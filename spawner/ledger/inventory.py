@@ -6,16 +6,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from .. import policy
 from ..db import connection
 from ..models import (
+    Allocation,
     AllocationGpu,
     Gpu,
     LedgerLock,
     Node,
+    is_live,
 )
 from .base import AllocationInfo, GpuStatus
 from .freeset import CHANGES, FreeState, moves_since
@@ -168,20 +170,38 @@ class InventoryRecords:
         with self._read() as s:
             return sorted({g.model for g in self._inventory(s)})
 
-    def gpu_census(self) -> tuple[dict[tuple[str, str, str], int], list[AllocationInfo]]:
-        """The GPUs counted by (node, model, state: ``allocated``, ``free`` or ``absent``) and
-        the live allocations, from one snapshot: what the metrics scrape reads, without a
-        record per GPU (``gpu_table`` makes ten thousand on a large cluster)."""
+    def gpu_census(self) -> tuple[dict[tuple[str, str, str], int], dict[str, tuple[int, int, int]]]:
+        """What the metrics scrape reads, from one snapshot and without a record per GPU or per
+        allocation (ten thousands on a large cluster): the GPUs counted by (node, model, state:
+        ``allocated``, ``free`` or ``absent``), and per purpose the live allocations, the GPUs
+        they name and how many of those are borrowed."""
         with self._read() as s:
-            live = self._live_infos(s)
-            held = {(g.node, g.index) for a in live for g in a.gpus}
+            present, held = self._present(s), self._held_gpu_ids(s)
             counts: dict[tuple[str, str, str], int] = {}
-            for g in self._present(s).gpus:
-                key = (g.node, g.model, "allocated" if (g.node, g.index) in held else "free")
+            for g, gpu_id in zip(present.gpus, present.ids, strict=True):
+                key = (g.node, g.model, "allocated" if gpu_id in held else "free")
                 counts[key] = counts.get(key, 0) + 1
             absent = select(Node.name, Gpu.model).join(Node, Node.id == Gpu.node_id).where(~Gpu.present)
             for node, model in s.execute(absent):
                 counts[(node, model, "absent")] = counts.get((node, model, "absent"), 0) + 1
+            live = {
+                purpose: (n, 0, borrowed or 0)
+                for purpose, n, borrowed in s.execute(
+                    select(Allocation.purpose, func.count(), func.sum(Allocation.borrowed))
+                    .where(is_live())
+                    .group_by(Allocation.purpose)
+                )
+            }
+            named = (
+                select(Allocation.purpose, func.count())
+                .select_from(AllocationGpu)
+                .join(Allocation, Allocation.id == AllocationGpu.allocation_id)
+                .where(is_live())
+                .group_by(Allocation.purpose)
+            )
+            for purpose, gpus in s.execute(named):
+                n, _, borrowed = live[purpose]
+                live[purpose] = (n, gpus, borrowed)
         return counts, live
 
     def gpu_table(self) -> list[GpuStatus]:
