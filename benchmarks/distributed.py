@@ -1,9 +1,10 @@
 """%%distributed against the real alternatives, measured side by side in one run.
 
-    .venv/bin/python benchmarks/distributed.py [ranks] [repeats] [rounds]
+    .venv/bin/python benchmarks/distributed.py [ranks] [repeats] [rounds] [pairs]
 
 1. A trivial cell on warm engines through %%distributed vs raw ipyparallel ``execute`` on the
-   same engines (the magic's own overhead), ``repeats`` times interleaved. Also shown: raw
+   same engines (the magic's own overhead), ``repeats`` times interleaved; each cell's ratio
+   to the raw ``execute`` run beside it gives a 95% interval for the ratio. Also shown: raw
    ``execute(silent=False)``, which is what a cell that shows its result has to ask for, and
    all three again with the engines' output streams as ipykernel makes them (every flush a
    round trip to the IOPub thread; ``engine.gate_flushes`` off), in blocks taking turns.
@@ -13,7 +14,7 @@
    the ratio by who went first, and how many rounds each won. Every rank also says what its
    threads did during the timed loop (``/proc/self/task``: CPU and run-queue wait from
    ``schedstat``, switches), summed over the ranks, per step. Then warm against warm, in
-   ``4 * rounds`` pairs: torchrun's workers stay up (rank 0 reads "go" from their standard
+   ``pairs`` pairs (default ``4 * rounds``): torchrun's workers stay up (rank 0 reads "go" from their standard
    input) and run the same timed loop in turns with the engines, each pair seconds apart
    instead of a torchrun launch (8-10 s of four processes importing torch) apart.
 3. The same step without DDP on rank 0 alone (the other ranks idle), in the engine vs a fresh
@@ -134,6 +135,7 @@ def main() -> None:
     ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 20
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 6
+    n_pairs = int(sys.argv[4]) if len(sys.argv) > 4 else 4 * rounds
     steps = 200
     shell, magic = magic_shell(ranks)
     assert shell.run_cell(magic + "1").success  # start the pool
@@ -223,7 +225,7 @@ def main() -> None:
         served()  # the first loop of each: warm-up
         engines_again()
         pairs = {"engines": [], "torchrun": []}
-        for i in range(4 * rounds):
+        for i in range(n_pairs):
             for who in ("engines", "torchrun") if i % 2 == 0 else ("torchrun", "engines"):
                 pairs[who].append(engines_again() if who == "engines" else served())
     finally:
@@ -261,6 +263,9 @@ def main() -> None:
             f"raw execute {r * 1e3:.2f} ms, ratio {m / r:.2f}x "
             f"(raw execute(silent=False) {loud * 1e3:.2f} ms, {loud / r:.2f}x; magic/that {m / loud:.2f}x)"
         )
+        beside = zip(times[gated, "magic"], times[gated, "raw"], strict=True)
+        lo, mid, hi = _interval([a / b for a, b in beside])
+        print(f"  each cell / the raw execute beside it: geometric mean {mid:.3f}x, 95% {lo:.3f}..{hi:.3f}")
     mg, mu = (statistics.median(times[g, "magic"]) for g in (True, False))
     rg, ru = (statistics.median(times[g, "raw"]) for g in (True, False))
     print(f"  gated / ungated: %%distributed {mg / mu:.3f}x, raw execute {rg / ru:.3f}x")
