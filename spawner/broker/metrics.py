@@ -182,7 +182,8 @@ class UtilizationCollector:
             "Latest reported memory in use on each allocated GPU, MiB",
             labels=["node", "index", "model", "user"],
         )
-        held = sorted(((g, a) for a in b.ledger.active() for g in a.gpus), key=lambda held: held[0])
+        live = b.ledger.active() if b.utilization.gpus else []  # no GPU reported: nothing to show
+        held = sorted(((g, a) for a in live for g in a.gpus), key=lambda held: held[0])
         for gpu, holder in held:  # every held GPU with its holder, in (node, index) order
             since = epoch(holder.started or holder.created)
             r = b.utilization.latest(gpu.node, gpu.index, b.reclaim_rules.stale_after, since)
