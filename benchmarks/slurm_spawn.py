@@ -17,7 +17,11 @@ Interleaved rounds, so every arm sees the same machine noise:
 - **untuned**: the same for bob, whose spawns the same hub makes without gpuhub's launcher
   (batchspawner's ``batchspawner-singleuser`` and ``jupyterhub-singleuser``),
   its wait for the server and the fast start loop (``UNTUNED``, a ``pre_spawn_hook``): gpuhub
-  before, but for the watcher's faster polling after a submit, which is the hub's (one watcher).
+  before, but for the watcher's faster polling after a submit, which is the hub's (one watcher);
+- **previous launcher**: the same for carol with gpuhub's launcher as it was before the port
+  report and JupyterLab's version moved into it (``batchspawner-singleuser`` running a
+  ``gpuhub-singleuser`` that defers ``rfc3987_syntax`` only: ``PREVIOUS``): what the launcher's
+  newer cuts are worth, in the same run.
 
 Prints medians, the spread, gpuhub minus each floor and the ratios.
 """
@@ -46,7 +50,19 @@ def _untuned(spawner):
         spawner.batchspawner_singleuser_cmd = "{slurmtools.VENV_BIN / "batchspawner-singleuser"}"
         spawner.ready_poll_seconds = 0
         spawner.startup_poll_interval = 0.5
+    elif spawner.user.name == "carol":
+        spawner.cmd = [PREVIOUS_LAUNCHER]
+        spawner.batchspawner_singleuser_cmd = "{slurmtools.VENV_BIN / "batchspawner-singleuser"}"
 c.Spawner.pre_spawn_hook = _untuned
+"""
+# gpuhub-singleuser before it took batchspawner-singleuser's place and read JupyterLab's
+# version without yarn (the launcher of commit a6dfaa7)
+PREVIOUS = f"""#!{sys.executable}
+import sys
+from spawner.singleuser import defer_import
+defer_import()
+from jupyterhub.singleuser import main
+sys.exit(main())
 """
 SERVER_JOB = """#!/bin/bash
 export HOME=/home/alice
@@ -115,28 +131,39 @@ def main() -> None:
     if subprocess.run([str(slurmtools.SCRIPT), "status"], capture_output=True).returncode != 0:
         sys.exit("start the test cluster first: sudo scripts/slurm-cluster start")
     slurmtools.ensure_unix_users()
+    launcher_dir = Path(tempfile.mkdtemp(prefix="gpuhub-bench-"))  # readable by the jobs' users
+    launcher_dir.chmod(0o755)
+    previous = launcher_dir / "gpuhub-singleuser-previous"
+    previous.write_text(PREVIOUS)
+    previous.chmod(0o755)
+    config = UNTUNED.replace("PREVIOUS_LAUNCHER", repr(str(previous)))
     with slurmtools.cluster_turn(), tempfile.TemporaryDirectory() as d:  # the cluster alone
         slurmtools.cancel_all_jobs()
-        hub = SlurmHub(Path(d), extra_config=UNTUNED).start()
-        bare, server, spawn, untuned = [], [], [], []
+        hub = SlurmHub(Path(d), extra_config=config).start()
+        bare, server, spawn, untuned, before = [], [], [], [], []
         try:
-            for user in ("alice", "bob"):  # a user's first spawn adds them to Slurm's accounting
+            for user in ("alice", "bob", "carol"):  # a first spawn adds the user to Slurm's accounting
                 spawn_once(hub, {"gpus": 2}, user)
             for _ in range(rounds):
                 bare.append(bare_sbatch())
                 server.append(bare_server_job())
                 spawn.append(spawn_once(hub, {"gpus": 2}))
                 untuned.append(spawn_once(hub, {"gpus": 2}, "bob"))
+                before.append(spawn_once(hub, {"gpus": 2}, "carol"))
         finally:
             hub.stop()
             slurmtools.cancel_all_jobs()
-    b, s, g, u = (statistics.median(x) for x in (bare, server, spawn, untuned))
+            previous.unlink()
+            launcher_dir.rmdir()
+    b, s, g, u, p = (statistics.median(x) for x in (bare, server, spawn, untuned, before))
     print(f"submit to running/ready, 2 GPUs, median of {rounds} interleaved rounds:")
     print(line("bare sbatch -> RUNNING", bare))
     print(line("bare sbatch + jupyter server", server))
     print(line("gpu-slurm spawn -> ready", spawn))
     print(line("  the same, untuned", untuned))
-    print(f"  gpuhub - bare sbatch: {g - b:+.2f} s ({g / b:.2f}x); untuned: {u - b:+.2f} s")
+    print(line("  previous launcher", before))
+    print(f"  gpuhub - bare sbatch: {g - b:+.2f} s ({g / b:.2f}x); untuned: {u - b:+.2f} s; previous: {p - b:+.2f} s")
+    print(f"  gpuhub / previous launcher: {g / p:.2f}x (rounds: {[round(x / y, 2) for x, y in zip(spawn, before)]})")
     print(f"  gpuhub - bare server job: {g - s:+.2f} s ({g / s:.2f}x); gpuhub / untuned: {g / u:.2f}x")
 
 

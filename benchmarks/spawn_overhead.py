@@ -2,7 +2,7 @@
 
     PATH=node_modules/.bin:$PATH .venv/bin/python benchmarks/spawn_overhead.py [rounds]
 
-Three arms, interleaved round by round so that all see the same machine noise:
+Arms interleaved round by round, so that all see the same machine noise:
 
 - **floor**: a bare ``python -m jupyter_server`` (the same Python, the same extensions), from
   the process's start until ``/api`` answers (polled every 10 ms): no hub, no proxy;
@@ -10,6 +10,9 @@ Three arms, interleaved round by round so that all see the same machine noise:
   until the hub's progress stream says ready, then stop;
 - **gpu-local-simple, untuned**: the same without what makes it faster (JupyterHub's own
   ``jupyterhub-singleuser`` and its back-off: ``UNTUNED``), i.e. gpuhub before;
+- **gpu-local-simple, previous launcher**: the same hub, for bob, with gpuhub's launcher as it
+  was before it read JupyterLab's version without yarn (``PREVIOUS``: ``rfc3987_syntax``
+  deferred only): what the launcher's newer cut is worth, in the same run;
 - **SimpleLocalProcessSpawner**: the same with JupyterHub's own spawner, no GPUs, as installed.
 
 Prints medians, the spread, gpuhub minus the floor and the ratios.
@@ -34,6 +37,18 @@ POLL = 0.01
 UNTUNED = (
     f'c.Spawner.cmd = ["{sys.executable}", "-m", "jupyterhub.singleuser"]\nc.Spawner.ready_poll_seconds = 0\n'
 )
+
+# gpuhub-singleuser before it read JupyterLab's version without yarn, for bob on the gpuhub hub
+PREVIOUS_CODE = (
+    "import sys; from spawner.singleuser import defer_import; defer_import(); "
+    "from jupyterhub.singleuser import main; sys.exit(main())"
+)
+PREVIOUS = f"""
+def _previous(spawner):
+    if spawner.user.name == "bob":
+        spawner.cmd = [{sys.executable!r}, "-c", {PREVIOUS_CODE!r}]
+c.Spawner.pre_spawn_hook = _previous
+"""
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -96,33 +111,37 @@ def line(name: str, times: list[float]) -> str:
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     with tempfile.TemporaryDirectory() as d:
-        gpu_hub = Hub(Path(d) / "gpu").start()
+        gpu_hub = Hub(Path(d) / "gpu", extra_config=PREVIOUS).start()
         untuned_hub = Hub(Path(d) / "untuned", extra_config=UNTUNED).start()
         plain_hub = Hub(
             Path(d) / "plain",
             extra_config='c.JupyterHub.spawner_class = "simple"\n'
             'c.Spawner.options_form = ""\nc.Spawner.cmd = ["jupyterhub-singleuser"]',
         ).start()
-        floor, gpu, untuned, plain = [], [], [], []
+        floor, gpu, untuned, plain, before = [], [], [], [], []
         try:
             for hub, options in ((gpu_hub, {"gpus": 2}), (untuned_hub, {"gpus": 2}), (plain_hub, None)):
                 spawn_once(hub, options)  # first spawns warm the file cache: not measured
+            spawn_once(gpu_hub, {"gpus": 2}, "bob")
             for _ in range(rounds):
                 floor.append(bare_server(Path(d)))
                 gpu.append(spawn_once(gpu_hub, {"gpus": 2}))
+                before.append(spawn_once(gpu_hub, {"gpus": 2}, "bob"))
                 untuned.append(spawn_once(untuned_hub, {"gpus": 2}))
                 plain.append(spawn_once(plain_hub, None))
         finally:
             for hub in (gpu_hub, untuned_hub, plain_hub):
                 hub.stop()
-    f, g, u, p = (statistics.median(x) for x in (floor, gpu, untuned, plain))
+    f, g, u, p, v = (statistics.median(x) for x in (floor, gpu, untuned, plain, before))
     print(f"POST to ready, median of {rounds} interleaved rounds:")
     print(line("bare jupyter server -> HTTP", floor))
     print(line("gpu-local-simple (2 GPUs)", gpu))
     print(line("  the same, untuned", untuned))
+    print(line("  previous launcher", before))
     print(line("SimpleLocalProcessSpawner", plain))
     print(f"  gpuhub - floor: {g - f:+.2f} s ({g / f:.2f}x); untuned - floor: {u - f:+.2f} s")
     print(f"  gpuhub / untuned: {g / u:.2f}x; gpuhub / plain JupyterHub: {g / p:.2f}x")
+    print(f"  gpuhub / previous launcher: {g / v:.2f}x (rounds: {[round(x / y, 2) for x, y in zip(gpu, before)]})")
 
 
 if __name__ == "__main__":
