@@ -9,25 +9,6 @@ from spawner.ledger import Ledger
 from . import dbtools
 from .hubtools import Hub, tidy
 
-# With pytest-xdist (``-n 2 --dist loadgroup``): a module runs whole on one worker (its module's
-# hub started once), and the modules that use this machine's shared parts run one after another
-# on one worker: the Slurm test cluster (one run's jobs at a time, the users' homes, the
-# utilization file: ``slurmtools.cluster_turn``) and Unix accounts (useradd locks /etc/passwd)
-MACHINE_WORDS = ("slurmtools", "useradd", "UNIX_PREFIX", "getpwnam")
-
-
-def pytest_collection_modifyitems(config, items):
-    if not hasattr(config, "workerinput"):  # not an xdist worker: nothing to group
-        return
-    shared: dict[str, bool] = {}
-    for item in items:
-        path = str(item.path)
-        if path not in shared:
-            text = item.path.read_text(errors="replace")
-            shared[path] = any(word in text for word in MACHINE_WORDS)
-        group = "shared-machine" if shared[path] else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
-
 
 @pytest.fixture
 def ledger(hub):
