@@ -186,6 +186,15 @@ def test_a_logger_is_lifted_to_its_handlers_lowest_level():
             log.removeHandler(h)
 
 
+# the controller's and the engines' log files while the pool runs (ipyparallel removes them
+# when it stops): how many there are, and their lines per request
+LOG_LINES = """import glob, os
+logs = glob.glob(os.path.join(os.environ["IPYTHONDIR"], "profile_default", "log", "ip*.log"))
+text = "".join(open(f).read() for f in logs)
+(sorted({os.path.basename(f).split("-")[0] for f in logs}), text.count("queue::"),
+ text.count("Handling execute_request"))"""
+
+
 def test_real_engines_build_no_log_record_below_warning(tmp_path):
     head = "%%distributed --gpus 2 --timeout 30\n"
     cells = run_notebook(
@@ -193,6 +202,7 @@ def test_real_engines_build_no_log_record_below_warning(tmp_path):
             head + "x = rank",
             head + "import logging\n(get_ipython().kernel.log.getEffectiveLevel(), "
             "logging.getLogger('IPEngine').getEffectiveLevel(), x)",
+            LOG_LINES,
             "%distributed shutdown",
         ],
         own_gpus_env(tmp_path, "t:0,t:1"),
@@ -200,3 +210,6 @@ def test_real_engines_build_no_log_record_below_warning(tmp_path):
     for i, c in enumerate(cells):
         assert c.error is None, (i, c)
     assert cells[1].result == (logging.WARNING, logging.WARNING, 0)
+    # no line per request: neither the controller's (two per rank and request at INFO) nor an
+    # engine's ("Handling execute_request")
+    assert cells[2].result == (["ipcontroller", "ipengine"], 0, 0)
