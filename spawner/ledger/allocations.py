@@ -198,46 +198,16 @@ class AllocationRecords:
             wait=True,
         )
 
-    def _admit(
-        self,
-        user,
-        groups,
-        count,
-        *,
-        purpose,
-        server_name,
-        model,
-        max_nodes,
-        gpus_per_node,
-        backend,
-        lease_seconds,
-        on_nodes,
-        deferred,
-        wait,
-    ) -> Admission:
+    def _admit(self, user, groups, count, **options) -> Admission:
+        """Check the request's form, then decide and write it in a writing transaction
+        (``_admit_in``, which takes ``options``: ``allocate``'s and ``request``'s keywords)."""
+        purpose = options["purpose"]
         if purpose not in PURPOSES:
             raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}")
         groups = list(groups)
-        request = policy.Request(user, count, model, max_nodes, gpus_per_node)
-        return self._write(
-            lambda s: self._admit_in(
-                s,
-                user,
-                groups,
-                count,
-                request,
-                purpose=purpose,
-                server_name=server_name,
-                model=model,
-                max_nodes=max_nodes,
-                gpus_per_node=gpus_per_node,
-                backend=backend,
-                lease_seconds=lease_seconds,
-                on_nodes=on_nodes,
-                deferred=deferred,
-                wait=wait,
-            )
-        )
+        shape = (options["model"], options["max_nodes"], options["gpus_per_node"])
+        request = policy.Request(user, count, *shape)
+        return self._write(lambda s: self._admit_in(s, user, groups, count, request, **options))
 
     def _admit_in(
         self,
