@@ -132,3 +132,34 @@ def test_a_write_that_fails_in_a_combined_turn_rolls_back_only_itself(db_url):
     info = ledger.get(a.id)
     assert info.state == "released" and info.end_reason == "released"  # not "half done"
     ledger.close()
+
+
+def test_a_leader_that_stops_before_making_its_turn_leaves_no_caller_waiting(tmp_path):
+    ledger = opened(f"sqlite:///{tmp_path}/stop.sqlite")
+    ledger._make = lambda batch: (_ for _ in ()).throw(KeyError("the leader stopped"))
+    errors: dict[int, BaseException] = {}
+
+    def ask(k):
+        try:
+            ledger.request(f"u{k}", [], 1)
+        except BaseException as e:
+            errors[k] = e
+
+    threads = []
+    with ledger._leader:
+        for k in range(2):
+            threads.append(threading.Thread(target=ask, args=(k,)))
+            threads[-1].start()
+            while len(ledger._waiting_writes) < k + 1:
+                threading.Event().wait(0.001)
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    # the leader raises its own error; the other caller is told its write was never made
+    assert sorted(type(e).__name__ for e in errors.values()) == ["KeyError", "RuntimeError"]
+    assert "interrupted before it was made" in str(
+        next(e for e in errors.values() if isinstance(e, RuntimeError))
+    )
+    del ledger._make
+    assert ledger.request("u9", [], 1).allocation is not None  # the next write is made as ever
+    ledger.close()

@@ -75,7 +75,13 @@ class CombinedWrites:
                 with self._queued_lock:
                     n = min(len(self._waiting_writes), MAX_BATCH)
                     batch = [self._waiting_writes.popleft() for _ in range(n)]
-                self._make(batch)
+                try:
+                    self._make(batch)
+                finally:  # never leave a caller waiting for a write nobody will make
+                    for lost in batch:
+                        if not lost.done:
+                            lost.error = RuntimeError("the ledger's write was interrupted before it was made")
+                            lost.done = True
         if w.error is not None:
             raise w.error
         return w.value
