@@ -149,7 +149,10 @@ def main() -> None:
         "magic": lambda: shell.run_cell(magic + "1", silent=True),
         "raw": lambda: view.execute("1", block=True),
         "raw, silent=False": lambda: view.execute("1", silent=False, block=True),
+        # the same raw execute as a cell of its own: IPython's run_cell on both sides
+        "raw, in a cell": lambda: shell.run_cell("_bench_view.execute('1', block=True)", silent=True),
     }
+    shell.user_ns["_bench_view"] = view
     times = {(gated, name): [] for gated in (True, False) for name in runs}
     blocks = 4
     for b in range(blocks):
@@ -256,7 +259,7 @@ def main() -> None:
     print("  " + ", ".join(f"{x:.1f}" for x in load))
     per = max(1, repeats // blocks) * blocks
     for gated in (True, False):
-        m, r, loud = (statistics.median(times[gated, k]) for k in runs)
+        m, r, loud, cell = (statistics.median(times[gated, k]) for k in runs)
         label = "engines' flushes gated (gpuhub)" if gated else "engines' flushes as ipykernel's"
         print(
             f"trivial cell, {label}, median of {per}: %%distributed {m * 1e3:.2f} ms, "
@@ -266,6 +269,12 @@ def main() -> None:
         beside = zip(times[gated, "magic"], times[gated, "raw"], strict=True)
         lo, mid, hi = _interval([a / b for a, b in beside])
         print(f"  each cell / the raw execute beside it: geometric mean {mid:.3f}x, 95% {lo:.3f}..{hi:.3f}")
+        beside = zip(times[gated, "magic"], times[gated, "raw, in a cell"], strict=True)
+        lo, mid, hi = _interval([a / b for a, b in beside])
+        print(
+            f"  raw execute typed in a cell {cell * 1e3:.2f} ms: %%distributed / that {m / cell:.2f}x; "
+            f"each cell / the one beside it: geometric mean {mid:.3f}x, 95% {lo:.3f}..{hi:.3f}"
+        )
     mg, mu = (statistics.median(times[g, "magic"]) for g in (True, False))
     rg, ru = (statistics.median(times[g, "raw"]) for g in (True, False))
     print(f"  gated / ungated: %%distributed {mg / mu:.3f}x, raw execute {rg / ru:.3f}x")
