@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-import psycopg
 from sqlalchemy import Connection, Row, bindparam, event, exists, func, select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, selectinload
@@ -323,7 +322,7 @@ class LedgerBase(CombinedWrites):
                 s.close()
                 if attempt == 2 or not e.connection_invalidated:
                     raise
-            except psycopg.OperationalError:  # the driver's own (the pipeline's): the same
+            except self.engine.dialect.dbapi.OperationalError:  # the pipeline's: the driver's own
                 conn.invalidate()
                 s.close()
                 if attempt == 2:

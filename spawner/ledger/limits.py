@@ -141,7 +141,6 @@ class LimitRecords:
         if problem:
             raise ValueError(problem)
         with self._tx() as s:
-            s.info.pop("rules", None)
             row = s.scalars(
                 select(LimitRow).where(LimitRow.scope == scope, LimitRow.name == name)
             ).one_or_none()
@@ -155,7 +154,6 @@ class LimitRecords:
 
     def unset_limit(self, scope: str, name: str = "") -> bool:
         with self._tx() as s:
-            s.info.pop("rules", None)
             row = s.scalars(
                 select(LimitRow).where(
                     LimitRow.scope == scope, LimitRow.name == ("" if scope == "default" else name)
