@@ -14,12 +14,16 @@ Log in at http://127.0.0.1:8000 as one of the users printed below.
   directory (the state directory and ``homes/`` root:root 0755, each home its user's, 0700).
   The state directory and every directory above it must be root's and writable by no one
   else. The accounts are system accounts with no password (no login but through the hub).
+  They belong to one state directory: a demo started in another one, while the first is still
+  there, stops at once and names them. ``$GPUHUB_DEMO_ACCOUNT_PREFIX`` (``gpuhub-demo-`` unless
+  set) gives a second demo on the machine accounts of its own.
 - Started as any other user: every server runs as that user, homes in ``homes/`` too.
 """
 
 import json
 import os
 import pwd
+import re
 import secrets
 import stat
 import subprocess
@@ -36,7 +40,8 @@ HOMES = STATE / "homes"
 PASSWORDS_FILE = STATE / "demo-passwords.json"
 DEMO_USERS = ("alice", "bob", "carol", "dave")
 DEMO_ADMIN = "admin"
-UNIX_PREFIX = "gpuhub-demo-"  # hub user alice runs as Unix account gpuhub-demo-alice (as root)
+# hub user alice runs as Unix account gpuhub-demo-alice (as root)
+UNIX_PREFIX = os.environ.get("GPUHUB_DEMO_ACCOUNT_PREFIX", "gpuhub-demo-")
 UNIX_MARK = "gpuhub demo user"  # the accounts' GECOS field: made by the demo
 AS_ROOT = os.geteuid() == 0
 # JupyterHub itself loads this file (not, say, the gpuhub CLI reading c.GpuHub through a
@@ -117,6 +122,48 @@ def private_dir(path: Path, uid: int, gid: int, mode: int) -> None:
     os.chmod(path, mode, follow_symlinks=False)
 
 
+def check_prefix(prefix: str) -> None:
+    """A prefix that makes valid Unix names for every demo user (at most 32 characters)."""
+    longest = max(len(u) for u in (*DEMO_USERS, DEMO_ADMIN))
+    if not re.fullmatch(r"[a-z_][a-z0-9_-]*-", prefix) or len(prefix) + longest > 32:
+        _fail(
+            f"GPUHUB_DEMO_ACCOUNT_PREFIX={prefix!r} makes no Unix account names: use lowercase letters,"
+            f" digits, '_' and '-', ending in '-', at most {32 - longest} characters (such as gpuhub-demo2-)"
+        )
+
+
+def account_conflict(name: str, account: pwd.struct_passwd, home: Path, home_exists: bool) -> str | None:
+    """Why the demo whose home for this user is ``home`` cannot use the existing Unix account
+    ``name`` (None: it can). ``home_exists``: the account's current home is still there."""
+    if not account.pw_gecos.startswith(UNIX_MARK) or account.pw_uid == 0:
+        return f"the Unix account {name} exists and is not the demo's: not using it"
+    if account.pw_dir != str(home) and home_exists:  # another state directory, still there, uses it
+        return (
+            f"the Unix account {name} belongs to the demo in {Path(account.pw_dir).parent.parent}: "
+            f"start that one, remove the account (userdel {name}), or give this demo accounts of its "
+            "own (GPUHUB_DEMO_ACCOUNT_PREFIX=gpuhub-demo2- scripts/demo)"
+        )
+    return None
+
+
+def existing_account(hub_name: str) -> tuple[pwd.struct_passwd | None, str | None]:
+    """``hub_name``'s Unix account as it is now (None: not made yet), and why this demo cannot use it."""
+    name = unix_account(hub_name)
+    try:
+        account = pwd.getpwnam(name)
+    except KeyError:
+        return None, None
+    return account, account_conflict(name, account, HOMES / hub_name, os.path.lexists(account.pw_dir))
+
+
+def check_unix_accounts() -> None:
+    """At the start, as root: every demo user's account is this state directory's or can be made."""
+    check_prefix(UNIX_PREFIX)
+    problems = [why for user in (*DEMO_USERS, DEMO_ADMIN) if (why := existing_account(user)[1])]
+    if problems:
+        _fail("; ".join(problems))
+
+
 def unix_account(hub_name: str) -> str:
     if hub_name not in (*DEMO_USERS, DEMO_ADMIN):
         _fail(f"{hub_name!r} is not a demo user: the demo has Unix accounts only for its own")
@@ -129,23 +176,17 @@ def ensure_unix_account(hub_name: str) -> pwd.struct_passwd:
     home = HOMES / hub_name
     check_root_state(STATE, reachable=True)
     private_dir(HOMES, 0, 0, 0o755)
-    try:
-        account = pwd.getpwnam(name)
-    except KeyError:
+    account, why = existing_account(hub_name)
+    if why:
+        _fail(why)
+    if account is None:
         subprocess.run(
             ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", str(home),
              "--shell", "/bin/bash", "--comment", f"{UNIX_MARK} {hub_name}", name],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
         account = pwd.getpwnam(name)
-    if not account.pw_gecos.startswith(UNIX_MARK) or account.pw_uid == 0:
-        _fail(f"the Unix account {name} exists and is not the demo's: not using it")
-    if account.pw_dir != str(home):
-        if os.path.lexists(account.pw_dir):  # another state directory, still there, uses it
-            _fail(
-                f"the Unix account {name} belongs to the demo in {Path(account.pw_dir).parent.parent}: "
-                f"start that one, or remove the account (userdel {name})"
-            )
+    if account.pw_dir != str(home):  # its old state directory is gone: this one takes it
         subprocess.run(["usermod", "--home", str(home), name], check=True, capture_output=True, text=True)
         account = pwd.getpwnam(name)
     private_dir(home, account.pw_uid, account.pw_gid, 0o700)
@@ -171,6 +212,7 @@ class DemoUnixSpawner(GpuLocalProcessSpawner):
 
 def prepare_root_state() -> None:
     check_root_state(STATE)
+    check_unix_accounts()
     private_dir(HOMES, 0, 0, 0o755)
     # the state directory is open to the demo's users (their homes are in it): the hub's own
     # database is not (the ledger and the cookie secret are made 0600 by gpuhub and JupyterHub)

@@ -1,7 +1,9 @@
 """The README's first command: the demo hub starts, a user logs in and gets a GPU server.
 
 As root the demo runs every server as a Unix account of its own (``gpuhub-demo-<user>``),
-never as root; its passwords are made for its state directory and kept there.
+never as root; its passwords are made for its state directory and kept there. The tests' demos
+get accounts of their own (``$GPUHUB_DEMO_ACCOUNT_PREFIX``): a demo someone runs on this
+machine keeps its ``gpuhub-demo-`` accounts, and the tests never touch them.
 """
 
 import json
@@ -22,7 +24,7 @@ from .hubtools import REPO, free_port, process_environ, wait_for, xsrf_from
 pytestmark = pytest.mark.hub
 
 AS_ROOT = os.geteuid() == 0
-UNIX_PREFIX = "gpuhub-demo-"
+UNIX_PREFIX = f"gpuhub-t{os.getpid()}-"  # this run's demos' accounts
 OLD_PASSWORDS = ("gpuhub-demo", "gpuhub-demo-admin-password-change-me")  # the repo's, before
 
 
@@ -39,8 +41,8 @@ def demo_state(tmp_path):
     try:
         yield base / "state"
     finally:
-        accounts = [a for a in pwd.getpwall() if a.pw_name.startswith(UNIX_PREFIX)]
-        ours = [a for a in accounts if a.pw_dir.startswith(f"{base}/")]
+        ours = [a for a in pwd.getpwall() if a.pw_name.startswith(UNIX_PREFIX)]
+        assert all(a.pw_dir.startswith(f"{base}/") for a in ours), ours
         wait_for(
             lambda: not any(uids_of_processes() & {a.pw_uid for a in ours}), 60, "the demo's servers to end"
         )
@@ -52,7 +54,8 @@ def demo_state(tmp_path):
 class Demo:
     """``scripts/demo`` in ``state``, on free ports, its output in ``log``."""
 
-    def __init__(self, state: Path, log: Path):
+    def __init__(self, state: Path, log: Path, refused: bool = False, prefix: str = UNIX_PREFIX):
+        """``refused``: the demo is expected to stop before it serves (then ``printed`` says why)."""
         self.state, self.log_path = state, log
         self.url = f"http://127.0.0.1:{free_port()}"
         self.hub_port, api_port = free_port(), free_port()
@@ -64,11 +67,14 @@ class Demo:
                     f"--JupyterHub.hub_port={self.hub_port}",
                     f"--ConfigurableHTTPProxy.api_url=http://127.0.0.1:{api_port}",
                 ],
-                env=dict(os.environ, GPUHUB_DEMO_STATE=str(state)),
+                env=dict(os.environ, GPUHUB_DEMO_STATE=str(state), GPUHUB_DEMO_ACCOUNT_PREFIX=prefix),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        if refused:
+            assert self.proc.wait(120) != 0, self.printed()[-4000:]
+            return
         import requests
 
         def up():
@@ -285,3 +291,23 @@ def test_demo_as_root_runs_every_server_as_its_users_own_account(tmp_path, demo_
         assert (Path(alice.pw_dir) / "probe.txt").read_text() == "mine"
     finally:
         again.stop()
+    # a demo in another state directory while this one is still there: stopped at once, naming
+    # the accounts that are this one's (not a failed spawn later)
+    other_state = demo_state.parent / "other"
+    other = Demo(other_state, tmp_path / "other.log", refused=True)
+    for user in ("alice", "bob"):
+        assert f"the Unix account {UNIX_PREFIX}{user} belongs to the demo in {demo_state}" in other.printed()
+    assert f"userdel {UNIX_PREFIX}alice" in other.printed() and "GPUHUB_DEMO_ACCOUNT_PREFIX=" in other.printed()
+    assert f"{UNIX_PREFIX}carol" not in other.printed()  # never made: free
+    bad = Demo(other_state, tmp_path / "bad.log", refused=True, prefix="Not A Prefix")
+    assert "GPUHUB_DEMO_ACCOUNT_PREFIX='Not A Prefix' makes no Unix account names" in bad.printed()
+    # once the first state directory is gone, the other demo takes its accounts over
+    shutil.rmtree(demo_state)
+    other = Demo(other_state, tmp_path / "other-again.log")
+    try:
+        other.start_server("alice", other.printed_passwords()[0], 1)
+        taken = assert_runs_as_its_own_account(other, "alice")
+        assert taken.pw_uid == alice.pw_uid and taken.pw_dir == str(other_state / "homes" / "alice")
+        assert not (Path(taken.pw_dir) / "probe.txt").exists()
+    finally:
+        other.stop()
