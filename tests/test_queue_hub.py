@@ -8,12 +8,15 @@ kernel's `%%distributed`, Chromium on the spawn page.
   starts when a server stops;
 - a burst waits in the queue with its line in the cell, Ctrl-C leaves holding nothing, and
   a burst that waits starts when GPUs free;
-- a hub restart keeps a waiting burst in its place; a spawn lost with the hub keeps its
-  place when started again in time; a waiting user deleted by an admin leaves the queue.
+- a hub restart, down for longer than the keepalive, keeps a waiting burst in its place; a
+  spawn lost with the hub keeps its place when started again in time; a waiting user deleted
+  by an admin leaves the queue.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from datetime import timedelta
 
 import pytest
@@ -40,6 +43,16 @@ def queue(hub) -> list[dict]:
     r = hub.broker("GET", "queue", hub.user_token("admin"))
     assert r.status_code == 200, r.text
     return r.json()["queue"]
+
+
+def end_servers_left(ledger) -> None:
+    """Stop the local servers the ledger still counts as running (their pids), as the hub would."""
+    for a in ledger.active(purpose="server"):
+        if a.backend_job_id:
+            try:
+                os.killpg(int(a.backend_job_id), signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def give_history(url: str, user: str, gpus: int, hours_ago: float, hours: float) -> None:
@@ -202,7 +215,12 @@ def test_a_burst_waits_in_the_queue_and_ctrl_c_leaves_it(hub, ledger, tmp_path):
 
 
 def test_a_hub_restart_keeps_waiting_bursts_and_an_admin_deleting_a_user_ends_their_wait(tmp_path):
-    hub = Hub(tmp_path, extra_config=CONFIG + "c.JupyterHub.cleanup_servers = False\n").start()
+    keepalive = 12
+    hub = Hub(
+        tmp_path,
+        extra_config=CONFIG
+        + f"c.GpuHub.queue_keepalive_seconds = {keepalive}\nc.JupyterHub.cleanup_servers = False\n",
+    ).start()
     ledger = Ledger(hub.ledger_url)
     try:
         hub.wait_for_broker()
@@ -220,6 +238,12 @@ def test_a_hub_restart_keeps_waiting_bursts_and_an_admin_deleting_a_user_ends_th
         order = [(q["user"], q["created"]) for q in queue(hub)]
 
         hub.stop()  # the servers stay (cleanup_servers = False); the spawns die with the hub
+        # down for longer than the keepalive (bob's kernel cannot ask meanwhile): the outage
+        # must not cost his burst its place
+        seen = next(q.seen for q in ledger.queue() if q.id == bobs["id"])
+        wait_for(
+            lambda: utcnow() > seen + timedelta(seconds=keepalive + 1), keepalive + 5, "the keepalive to pass"
+        )
         hub.start()
         hub.wait_for_broker()
         # bob's kernel goes on asking: his burst is where it was
@@ -265,5 +289,8 @@ def test_a_hub_restart_keeps_waiting_bursts_and_an_admin_deleting_a_user_ends_th
         hub.stop_server("dave")
         assert ledger.active() == []
     finally:
-        hub.stop()
-        ledger.close()
+        try:
+            end_servers_left(ledger)  # cleanup_servers is off: a failure above must not leave them
+        finally:
+            hub.stop()
+            ledger.close()

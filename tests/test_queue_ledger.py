@@ -221,6 +221,30 @@ def test_an_entry_nobody_asks_about_leaves_the_queue(open_ledger, clock):
     assert order(led) == [("bob", 1)]
 
 
+def test_an_outage_of_the_broker_costs_no_waiter_its_place(open_ledger, clock):
+    """Waiters ask through the broker: when it comes back (``resume_waiting``) every waiting
+    entry counts as asked about then, however long it was down; one whose waiter died with
+    the outage ends a keepalive later. Entries that no longer wait are left as they are."""
+    led = open_ledger(keepalive_seconds=30)
+    led.allocate("alice", [], 4)
+    carol = led.request("carol", [], 1).entry
+    bob = led.request("bob", [], 1).entry
+    dave = led.request("dave", [], 1).entry
+    led.leave_queue(dave.id)
+    clock.advance(seconds=45)  # the broker was down longer than the keepalive
+    assert led.resume_waiting() == 2
+    assert led.resume_waiting() == 0  # nothing left to move: no write counted as a change
+    clock.advance(seconds=20)
+    asked = led.wait_turn(bob.id)  # bob's kernel asks again: his place is kept
+    assert asked.entry.state == "waiting" and order(led) == [("carol", 1), ("bob", 2)]
+    assert led.queue_entry(dave.id).state == "left"
+    clock.advance(seconds=15)  # carol's waiter never came back: 35 s since the broker did
+    assert led.wait_turn(bob.id).entry.state == "waiting"
+    gone = led.queue_entry(carol.id)
+    assert gone.state == "left" and "not asked about for 30 s" in gone.end_reason
+    assert order(led) == [("bob", 1)]
+
+
 def test_a_waiter_asking_after_the_keepalive_finds_its_entry_ended(open_ledger, clock):
     """The keepalive ends an entry whether or not something else ran first: its own late ask
     does not bring it back."""

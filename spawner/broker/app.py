@@ -82,6 +82,9 @@ async def main() -> None:
             "look like the first after a gap and nothing would ever count as idle"
         )
     ledger = hub_settings.open_ledger()  # syncs the inventory too, like the hub
+    resumed = ledger.resume_waiting()  # nobody could ask while the broker was down
+    if resumed:
+        log.info("the queue's %d waiting entries count as asked about now (the broker was down)", resumed)
     broker = Broker(
         ledger,
         settings,

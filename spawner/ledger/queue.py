@@ -301,6 +301,22 @@ class QueueRecords:
         e.end_reason = f"started after {(now - e.created).total_seconds():.0f} s"
         return booked
 
+    def resume_waiting(self) -> int:
+        """The broker is back: every waiting entry counts as asked about now (how many).
+
+        Waiters ask through the broker; while it was down (a hub restart stops it) none could,
+        so the outage must not end them for their keepalive. A waiter that died meanwhile ends
+        one keepalive later instead."""
+        with self._tx() as s:
+            now = self.clock()
+            waiting = list(
+                s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting", QueueEntry.seen < now))
+            )
+            for e in waiting:
+                e.seen = now
+            s.info["changed"] = bool(waiting)  # an entry past its keepalive is kept: a decision
+            return len(waiting)
+
     def wait_turn(self, entry_id: int) -> Admission:
         """The waiter's question: has my turn come? Books the GPUs when it has.
 
