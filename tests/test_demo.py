@@ -297,7 +297,9 @@ def test_demo_as_root_runs_every_server_as_its_users_own_account(tmp_path, demo_
     other = Demo(other_state, tmp_path / "other.log", refused=True)
     for user in ("alice", "bob"):
         assert f"the Unix account {UNIX_PREFIX}{user} belongs to the demo in {demo_state}" in other.printed()
-    assert f"userdel {UNIX_PREFIX}alice" in other.printed() and "GPUHUB_DEMO_ACCOUNT_PREFIX=" in other.printed()
+    assert (
+        f"userdel {UNIX_PREFIX}alice" in other.printed() and "GPUHUB_DEMO_ACCOUNT_PREFIX=" in other.printed()
+    )
     assert f"{UNIX_PREFIX}carol" not in other.printed()  # never made: free
     bad = Demo(other_state, tmp_path / "bad.log", refused=True, prefix="Not A Prefix")
     assert "GPUHUB_DEMO_ACCOUNT_PREFIX='Not A Prefix' makes no Unix account names" in bad.printed()
