@@ -162,8 +162,10 @@ def main() -> None:
     print(line("gpu-slurm spawn -> ready", spawn))
     print(line("  the same, untuned", untuned))
     print(line("  previous launcher", before))
-    print(f"  gpuhub - bare sbatch: {g - b:+.2f} s ({g / b:.2f}x); untuned: {u - b:+.2f} s; previous: {p - b:+.2f} s")
-    print(f"  gpuhub / previous launcher: {g / p:.2f}x (rounds: {[round(x / y, 2) for x, y in zip(spawn, before)]})")
+    print(f"  gpuhub - bare sbatch: {g - b:+.2f} s ({g / b:.2f}x); untuned: {u - b:+.2f} s; ", end="")
+    print(f"previous: {p - b:+.2f} s")
+    rounds = [round(x / y, 2) for x, y in zip(spawn, before, strict=True)]
+    print(f"  gpuhub / previous launcher: {g / p:.2f}x (rounds: {rounds})")
     print(f"  gpuhub - bare server job: {g - s:+.2f} s ({g / s:.2f}x); gpuhub / untuned: {g / u:.2f}x")
 
 

@@ -141,7 +141,8 @@ def main() -> None:
     print(line("SimpleLocalProcessSpawner", plain))
     print(f"  gpuhub - floor: {g - f:+.2f} s ({g / f:.2f}x); untuned - floor: {u - f:+.2f} s")
     print(f"  gpuhub / untuned: {g / u:.2f}x; gpuhub / plain JupyterHub: {g / p:.2f}x")
-    print(f"  gpuhub / previous launcher: {g / v:.2f}x (rounds: {[round(x / y, 2) for x, y in zip(gpu, before)]})")
+    rounds = [round(x / y, 2) for x, y in zip(gpu, before, strict=True)]
+    print(f"  gpuhub / previous launcher: {g / v:.2f}x (rounds: {rounds})")
 
 
 if __name__ == "__main__":

@@ -91,7 +91,12 @@ def launch(launcher: str, command: Path, hub: FakeHub, *args: str) -> subprocess
         JUPYTERHUB_SERVICE_URL="http://127.0.0.1:0/user/alice/",
     )
     return subprocess.run(
-        [str(BIN / launcher), str(command), *args], capture_output=True, text=True, env=env, timeout=120, cwd=REPO
+        [str(BIN / launcher), str(command), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
     )
 
 
@@ -111,7 +116,11 @@ def test_the_launcher_reports_the_port_as_batchspawner_does_without_the_hubs_mod
         facts = json.loads(out.stdout.strip().splitlines()[-1])
         request = fake_hub.requests.pop()
         port = request["body"]["port"]
-        assert request == {"path": "/hub/api/batchspawner", "auth": "token secret-token", "body": {"port": port}}
+        assert request == {
+            "path": "/hub/api/batchspawner",
+            "auth": "token secret-token",
+            "body": {"port": port},
+        }
         assert 0 < port < 65536
         assert facts["service_url"] == f"http://127.0.0.1:{port}/user/alice/"
         assert facts["argv"] == [str(command), "--debug", "--SingleUserNotebookApp.default_url=/lab"]
@@ -187,7 +196,9 @@ def test_jupyterlab_reads_the_same_version_without_running_yarn_and_still_asks_i
         pytest.skip("no Node.js on the PATH: JupyterLab runs no yarn either way")
     plain = run_python(LAB_VERSION.format(setup=""))
     launcher = run_python(
-        LAB_VERSION.format(setup="from spawner.singleuser import defer_lab_registry; assert defer_lab_registry()")
+        LAB_VERSION.format(
+            setup="from spawner.singleuser import defer_lab_registry; assert defer_lab_registry()"
+        )
     )
     assert plain["yarn_at_import"] == 1 and launcher["yarn_at_import"] == 0
     assert launcher["version"] == plain["version"]
@@ -226,7 +237,13 @@ def test_a_slurm_spawn_through_the_launcher_answers_with_its_extensions(tmp_path
         info = hub.api_url_request("GET", "/user/alice/server-proxy/servers-info")
         assert info.status_code == 200 and "server_processes" in info.json()  # jupyter_server_proxy
         text = Path(f"/home/alice/.gpuhub-server-{job}.log").read_text()
-        for name in ("jupyterlab", "jupyter_server_proxy", "gpu_magics.reporter", "ipyparallel", "jupyterhub"):
+        for name in (
+            "jupyterlab",
+            "jupyter_server_proxy",
+            "gpu_magics.reporter",
+            "ipyparallel",
+            "jupyterhub",
+        ):
             assert f"{name} | extension was successfully loaded" in text, text[-3000:]
         assert "extension failed" not in text
         hub.stop_server("alice")
