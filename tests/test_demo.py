@@ -114,7 +114,10 @@ class Demo:
         assert r.status_code == 200, r.status_code
 
         def ready():
-            r = s.get(f"{self.url}/hub/api/users/{user}", headers={"X-XSRFToken": s.cookies.get("_xsrf")})
+            r = s.get(
+                f"{self.url}/hub/api/users/{user}",
+                headers={"X-XSRFToken": s.cookies.get("_xsrf", path="/hub/")},
+            )
             r.raise_for_status()
             server = r.json()["servers"].get("")
             return server if server and server["ready"] else None
