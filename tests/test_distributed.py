@@ -94,11 +94,16 @@ def bursts(ledger, user="alice"):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_ddp_trains_and_the_pool_stays_warm(hub, ledger, kernel_env, n):
+def test_ddp_trains_and_the_pool_stays_warm(hub, ledger, kernel_env, n, tmp_path):
+    # each rank's exit handler leaves a file: %distributed shutdown ends the engines cleanly (a
+    # shutdown request, as Jupyter asks a kernel), not by signals that skip them
+    on_exit = f"%%distributed --gpus {n} --timeout 60\nimport atexit\n"
+    on_exit += f"atexit.register(open, '{tmp_path}/exited-%d' % rank, 'w')"
     cells = run_notebook(
-        [TRAIN.format(n=n), TRAIN_MORE.format(n=n), "%gpus", "%distributed shutdown"], kernel_env()
+        [TRAIN.format(n=n), TRAIN_MORE.format(n=n), on_exit, "%gpus", "%distributed shutdown"], kernel_env()
     )
-    train, more, gpus, shutdown = cells
+    train, more, exits, gpus, shutdown = cells
+    assert exits.error is None and not exits.stderr, exits
     assert train.error is None, train
     assert "engines up" in str(train.outputs[0])  # the progress display
     lines = train.rank_lines()
@@ -119,6 +124,7 @@ def test_ddp_trains_and_the_pool_stays_warm(hub, ledger, kernel_env, n):
     assert bursts(ledger) == []
     for pid in [*pids, controller]:
         wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 30, f"engine {pid} to exit")
+    assert sorted(p.name for p in tmp_path.glob("exited-*")) == [f"exited-{r}" for r in range(n)]
 
 
 def test_each_rank_has_torchruns_environment(hub, ledger, kernel_env):
