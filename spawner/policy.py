@@ -205,7 +205,7 @@ def remaining(eff: EffectiveLimit, holdings: Holdings) -> int | None:
 
 def largest_placeable(free: Sequence[Gpu], model: str | None, max_nodes: int | None) -> int:
     """The largest count ``place`` could satisfy right now."""
-    if isinstance(free, GpuSet):
+    if isinstance(free, KEPT):
         return free.remembered(("largest", model, max_nodes), lambda: _largest(free, model, max_nodes))
     return _largest(free, model, max_nodes)
 
@@ -296,17 +296,6 @@ class GpuSet(tuple):
         """``gpus``, known to be in order already (e.g. a part of a ``GpuSet``)."""
         return cls(gpus)
 
-    @classmethod
-    def from_groups(cls, groups: dict[str, list[Gpu]], fit: tuple[GpuSet, FitIndex] | None = None) -> GpuSet:
-        """The GPUs of ``groups`` (nodes in order, each node's in order), remembering them
-        as their grouping by node (any model); ``fit``: the inventory they are free in and
-        their :func:`make_fit_index` against it, for the one-node best fit."""
-        made = cls(chain.from_iterable(groups.values()))
-        made.__dict__["groups"] = {None: groups}
-        if fit is not None:
-            made.__dict__["fit"] = fit
-        return made
-
     def remembered(self, key, compute):
         """``compute()``, once per ``key`` for this set (it never changes)."""
         memo = self.__dict__.setdefault("memo", {})
@@ -323,6 +312,41 @@ class GpuSet(tuple):
                     out.setdefault(g.node, []).append(g)
             groups[model] = out
         return groups[model]
+
+
+class GroupedGpus(Sequence):
+    """GPUs kept as their groups by node (nodes in order, each node's in order), read as a
+    sequence without making one: an admission reads the free GPUs by node, their count and
+    their fit index, and making the tuple of thousands for every decision cost more than the
+    rest of the placement. Like a ``GpuSet``: read its groups, never change them."""
+
+    def __init__(self, groups: dict[str, list[Gpu]], fit: tuple[GpuSet, FitIndex] | None = None):
+        self.__dict__["groups"] = {None: groups}
+        if fit is not None:
+            self.fit = fit
+
+    def __len__(self) -> int:
+        return self.remembered("len", lambda: sum(map(len, self.by_node(None).values())))
+
+    def __iter__(self):
+        return chain.from_iterable(self.by_node(None).values())
+
+    def __getitem__(self, i):
+        return self.remembered("tuple", lambda: tuple(self))[i]
+
+    def __eq__(self, other):
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"GroupedGpus({list(self)!r})"
+
+    remembered = GpuSet.remembered
+    by_node = GpuSet.by_node
+
+
+KEPT = (GpuSet, GroupedGpus)  # sets that keep their groups and remembered answers
 
 
 # the nodes with free GPUs by (how many are free, whether that is fewer than all of the
@@ -377,7 +401,7 @@ def _models(inventory: Sequence[Gpu]) -> list[str]:
 def _by_node(gpus: Iterable[Gpu], model: str | None) -> dict[str, list[Gpu]]:
     """The GPUs (of ``model``) per node, nodes and GPUs in order (read only: a ``GpuSet``
     hands out the groups it keeps)."""
-    if isinstance(gpus, GpuSet):
+    if isinstance(gpus, KEPT):
         return gpus.by_node(model)
     out: dict[str, list[Gpu]] = {}
     for g in sorted(gpus):

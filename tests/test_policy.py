@@ -9,6 +9,7 @@ from spawner.policy import (
     EffectiveLimit,
     Gpu,
     GpuSet,
+    GroupedGpus,
     Holdings,
     Limit,
     LimitRules,
@@ -279,7 +280,10 @@ def test_the_kept_fit_index_chooses_what_the_general_rule_chooses():
             total = everyone.by_node(None)
             index = refit(index, {n: (k, len(groups.get(n, ())), len(total[n])) for n, k in before.items()})
             assert index == make_fit_index(groups, total)
-            kept = GpuSet.from_groups(groups, (everyone, index))
+            kept = GroupedGpus(groups, (everyone, index))
+            assert kept == sorted(free) and len(kept) == len(free) and list(kept) == sorted(free)
+            assert kept.by_node("A100") == groups and (not free or kept[-1] == max(free))
             for n in range(1, 10):
                 request = Request("u", n, None, rnd.choice((None, 1)))
                 assert place(request, kept, everyone) == _general_rule(request, sorted(free), inv)
+                assert largest_placeable(kept, None, None) == len(free)

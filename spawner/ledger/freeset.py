@@ -77,8 +77,8 @@ def note_held(session: Session, _flush_context) -> None:
 @dataclass(frozen=True)
 class FreeState:
     """The free GPUs at one generation of the ledger and one version of its inventory, kept
-    as their groups by node: the set itself (a tuple of thousands) is made only when a
-    decision reads it, not after every commit and every catch-up."""
+    as their groups by node: a decision reads them as a ``GroupedGpus`` over those groups,
+    never as one tuple of thousands (made per decision, that was 0.13-0.3 ms of each)."""
 
     generation: int
     inventory: int
@@ -87,8 +87,8 @@ class FreeState:
     fit: policy.FitIndex  # the groups' nodes by free count, for the one-node best fit
 
     @cached_property
-    def free(self) -> policy.GpuSet:
-        return policy.GpuSet.from_groups(self.groups, (self.everyone, self.fit))
+    def free(self) -> policy.GroupedGpus:
+        return policy.GroupedGpus(self.groups, (self.everyone, self.fit))
 
     @classmethod
     def read(cls, generation: int, present, held: set[int]) -> FreeState:

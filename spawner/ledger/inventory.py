@@ -125,7 +125,7 @@ class InventoryRecords:
     def _held_gpu_ids(self, s: Session) -> set[int]:
         return set(connection(s).execute(HELD_GPUS).scalars())
 
-    def _free(self, s: Session) -> policy.GpuSet:
+    def _free(self, s: Session) -> policy.GpuSet | policy.GroupedGpus:
         """The present GPUs no live allocation holds. A writing transaction uses the free GPUs
         this process kept, brought up to date with the moves written since (``freeset``)."""
         present = self._present(s)
