@@ -327,14 +327,21 @@ class EnginePool:
 
     def _ask_engines_to_shut_down(self) -> None:
         """A shutdown request to every engine, waiting up to ``SHUTDOWN_WAIT`` s for the
-        replies; one that does not answer is ended by the launcher's signals as before."""
-        ids = [i for i in self.engine_ids if i in set(self.client.ids)]
-        futures = [
-            self.client._send(
-                self.client._control_stream, "shutdown_request", content={"restart": False}, ident=t
-            )
-            for t in self.client._build_targets(ids)[0]
-        ]  # ipyparallel's Client.shutdown, less its wait without a timeout
+        replies; one that does not answer is ended by the launcher's signals as before. Never
+        raises: the stop goes on whatever the engines do."""
+        registered = set(self.client.ids)
+        ids = [i for i in self.engine_ids if i in registered]
+        if not ids:
+            return
+        try:
+            futures = [
+                self.client._send(
+                    self.client._control_stream, "shutdown_request", content={"restart": False}, ident=t
+                )
+                for t in self.client._build_targets(ids)[0]
+            ]  # ipyparallel's Client.shutdown, less its wait without a timeout
+        except Exception:  # the controller or an engine already gone
+            return
         deadline = time.monotonic() + SHUTDOWN_WAIT
         for f in futures:
             try:
