@@ -9,6 +9,9 @@
   one snapshot for all their statements, as a WAL reader's on SQLite.
 - The schema is owned by Alembic (``spawner/migrations``). A new, empty database is
   created at head; a database behind head is refused with the command that upgrades it.
+  Opening a ledger already at head (every open but the first) reads its version with one
+  query against ``SCHEMA_HEAD``, without importing Alembic (tens of milliseconds of every
+  ``gpuhub`` command).
 """
 
 from __future__ import annotations
@@ -19,17 +22,18 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine, event, inspect
+from sqlalchemy import create_engine, event, inspect, text
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 MIGRATIONS = Path(__file__).with_name("migrations")
+SCHEMA_HEAD = "0008"  # the newest migration's revision (tests/test_ledger.py holds it to Alembic's)
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 
@@ -138,6 +142,8 @@ class WriterTurns:
 
 
 def alembic_config(url: str) -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
@@ -145,18 +151,24 @@ def alembic_config(url: str) -> Config:
 
 
 def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
     head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
     assert head is not None  # the package always ships migrations
     return head
 
 
 def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
 
 
 def upgrade(url: str, engine: Engine | None = None) -> None:
     """Bring the database at ``url`` to the newest schema (what ``gpuhub db upgrade`` runs)."""
+    from alembic import command
+
     cfg = alembic_config(url)
     if engine is not None:
         with engine.begin() as conn:
@@ -168,6 +180,10 @@ def upgrade(url: str, engine: Engine | None = None) -> None:
 
 def ensure_schema(engine: Engine, url: str) -> None:
     """Create a new database at head; refuse one that is behind or unknown."""
+    if _stored_revision(engine) == SCHEMA_HEAD:
+        return  # the usual case, answered without Alembic
+    from alembic.script import ScriptDirectory
+
     current = current_revision(engine)
     head = head_revision()
     if current == head:
@@ -192,6 +208,15 @@ def ensure_schema(engine: Engine, url: str) -> None:
         f"The gpuhub ledger database {safe_url(url)} is at schema {current}; this gpuhub needs "
         f"{head}. Back it up, then run: gpuhub db upgrade --db-url '{safe_url(url)}'"
     )
+
+
+def _stored_revision(engine: Engine) -> str | None:
+    """The version Alembic recorded in the database, read directly (None: none recorded)."""
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    except DBAPIError:  # no such table: a new database, or not one of gpuhub's
+        return None
 
 
 def safe_url(url: str) -> str:
