@@ -135,13 +135,13 @@ def check_prefix(prefix: str) -> None:
 def account_conflict(name: str, account: pwd.struct_passwd, home: Path, home_exists: bool) -> str | None:
     """Why the demo whose home for this user is ``home`` cannot use the existing Unix account
     ``name`` (None: it can). ``home_exists``: the account's current home is still there."""
+    own = "give this demo accounts of its own (GPUHUB_DEMO_ACCOUNT_PREFIX=gpuhub-demo2- scripts/demo)"
     if not account.pw_gecos.startswith(UNIX_MARK) or account.pw_uid == 0:
-        return f"the Unix account {name} exists and is not the demo's: not using it"
+        return f"the Unix account {name} exists and is not the demo's: not using it; {own}"
     if account.pw_dir != str(home) and home_exists:  # another state directory, still there, uses it
         return (
             f"the Unix account {name} belongs to the demo in {Path(account.pw_dir).parent.parent}: "
-            f"start that one, remove the account (userdel {name}), or give this demo accounts of its "
-            "own (GPUHUB_DEMO_ACCOUNT_PREFIX=gpuhub-demo2- scripts/demo)"
+            f"start that one, remove the account (userdel {name}), or {own}"
         )
     return None
 

@@ -297,7 +297,21 @@ def test_demo_as_root_runs_every_server_as_its_users_own_account(tmp_path, demo_
     # a demo in another state directory while this one is still there: stopped at once, naming
     # the accounts that are this one's (not a failed spawn later)
     other_state = demo_state.parent / "other"
-    other = Demo(other_state, tmp_path / "other.log", refused=True)
+    # and an account of that name that is not the demo's at all (another admin's): not used
+    foreign = f"{UNIX_PREFIX}dave"
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--home-dir", str(demo_state.parent / "dave"), foreign],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        other = Demo(other_state, tmp_path / "other.log", refused=True)
+    finally:
+        subprocess.run(["userdel", foreign], check=True, capture_output=True)
+    assert (
+        f"the Unix account {foreign} exists and is not the demo's: not using it; give this demo"
+        in other.printed()
+    )
     for user in ("alice", "bob"):
         assert f"the Unix account {UNIX_PREFIX}{user} belongs to the demo in {demo_state}" in other.printed()
     assert (
