@@ -285,13 +285,23 @@ class Postgres:
         self.made.append(db)
         return self.url.set(database=db).render_as_string(hide_password=False)
 
-    def drop(self) -> None:
+    def drop(self, tries: int = 30) -> None:
+        """Drop the databases made. ``FORCE`` ends this user's sessions in them, not the
+        server's own autovacuum worker (a non-superuser may not signal it), which a large
+        database just written often has: such a drop is tried again each second until the
+        worker is done, for ``tries`` seconds, then left to drop by hand."""
         with self.admin.connect() as conn:
             for db in self.made:
-                try:
-                    conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
-                except Exception as e:  # e.g. the server's own autovacuum still in it
-                    print(f"  could not drop {db} ({type(e).__name__}): drop it by hand", file=sys.stderr)
+                for attempt in range(tries):
+                    try:
+                        conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
+                        break
+                    except Exception as e:  # still in use
+                        if attempt == tries - 1:
+                            why = type(e).__name__
+                            print(f"  could not drop {db} ({why}): drop it by hand", file=sys.stderr)
+                        else:
+                            time.sleep(1)
         self.admin.dispose()
 
 

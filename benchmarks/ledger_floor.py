@@ -1,0 +1,244 @@
+"""What admitting costs with nothing of gpuhub's around it: the floor under ``ledger_scale.py``.
+
+    .venv/bin/python benchmarks/ledger_floor.py [--postgres URL] [--cycles N] [--procs P] [--rounds R]
+
+On the large ledger of ``ledger_scale.py`` (10,000 GPUs, 5,000 users, a year of history,
+half full), the least that any design deciding each request in a transaction of its own has
+to do, written on the bare driver (``sqlite3``, ``psycopg``) with no SQLAlchemy, no policy and
+no record of moves:
+
+- an admission: take the writer's turn (SQLite: an ``flock`` then ``BEGIN IMMEDIATE``, as
+  gpuhub's ``WriterTurns``; PostgreSQL: count up the lock row, as gpuhub does), count the
+  user's live GPUs (the limit check, nothing else: no GPU-hours, no queue, no groups), find a
+  free GPU by its id, insert the allocation and its GPU, commit;
+- its release: the turn, the allocation and its GPU marked given back, commit.
+
+On PostgreSQL the statements go in psycopg's pipeline mode: an admission waits for the server
+twice (the turn with the reads, then the writes with the commit) and a release once, the
+fewest round trips a decision made in the client can have.
+
+Against it, in the same run and on the same database, gpuhub's ``Ledger.request`` and
+``release`` (limits with a GPU-hours window, placement, the queue, the moves other processes
+read). Rounds alternate between the two, one process and ``--procs`` processes each; the
+medians of the rounds are printed with their ratios. Where the floor itself stays under a
+rate from several processes, no design that decides each request in its own transaction
+reaches that rate on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import multiprocessing as mp
+import random
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ledger_scale as ls
+from sqlalchemy.engine import make_url
+
+USERS = ls.SIZES["large"][1]
+
+
+class Bare:
+    """One process's connection and its admission + release on the bare driver."""
+
+    def __init__(self, url: str):
+        self.pg = url.startswith("postgresql")
+        if self.pg:
+            import psycopg
+
+            u = make_url(url)
+            self.conn = psycopg.connect(
+                host=u.host, port=u.port, user=u.username, password=u.password, dbname=u.database
+            )
+            self.held = "held"
+            self.turns = None
+        else:
+            path = make_url(url).database
+            self.conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+            for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=30000"):
+                self.conn.execute(f"PRAGMA {pragma}")
+            self.held = "held = 1"
+            self.turns = open(f"{path}-floor-writers", "a")
+        self.gpus = [r[0] for r in self.conn.execute("SELECT id FROM gpus").fetchall()]
+        if self.pg:
+            self.conn.rollback()  # the read above began a transaction
+        self.mark = "%s" if self.pg else "?"
+
+    def _begin(self) -> None:
+        if self.pg:
+            self.conn.execute("UPDATE ledger_lock SET generation = generation + 1 WHERE id = 1")
+        else:
+            fcntl.flock(self.turns, fcntl.LOCK_EX)
+            self.conn.execute("BEGIN IMMEDIATE")
+
+    def _commit(self) -> None:
+        if self.pg:
+            self.conn.commit()
+        else:
+            self.conn.execute("COMMIT")
+            fcntl.flock(self.turns, fcntl.LOCK_UN)
+
+    def cycle(self, rnd: random.Random) -> None:
+        if self.pg:
+            return self._cycle_pipelined(rnd)
+        m, now = self.mark, datetime.now(UTC).replace(tzinfo=None)
+        user = f"user{rnd.randrange(USERS)}"
+        self._begin()
+        self.conn.execute(
+            f"SELECT count(*) FROM allocations WHERE \"user\" = {m} AND state IN ('starting', 'running')",
+            (user,),
+        ).fetchone()
+        while True:  # half the GPUs are free: a few tries at most
+            gpu = rnd.choice(self.gpus)
+            q = f"SELECT 1 FROM allocation_gpus WHERE gpu_id = {m} AND {self.held}"
+            if self.conn.execute(q, (gpu,)).fetchone() is None:
+                break
+        aid = self.conn.execute(
+            'INSERT INTO allocations ("user", purpose, server_name, state, created, started, backend,'
+            f" gpu_count, borrowed) VALUES ({m}, 'server', '', 'running', {m}, {m}, 'local', 1, 0)"
+            " RETURNING id",
+            (user, now, now),
+        ).fetchone()[0]
+        self.conn.execute(
+            f"INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES ({m}, {m}, {m})",
+            (aid, gpu, True),
+        )
+        self._commit()
+        self._begin()
+        self.conn.execute(
+            f"UPDATE allocations SET state = 'released', ended = {m}, end_reason = 'released' WHERE id = {m}",
+            (now, aid),
+        )
+        self.conn.execute(f"UPDATE allocation_gpus SET held = {m} WHERE allocation_id = {m}", (False, aid))
+        self._commit()
+
+    def _cycle_pipelined(self, rnd: random.Random) -> None:
+        """PostgreSQL's: the same statements in psycopg's pipeline mode, so that a transaction
+        waits for the server twice at most (the turn and the reads; the writes and the commit)
+        and the release once."""
+        c, now = self.conn, datetime.now(UTC).replace(tzinfo=None)
+        user, candidates = f"user{rnd.randrange(USERS)}", rnd.sample(self.gpus, 8)
+        with c.pipeline():
+            c.execute("UPDATE ledger_lock SET generation = generation + 1 WHERE id = 1")
+            held = c.execute(
+                "SELECT count(*) FROM allocations WHERE \"user\" = %s AND state IN ('starting', 'running')",
+                (user,),
+            )
+            free = c.execute(
+                "SELECT g FROM unnest(%s::int[]) AS g WHERE NOT EXISTS "
+                "(SELECT 1 FROM allocation_gpus WHERE gpu_id = g AND held) LIMIT 1",
+                (candidates,),
+            )
+            held.fetchone()
+            gpu = free.fetchone()[0]  # half the GPUs are free: one of eight is, all but never
+            booked = c.execute(
+                'WITH a AS (INSERT INTO allocations ("user", purpose, server_name, state, created, started,'
+                " backend, gpu_count, borrowed) VALUES (%s, 'server', '', 'running', %s, %s, 'local', 1, 0)"
+                " RETURNING id) INSERT INTO allocation_gpus (allocation_id, gpu_id, held)"
+                " SELECT id, %s, true FROM a RETURNING allocation_id",
+                (user, now, now, gpu),
+            )
+            c.commit()
+            aid = booked.fetchone()[0]
+            c.execute("UPDATE ledger_lock SET generation = generation + 1 WHERE id = 1")
+            c.execute(
+                "UPDATE allocations SET state = 'released', ended = %s, end_reason = 'released'"
+                " WHERE id = %s",
+                (now, aid),
+            )
+            c.execute("UPDATE allocation_gpus SET held = false WHERE allocation_id = %s", (aid,))
+            c.commit()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _worker(kind, url, cycles, seed, start, done):
+    rnd = random.Random(seed)
+    if kind == "bare":
+        one = Bare(url)
+        run, close = (lambda: one.cycle(rnd)), one.close
+    else:
+        ledger = ls.Ledger(url, config_rules=ls.RULES)
+
+        def run():
+            got = ledger.request(f"user{rnd.randrange(USERS)}", ["lab"], 1)
+            if got.allocation is not None:
+                ledger.release(got.allocation.id)
+            else:
+                ledger.leave_queue(got.entry.id)
+
+        close = ledger.close
+    for _ in range(ls.WARM):
+        run()
+    start.wait()
+    for _ in range(cycles):
+        run()
+    done.put(time.perf_counter())
+    close()
+
+
+def rate(kind: str, url: str, procs: int, cycles: int, seed: int) -> float:
+    """Cycles (an admission and its release) per second from ``procs`` processes at once."""
+    ctx = mp.get_context("fork")
+    start, done = ctx.Barrier(procs + 1), ctx.Queue()
+    ps = [ctx.Process(target=_worker, args=(kind, url, cycles, seed + k, start, done)) for k in range(procs)]
+    for p in ps:
+        p.start()
+    start.wait()
+    t = time.perf_counter()
+    ends = [done.get() for _ in ps]
+    for p in ps:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"a {kind} worker failed (exit {p.exitcode})")
+    return procs * cycles / (max(ends) - t)
+
+
+def run_backend(label: str, url: str, args) -> None:
+    ls.build(url, *ls.SIZES["large"])
+    results: dict[tuple[str, int], list[float]] = {}
+    for r in range(args.rounds):
+        for procs in (1, args.procs):
+            for kind in ("bare", "gpuhub"):
+                results.setdefault((kind, procs), []).append(rate(kind, url, procs, args.cycles, 100 * r))
+    print(f"{label}: admission + release cycles per second, median of {args.rounds} rounds (10,000 GPUs)")
+    for procs in (1, args.procs):
+        bare, hub = (statistics.median(results[(k, procs)]) for k in ("bare", "gpuhub"))
+        print(
+            f"  {procs} process{'es' if procs > 1 else '  '}: bare driver {bare:6.0f}/s  gpuhub {hub:6.0f}/s"
+            f"  ({hub / bare:.2f}x of the floor)"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--postgres", help="SQLAlchemy URL of a PostgreSQL server (CREATE DATABASE allowed)")
+    ap.add_argument("--cycles", type=int, default=300)
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", choices=("sqlite", "postgres"))
+    args = ap.parse_args()
+    if args.only != "postgres":
+        with tempfile.TemporaryDirectory() as d:
+            run_backend("SQLite", f"sqlite:///{d}/large.sqlite", args)
+    if args.postgres and args.only != "sqlite":
+        pg = ls.Postgres(args.postgres)
+        try:
+            run_backend("PostgreSQL", pg.fresh("floor"), args)
+        finally:
+            pg.drop()
+
+
+if __name__ == "__main__":
+    main()
