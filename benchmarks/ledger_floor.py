@@ -1,6 +1,6 @@
 """What admitting costs with nothing of gpuhub's around it: the floor under ``ledger_scale.py``.
 
-    .venv/bin/python benchmarks/ledger_floor.py [--postgres URL] [--cycles N] [--procs P] [--rounds R]
+    .venv/bin/python benchmarks/ledger_floor.py [--postgres URL] [--cycles N] [--procs 1,4,8] [--rounds R]
 
 On the large ledger of ``ledger_scale.py`` (10,000 GPUs, 5,000 users, a year of history,
 half full), the least that any design deciding each request in a transaction of its own has
@@ -17,12 +17,18 @@ On PostgreSQL the statements go in psycopg's pipeline mode: an admission waits f
 twice (the turn with the reads, then the writes with the commit) and a release once, the
 fewest round trips a decision made in the client can have.
 
-Against it, in the same run and on the same database, gpuhub's ``Ledger.request`` and
-``release`` (limits with a GPU-hours window, placement, the queue, the moves other processes
-read). Rounds alternate between the two, one process and ``--procs`` processes each; the
-medians of the rounds are printed with their ratios. Where the floor itself stays under a
-rate from several processes, no design that decides each request in its own transaction
-reaches that rate on this machine.
+Against it, in the same run and on the same database:
+
+- gpuhub's ``Ledger.request`` and ``release`` (limits with a GPU-hours window, placement, the
+  queue, the moves other processes read);
+- "one writer": the design that can pass the floor, as a prototype with the floor's rules. The
+  processes send their requests to one process (a pipe each), which decides them in memory
+  and writes all the requests waiting at once in one transaction before it answers them.
+
+Rounds alternate between the three, for each number of processes in ``--procs``; the medians
+of the rounds are printed with gpuhub's ratio to the floor. Where the floor itself stays
+under a rate, no design that decides each request in its own transaction reaches that rate
+on this machine.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import sqlite3
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -140,7 +147,14 @@ class Bare:
                 (candidates,),
             )
             held.fetchone()
-            gpu = free.fetchone()[0]  # half the GPUs are free: one of eight is, all but never
+            found = free.fetchone()
+            while found is None:  # all eight held (one time in 256 with half the GPUs free)
+                found = c.execute(
+                    "SELECT g FROM unnest(%s::int[]) AS g WHERE NOT EXISTS "
+                    "(SELECT 1 FROM allocation_gpus WHERE gpu_id = g AND held) LIMIT 1",
+                    (rnd.sample(self.gpus, 8),),
+                ).fetchone()
+            gpu = found[0]
             booked = c.execute(
                 'WITH a AS (INSERT INTO allocations ("user", purpose, server_name, state, created, started,'
                 " backend, gpu_count, borrowed) VALUES (%s, 'server', '', 'running', %s, %s, 'local', 1, 0)"
@@ -163,9 +177,113 @@ class Bare:
         self.conn.close()
 
 
-def _worker(kind, url, cycles, seed, start, done):
+class OneWriter(Bare):
+    """The design that would pass the floor: one process decides every request, in memory,
+    and writes what it decided for all the requests waiting at once in one transaction. A
+    prototype with the floor's rules (a live-GPU count per user, a free GPU), no more."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        live = "state IN ('starting', 'running')"
+        self.free = set(self.gpus) - {
+            r[0] for r in self.conn.execute(f"SELECT gpu_id FROM allocation_gpus WHERE {self.held}")
+        }
+        self.held_by: dict[int, int] = {}
+        self.live: dict[str, int] = dict(
+            self.conn.execute(f'SELECT "user", count(*) FROM allocations WHERE {live} GROUP BY "user"')
+        )
+        if self.pg:
+            self.conn.rollback()
+        self.batches: list[int] = []
+
+    def decide_and_write(self, asks: list[tuple]) -> list:
+        """``asks``: ("admit", user) or ("release", id); their answers, in order, once written."""
+        now = datetime.now(UTC).replace(tzinfo=None)
+        admits, releases, answers, ids = [], [], [], []
+        for kind, what in asks:
+            if kind == "admit":
+                self.live[what] = self.live.get(what, 0) + 1  # the limit check would read this
+                gpu = self.free.pop()
+                admits.append((len(answers), what, gpu))
+                answers.append(None)
+            else:
+                gpu = self.held_by.pop(what)
+                self.free.add(gpu)
+                releases.append(what)
+                answers.append(True)
+        self.batches.append(len(asks))
+        m = self.mark
+        insert = (
+            'INSERT INTO allocations ("user", purpose, server_name, state, created, started, backend,'
+            f" gpu_count, borrowed) VALUES ({m}, 'server', '', 'running', {m}, {m}, 'local', 1, 0)"
+            " RETURNING id"
+        )
+        link = f"INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES ({m}, {m}, {m})"
+        end = (
+            f"UPDATE allocations SET state = 'released', ended = {m}, end_reason = 'released' WHERE id = {m}"
+        )
+        give = f"UPDATE allocation_gpus SET held = {m} WHERE allocation_id = {m}"
+        self._begin()
+        cur = self.conn.cursor()
+        if releases:  # first: a GPU given back may be taken again in the same batch
+            cur.executemany(end, [(now, aid) for aid in releases])
+            cur.executemany(give, [(False, aid) for aid in releases])
+        if self.pg and admits:
+            cur.executemany(
+                f"WITH a AS ({insert}) INSERT INTO allocation_gpus (allocation_id, gpu_id, held)"
+                " SELECT id, %s, true FROM a RETURNING allocation_id",
+                [(user, now, now, gpu) for _, user, gpu in admits],
+                returning=True,
+            )
+            ids = []
+            for _ in admits:  # each row's RETURNING is a result of its own
+                ids.append(cur.fetchone()[0])
+                cur.nextset()
+        elif admits:
+            ids = [cur.execute(insert, (user, now, now)).fetchone()[0] for _, user, _ in admits]
+            cur.executemany(link, [(aid, gpu, True) for aid, (_, _, gpu) in zip(ids, admits, strict=True)])
+        self._commit()
+        for aid, (slot, _, gpu) in zip(ids, admits, strict=True):
+            self.held_by[aid] = gpu
+            answers[slot] = aid
+        return answers
+
+
+def _one_writer(url, conns, ready) -> None:
+    from multiprocessing.connection import wait
+
+    writer = OneWriter(url)
+    ready.put(True)
+    open_ = list(conns)
+    while open_:
+        asks, whose = [], []
+        for conn in wait(open_):
+            ask = conn.recv()
+            if ask is None:
+                open_.remove(conn)
+                continue
+            asks.append(ask)
+            whose.append(conn)
+        if asks:
+            for conn, answer in zip(whose, writer.decide_and_write(asks), strict=True):
+                conn.send(answer)
+    ready.put(statistics.mean(writer.batches))
+    writer.close()
+
+
+def _worker(kind, url, cycles, seed, start, done, conn=None):
     rnd = random.Random(seed)
-    if kind == "bare":
+    if kind == "one writer":
+
+        def run():
+            conn.send(("admit", f"user{rnd.randrange(USERS)}"))
+            conn.send(("release", conn.recv()))
+            conn.recv()
+
+        def close():
+            conn.send(None)
+
+    elif kind == "bare":
         one = Bare(url)
         run, close = (lambda: one.cycle(rnd)), one.close
     else:
@@ -179,11 +297,16 @@ def _worker(kind, url, cycles, seed, start, done):
                 ledger.leave_queue(got.entry.id)
 
         close = ledger.close
-    for _ in range(ls.WARM):
-        run()
-    start.wait()
-    for _ in range(cycles):
-        run()
+    try:
+        for _ in range(ls.WARM):
+            run()
+        start.wait()
+        for _ in range(cycles):
+            run()
+    except BaseException:
+        done.put(None)  # the run is void: say so at once instead of leaving the others waiting
+        start.abort()
+        raise
     done.put(time.perf_counter())
     close()
 
@@ -192,32 +315,60 @@ def rate(kind: str, url: str, procs: int, cycles: int, seed: int) -> float:
     """Cycles (an admission and its release) per second from ``procs`` processes at once."""
     ctx = mp.get_context("fork")
     start, done = ctx.Barrier(procs + 1), ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(kind, url, cycles, seed + k, start, done)) for k in range(procs)]
+    pipes = [ctx.Pipe() for _ in range(procs)] if kind == "one writer" else [(None, None)] * procs
+    ps = [
+        ctx.Process(target=_worker, args=(kind, url, cycles, seed + k, start, done, pipes[k][0]))
+        for k in range(procs)
+    ]
+    writer = None
+    if kind == "one writer":
+        ready = ctx.Queue()
+        writer = ctx.Process(target=_one_writer, args=(url, [b for _, b in pipes], ready))
+        writer.start()
+        ready.get(timeout=300)  # the writer has read the free GPUs
     for p in ps:
         p.start()
-    start.wait()
+    for a, b in pipes:  # the children's now: a process that dies closes its ends for the others
+        if a is not None:
+            a.close()
+            b.close()
+    try:
+        start.wait()
+    except threading.BrokenBarrierError:
+        pass  # a process failed before the clock started: its None is in ``done``
     t = time.perf_counter()
     ends = [done.get() for _ in ps]
-    for p in ps:
+    if None in ends:
+        for p in [*ps, *([writer] if writer else [])]:
+            p.kill()
+        raise SystemExit(f"a {kind} process failed (its traceback is above)")
+    for p in [*ps, *([writer] if writer else [])]:
         p.join()
         if p.exitcode:
-            raise SystemExit(f"a {kind} worker failed (exit {p.exitcode})")
+            raise SystemExit(f"a {kind} process failed (exit {p.exitcode})")
+    if writer is not None:
+        rate.batch = ready.get()  # requests decided per transaction, on average
     return procs * cycles / (max(ends) - t)
 
 
 def run_backend(label: str, url: str, args) -> None:
     ls.build(url, *ls.SIZES["large"])
+    kinds = ("bare", "one writer", "gpuhub")
     results: dict[tuple[str, int], list[float]] = {}
+    batches: dict[int, list[float]] = {}
     for r in range(args.rounds):
-        for procs in (1, args.procs):
-            for kind in ("bare", "gpuhub"):
+        for procs in args.procs:
+            for kind in kinds:
                 results.setdefault((kind, procs), []).append(rate(kind, url, procs, args.cycles, 100 * r))
+                if kind == "one writer":
+                    batches.setdefault(procs, []).append(rate.batch)
     print(f"{label}: admission + release cycles per second, median of {args.rounds} rounds (10,000 GPUs)")
-    for procs in (1, args.procs):
-        bare, hub = (statistics.median(results[(k, procs)]) for k in ("bare", "gpuhub"))
+    for procs in args.procs:
+        bare, one, hub = (statistics.median(results[(k, procs)]) for k in kinds)
         print(
-            f"  {procs} process{'es' if procs > 1 else '  '}: bare driver {bare:6.0f}/s  gpuhub {hub:6.0f}/s"
-            f"  ({hub / bare:.2f}x of the floor)"
+            f"  {procs} process{'es' if procs > 1 else '  '}: bare driver {bare:6.0f}/s"
+            f"  one writer {one:6.0f}/s ({statistics.median(batches[procs]):.1f} a transaction)"
+            f"  gpuhub {hub:6.0f}/s ({hub / bare:.2f}x of the floor)"
         )
 
 
@@ -225,7 +376,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--postgres", help="SQLAlchemy URL of a PostgreSQL server (CREATE DATABASE allowed)")
     ap.add_argument("--cycles", type=int, default=300)
-    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument(
+        "--procs", type=lambda v: [int(p) for p in v.split(",")], default=[1, 4, 8], help="e.g. 1,4,8"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", choices=("sqlite", "postgres"))
     args = ap.parse_args()
