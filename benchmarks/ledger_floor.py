@@ -188,7 +188,7 @@ class OneWriter(Bare):
         self.free = set(self.gpus) - {
             r[0] for r in self.conn.execute(f"SELECT gpu_id FROM allocation_gpus WHERE {self.held}")
         }
-        self.held_by: dict[int, int] = {}
+        self.held_by: dict[int, tuple[int, str]] = {}  # allocation -> its GPU, its user
         self.live: dict[str, int] = dict(
             self.conn.execute(f'SELECT "user", count(*) FROM allocations WHERE {live} GROUP BY "user"')
         )
@@ -207,8 +207,9 @@ class OneWriter(Bare):
                 admits.append((len(answers), what, gpu))
                 answers.append(None)
             else:
-                gpu = self.held_by.pop(what)
+                gpu, user = self.held_by.pop(what)
                 self.free.add(gpu)
+                self.live[user] -= 1
                 releases.append(what)
                 answers.append(True)
         self.batches.append(len(asks))
@@ -243,8 +244,8 @@ class OneWriter(Bare):
             ids = [cur.execute(insert, (user, now, now)).fetchone()[0] for _, user, _ in admits]
             cur.executemany(link, [(aid, gpu, True) for aid, (_, _, gpu) in zip(ids, admits, strict=True)])
         self._commit()
-        for aid, (slot, _, gpu) in zip(ids, admits, strict=True):
-            self.held_by[aid] = gpu
+        for aid, (slot, user, gpu) in zip(ids, admits, strict=True):
+            self.held_by[aid] = (gpu, user)
             answers[slot] = aid
         return answers
 
