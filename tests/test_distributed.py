@@ -216,8 +216,9 @@ if rank == 1:
 t = torch.ones(1)
 dist.all_reduce(t)
 """
-    # rank 0 waits in the all_reduce for a rank that is gone: without the pool's watch on its
-    # processes the cell would hang until nbclient's timeout, which fails the test
+    # rank 0 waits in the all_reduce for a rank that is gone: the cell must fail (the pool sees
+    # the death, or at worst the group's 20 s timeout ends the wait), never hang; a cell that
+    # hangs meets nbclient's timeout, which fails the test
     died, after = run_notebook([die, ALLREDUCE], kernel_env(), timeout=120)
     assert died.error is not None
     assert "rank 1" in died.traceback and "died" in died.traceback
