@@ -55,6 +55,34 @@ from sqlalchemy.engine import make_url
 USERS = ls.SIZES["large"][1]
 
 
+LIVE = "state IN ('starting', 'running')"
+
+
+class Statements:
+    """The floor's statements, once, for a driver's placeholder (``?`` or ``%s``)."""
+
+    def __init__(self, m: str, held: str):
+        self.held_count = f'SELECT count(*) FROM allocations WHERE "user" = {m} AND {LIVE}'
+        self.is_held = f"SELECT 1 FROM allocation_gpus WHERE gpu_id = {m} AND {held}"
+        self.one_free = (  # PostgreSQL's: the first free one of several candidates
+            f"SELECT g FROM unnest({m}::int[]) AS g WHERE NOT EXISTS "
+            "(SELECT 1 FROM allocation_gpus WHERE gpu_id = g AND held) LIMIT 1"
+        )
+        self.insert = (
+            'INSERT INTO allocations ("user", purpose, server_name, state, created, started, backend,'
+            f" gpu_count, borrowed) VALUES ({m}, 'server', '', 'running', {m}, {m}, 'local', 1, 0)"
+            " RETURNING id"
+        )
+        self.link = f"INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES ({m}, {m}, {m})"
+        self.insert_with_link = (  # PostgreSQL's: both in one statement
+            f"WITH a AS ({self.insert}) INSERT INTO allocation_gpus (allocation_id, gpu_id, held)"
+            f" SELECT id, {m}, true FROM a RETURNING allocation_id"
+        )
+        self.end = f"UPDATE allocations SET state = 'released', ended = {m}, end_reason = 'released'"
+        self.end += f" WHERE id = {m}"
+        self.give = f"UPDATE allocation_gpus SET held = {m} WHERE allocation_id = {m}"
+
+
 class Bare:
     """One process's connection and its admission + release on the bare driver."""
 
@@ -79,7 +107,7 @@ class Bare:
         self.gpus = [r[0] for r in self.conn.execute("SELECT id FROM gpus").fetchall()]
         if self.pg:
             self.conn.rollback()  # the read above began a transaction
-        self.mark = "%s" if self.pg else "?"
+        self.sql = Statements("%s" if self.pg else "?", self.held)
 
     def _begin(self) -> None:
         if self.pg:
@@ -98,79 +126,42 @@ class Bare:
     def cycle(self, rnd: random.Random) -> None:
         if self.pg:
             return self._cycle_pipelined(rnd)
-        m, now = self.mark, datetime.now(UTC).replace(tzinfo=None)
+        sql, now = self.sql, datetime.now(UTC).replace(tzinfo=None)
         user = f"user{rnd.randrange(USERS)}"
         self._begin()
-        self.conn.execute(
-            f"SELECT count(*) FROM allocations WHERE \"user\" = {m} AND state IN ('starting', 'running')",
-            (user,),
-        ).fetchone()
+        self.conn.execute(sql.held_count, (user,)).fetchone()
         while True:  # half the GPUs are free: a few tries at most
             gpu = rnd.choice(self.gpus)
-            q = f"SELECT 1 FROM allocation_gpus WHERE gpu_id = {m} AND {self.held}"
-            if self.conn.execute(q, (gpu,)).fetchone() is None:
+            if self.conn.execute(sql.is_held, (gpu,)).fetchone() is None:
                 break
-        aid = self.conn.execute(
-            'INSERT INTO allocations ("user", purpose, server_name, state, created, started, backend,'
-            f" gpu_count, borrowed) VALUES ({m}, 'server', '', 'running', {m}, {m}, 'local', 1, 0)"
-            " RETURNING id",
-            (user, now, now),
-        ).fetchone()[0]
-        self.conn.execute(
-            f"INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES ({m}, {m}, {m})",
-            (aid, gpu, True),
-        )
+        aid = self.conn.execute(sql.insert, (user, now, now)).fetchone()[0]
+        self.conn.execute(sql.link, (aid, gpu, True))
         self._commit()
         self._begin()
-        self.conn.execute(
-            f"UPDATE allocations SET state = 'released', ended = {m}, end_reason = 'released' WHERE id = {m}",
-            (now, aid),
-        )
-        self.conn.execute(f"UPDATE allocation_gpus SET held = {m} WHERE allocation_id = {m}", (False, aid))
+        self.conn.execute(sql.end, (now, aid))
+        self.conn.execute(sql.give, (False, aid))
         self._commit()
 
     def _cycle_pipelined(self, rnd: random.Random) -> None:
         """PostgreSQL's: the same statements in psycopg's pipeline mode, so that a transaction
         waits for the server twice at most (the turn and the reads; the writes and the commit)
         and the release once."""
-        c, now = self.conn, datetime.now(UTC).replace(tzinfo=None)
-        user, candidates = f"user{rnd.randrange(USERS)}", rnd.sample(self.gpus, 8)
+        c, sql, now = self.conn, self.sql, datetime.now(UTC).replace(tzinfo=None)
+        user = f"user{rnd.randrange(USERS)}"
         with c.pipeline():
             c.execute("UPDATE ledger_lock SET generation = generation + 1 WHERE id = 1")
-            held = c.execute(
-                "SELECT count(*) FROM allocations WHERE \"user\" = %s AND state IN ('starting', 'running')",
-                (user,),
-            )
-            free = c.execute(
-                "SELECT g FROM unnest(%s::int[]) AS g WHERE NOT EXISTS "
-                "(SELECT 1 FROM allocation_gpus WHERE gpu_id = g AND held) LIMIT 1",
-                (candidates,),
-            )
+            held = c.execute(sql.held_count, (user,))
+            free = c.execute(sql.one_free, (rnd.sample(self.gpus, 8),))
             held.fetchone()
             found = free.fetchone()
             while found is None:  # all eight held (one time in 256 with half the GPUs free)
-                found = c.execute(
-                    "SELECT g FROM unnest(%s::int[]) AS g WHERE NOT EXISTS "
-                    "(SELECT 1 FROM allocation_gpus WHERE gpu_id = g AND held) LIMIT 1",
-                    (rnd.sample(self.gpus, 8),),
-                ).fetchone()
-            gpu = found[0]
-            booked = c.execute(
-                'WITH a AS (INSERT INTO allocations ("user", purpose, server_name, state, created, started,'
-                " backend, gpu_count, borrowed) VALUES (%s, 'server', '', 'running', %s, %s, 'local', 1, 0)"
-                " RETURNING id) INSERT INTO allocation_gpus (allocation_id, gpu_id, held)"
-                " SELECT id, %s, true FROM a RETURNING allocation_id",
-                (user, now, now, gpu),
-            )
+                found = c.execute(sql.one_free, (rnd.sample(self.gpus, 8),)).fetchone()
+            booked = c.execute(sql.insert_with_link, (user, now, now, found[0]))
             c.commit()
             aid = booked.fetchone()[0]
             c.execute("UPDATE ledger_lock SET generation = generation + 1 WHERE id = 1")
-            c.execute(
-                "UPDATE allocations SET state = 'released', ended = %s, end_reason = 'released'"
-                " WHERE id = %s",
-                (now, aid),
-            )
-            c.execute("UPDATE allocation_gpus SET held = false WHERE allocation_id = %s", (aid,))
+            c.execute(sql.end, (now, aid))
+            c.execute(sql.give, (False, aid))
             c.commit()
 
     def close(self) -> None:
@@ -184,13 +175,12 @@ class OneWriter(Bare):
 
     def __init__(self, url: str):
         super().__init__(url)
-        live = "state IN ('starting', 'running')"
         self.free = set(self.gpus) - {
             r[0] for r in self.conn.execute(f"SELECT gpu_id FROM allocation_gpus WHERE {self.held}")
         }
         self.held_by: dict[int, tuple[int, str]] = {}  # allocation -> its GPU, its user
         self.live: dict[str, int] = dict(
-            self.conn.execute(f'SELECT "user", count(*) FROM allocations WHERE {live} GROUP BY "user"')
+            self.conn.execute(f'SELECT "user", count(*) FROM allocations WHERE {LIVE} GROUP BY "user"')
         )
         if self.pg:
             self.conn.rollback()
@@ -213,26 +203,15 @@ class OneWriter(Bare):
                 releases.append(what)
                 answers.append(True)
         self.batches.append(len(asks))
-        m = self.mark
-        insert = (
-            'INSERT INTO allocations ("user", purpose, server_name, state, created, started, backend,'
-            f" gpu_count, borrowed) VALUES ({m}, 'server', '', 'running', {m}, {m}, 'local', 1, 0)"
-            " RETURNING id"
-        )
-        link = f"INSERT INTO allocation_gpus (allocation_id, gpu_id, held) VALUES ({m}, {m}, {m})"
-        end = (
-            f"UPDATE allocations SET state = 'released', ended = {m}, end_reason = 'released' WHERE id = {m}"
-        )
-        give = f"UPDATE allocation_gpus SET held = {m} WHERE allocation_id = {m}"
+        sql = self.sql
         self._begin()
         cur = self.conn.cursor()
         if releases:  # first: a GPU given back may be taken again in the same batch
-            cur.executemany(end, [(now, aid) for aid in releases])
-            cur.executemany(give, [(False, aid) for aid in releases])
+            cur.executemany(sql.end, [(now, aid) for aid in releases])
+            cur.executemany(sql.give, [(False, aid) for aid in releases])
         if self.pg and admits:
             cur.executemany(
-                f"WITH a AS ({insert}) INSERT INTO allocation_gpus (allocation_id, gpu_id, held)"
-                " SELECT id, %s, true FROM a RETURNING allocation_id",
+                sql.insert_with_link,
                 [(user, now, now, gpu) for _, user, gpu in admits],
                 returning=True,
             )
@@ -241,8 +220,9 @@ class OneWriter(Bare):
                 ids.append(cur.fetchone()[0])
                 cur.nextset()
         elif admits:
-            ids = [cur.execute(insert, (user, now, now)).fetchone()[0] for _, user, _ in admits]
-            cur.executemany(link, [(aid, gpu, True) for aid, (_, _, gpu) in zip(ids, admits, strict=True)])
+            ids = [cur.execute(sql.insert, (user, now, now)).fetchone()[0] for _, user, _ in admits]
+            links = [(aid, gpu, True) for aid, (_, _, gpu) in zip(ids, admits, strict=True)]
+            cur.executemany(sql.link, links)
         self._commit()
         for aid, (slot, user, gpu) in zip(ids, admits, strict=True):
             self.held_by[aid] = (gpu, user)
