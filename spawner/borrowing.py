@@ -8,6 +8,10 @@
 - When a request waits that only borrowed GPUs could serve now, borrowed allocations are
   taken back, newest first, as few GPUs as will do; each owner gets a notice and
   ``c.GpuHub.preempt_grace_seconds`` before it ends.
+- An allocation that started ahead of a reserved request in the queue (backfill) may be taken
+  back the same way for that request, and only for it, until it has started or left.
+- A notice stands only while the request it was given for still waits: once that request is
+  served otherwise, cancelled or leaves, the notice is withdrawn and its owner told.
 """
 
 from __future__ import annotations
@@ -102,3 +106,37 @@ def victims(
         if policy.place(request, gpus, inventory) is not None:
             chosen = rest
     return sorted(c.id for c in chosen)
+
+
+def withdrawal(entry_state: str | None) -> str | None:
+    """Why a notice given for the queue entry now in ``entry_state`` is withdrawn (None: it
+    stands, the entry still waits). ``None`` state: the entry is gone. Nothing names the
+    other user, nor what ended their wait beyond what the owner of the GPUs needs to know."""
+    if entry_state == "waiting":
+        return None
+    if entry_state == "granted":
+        return "withdrawn: the request it was for was served by other GPUs"
+    return "withdrawn: the request it was for no longer waits (it left the queue)"
+
+
+def notice_reason(borrowed: int, gpus: int, backfill: bool, wanted: int, since: datetime) -> str:
+    """The reason an owner is given with a notice (no name: users need not know who else
+    waits; admins see ``for_user``). ``backfill``: the allocation started ahead of the request."""
+    if backfill:
+        return (
+            f"preempted: {gpus} GPU(s) that started ahead of a waiting request (backfill) taken back "
+            f"at its turn ({wanted} GPU(s), waiting since {since:%H:%M} UTC)"
+        )
+    return (
+        f"preempted: {borrowed} borrowed GPU(s) taken back for another user's request within its "
+        f"limit ({wanted} GPU(s), waiting since {since:%H:%M} UTC)"
+    )
+
+
+def backfill_ids(text: str | None) -> frozenset[int]:
+    """The queue entries an allocation started ahead of (``allocations.backfill_for``)."""
+    return frozenset(int(x) for x in (text or "").split(",") if x.strip().isdigit())
+
+
+def backfill_text(ids) -> str | None:
+    return ",".join(str(i) for i in sorted(set(ids))) or None

@@ -134,6 +134,10 @@ class Allocation(Base):
     # GPUs of it beyond the user's limit when admitted (borrowed; 0: all within the limit):
     # only such allocations are ever preempted (migration 0006)
     borrowed: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    # queue entries (ids, comma-separated) whose reservation it started ahead of (backfill):
+    # until every one of them has started or left, it may be taken back for them with notice,
+    # as borrowed GPUs are (migration 0009); None: it went ahead of nobody
+    backfill_for: Mapped[str | None] = mapped_column(String(4000))
     gpus: Mapped[list[AllocationGpu]] = relationship(
         back_populates="allocation", cascade="all, delete-orphan"
     )
@@ -243,6 +247,10 @@ class Preemption(Base):
     reason: Mapped[str] = mapped_column(String(500))
     created: Mapped[datetime] = mapped_column(DateTime)
     due: Mapped[datetime] = mapped_column(DateTime)
+    # the notice taken back before it was due: the request it was for no longer waits (served
+    # otherwise, cancelled, left); the allocation lives on (migration 0009)
+    withdrawn: Mapped[datetime | None] = mapped_column(DateTime)
+    withdrawn_reason: Mapped[str | None] = mapped_column(String(255))
 
 
 def is_live(state=None):

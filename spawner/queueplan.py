@@ -6,12 +6,16 @@ and gives each request the earliest time its GPUs are free, reserving them from 
 for as long as it is expected to run (conservative backfill, as Slurm's backfill
 scheduler does with reservations): a request further back starts *now* only on GPUs that
 no request ahead of it needs before it would be done, so backfill never delays anyone
-ahead. The head always starts the moment its GPUs are free.
+ahead. The head always starts the moment its GPUs are free. Nothing yet ends a run at a
+time limit, so a grant ahead of a reservation is only as sure as its user's run lengths:
+the plan names the reservations each such grant went ahead of (``Plan.ahead_of``), and the
+ledger may take it back for them, with notice, at their turn.
 
 Ends are expectations, each with how sure it is:
 
 - ``firm``: a burst's lease that its kernel stopped renewing, an idle reclaim that is due;
-- ``guess``: from the user's recent run lengths (or ``queue_default_run_hours``);
+- ``guess``: from the user's recent run lengths (:func:`typical_run_hours`, or
+  ``queue_default_run_hours``);
 - ``None`` end: nothing known (the plan treats it as never, and says so).
 """
 
@@ -53,6 +57,9 @@ class Plan:
     grants: dict[int, tuple[policy.Gpu, ...]] = field(default_factory=dict)  # start now, on these
     expected: dict[int, Expected] = field(default_factory=dict)  # every entry, granted or not
     backfilled: set[int] = field(default_factory=set)  # granted while someone ahead still waits
+    # granted ahead of these protected (reserved) entries: with no time limits to end it in
+    # time, such a grant may be taken back for them at their turn (spawner/borrowing.py)
+    ahead_of: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def position(self, order: Sequence[int], entry_id: int) -> tuple[int, int]:
         """1-based place among those still waiting after this plan's grants, and how many."""
@@ -137,7 +144,7 @@ def plan(
     binding = _Timeline(inventory, held, now)  # what grants must respect
     shown = _Timeline(inventory, held, now)  # every request's turn, for expected starts
     out = Plan()
-    protected = 0
+    protected: list[int] = []  # the entries holding a reservation that grants must respect
     for w in waiting:
         run = timedelta(hours=max(w.run_hours, 1 / 60))
         t, placed = _earliest(binding, w, inventory, now, run)
@@ -149,6 +156,8 @@ def plan(
             out.grants[w.id] = placed
             if protected or len(out.grants) < len(out.expected):
                 out.backfilled.add(w.id)
+            if protected:
+                out.ahead_of[w.id] = tuple(protected)
             continue
         t, placed = _earliest(shown, w, inventory, now, run)
         if t is None:
@@ -157,7 +166,34 @@ def plan(
         sure = shown.sureness(placed, t)
         out.expected[w.id] = Expected(t, sure)
         shown.reserve(placed, t, t + run, _worse(sure, "guess"))
-        if protected < reservations:
+        if len(protected) < reservations:
             binding.reserve(placed, t, t + run, _worse(sure, "guess"))
-            protected += 1
+            protected.append(w.id)
     return out
+
+
+@dataclass(frozen=True)
+class Run:
+    """An ended allocation, as a sample of how long its user runs."""
+
+    started: datetime | None
+    ended: datetime
+    ended_by_gpuhub: bool = False  # reclaimed for idleness, or taken back (preempted)
+
+
+def counts(run: Run, min_seconds: float) -> bool:
+    """Whether ``run`` says how long its user runs: it started, it lasted ``min_seconds`` at
+    least (GPUs taken and given back at once say nothing), and its user ended it (gpuhub's
+    idle reclaim ends GPUs that were not used; a preemption ends it early)."""
+    if run.started is None or run.ended_by_gpuhub:
+        return False
+    return (run.ended - run.started).total_seconds() >= min_seconds
+
+
+def typical_run_hours(runs: Sequence[Run], min_seconds: float, keep: int = 20) -> float | None:
+    """The median length in hours of the newest ``keep`` runs (``runs`` newest first) that
+    count (:func:`counts`); None when none does (the default run length then applies)."""
+    import statistics
+
+    got = [(r.ended - r.started).total_seconds() / 3600.0 for r in runs if counts(r, min_seconds)]
+    return statistics.median(got[:keep]) if got else None

@@ -244,6 +244,16 @@ class GpuHub(Configurable):
         """,
     ).tag(config=True)
 
+    queue_min_run_seconds = Float(
+        300.0,
+        help="""Runs shorter than this, in seconds, do not count toward a user's typical run
+        length (the median of their last 20, which the queue's expected starts and backfill
+        go by); nor do runs that gpuhub ended (an idle reclaim, a preemption). So GPUs taken
+        and given back at once, or never used, cannot make a user's runs look short.
+        ``c.GpuHub.queue_min_run_seconds = 600``
+        """,
+    ).tag(config=True)
+
     default_borrow = Int(
         0,
         help="""GPUs any user may borrow beyond their limit, unless a group or user entry says
@@ -346,6 +356,7 @@ class GpuHub(Configurable):
             max_wait_hours=self.queue_max_wait_hours,
             default_run_hours=self.queue_default_run_hours,
             reservations=self.queue_reservations,
+            min_run_seconds=self.queue_min_run_seconds,
         )
 
     def borrow_settings(self) -> BorrowSettings:
@@ -390,6 +401,9 @@ class GpuHub(Configurable):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"c.GpuHub.{name} must be a positive number; got {value!r}")
+        value = self.queue_min_run_seconds
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"c.GpuHub.queue_min_run_seconds must be 0 or more seconds; got {value!r}")
         return Weights(
             fairshare=self.priority_weight_fairshare,
             age=self.priority_weight_age,

@@ -1,9 +1,14 @@
-"""The broker's preemption pass: borrowed GPUs taken back for requests within their limit.
+"""The broker's preemption pass: GPUs taken back for requests that wait within their limit.
 
-Every ``c.GpuBroker.sweep_seconds`` it asks the ledger to give notice to the borrowed
-allocations that stand between the head of the queue and its GPUs
-(:meth:`~spawner.ledger.Ledger.preempt_for_queue`), and stops the servers whose notice is
-due (a burst's kernel is refused its next renewal instead, stops its engines and releases).
+Every ``c.GpuBroker.sweep_seconds`` it settles the notices given before
+(:meth:`~spawner.ledger.Ledger.settle_preemptions`: a notice whose request no longer waits is
+withdrawn, a burst whose notice is due is ended there and then, its GPUs freed for the
+waiter), stops the servers whose notice is due, and gives notice to the allocations (borrowed
+ones, and those that started ahead of the queue's reservations) that stand between the head of
+the queue and its GPUs (:meth:`~spawner.ledger.Ledger.preempt_for_queue`). A burst's kernel
+learns of the end from the broker (its allocation is released: its renewals and checks say
+so) and stops its engines; of a withdrawn notice, the same way (the allocation's
+``preemption`` is gone, ``preemption_withdrawn`` says why).
 """
 
 from __future__ import annotations
@@ -26,25 +31,36 @@ class Preempter:
     async def check(self) -> list[int]:
         """One pass; returns the allocations given notice in it."""
         broker = self.broker
+        settled = await broker.run(broker.ledger.settle_preemptions)
+        for p in settled.withdrawn:
+            log.warning(
+                "withdrew the notice to allocation %s of %s (%s): %s",
+                p.allocation_id,
+                p.user,
+                p.purpose,
+                p.withdrawn_reason,
+            )
+        for p in settled.ended:
+            log.warning(
+                "ended %s's burst allocation %s at its due time: %s", p.user, p.allocation_id, p.reason
+            )
         made = await broker.run(broker.ledger.preempt_for_queue)
         for p in made:
             broker.metrics.preemptions.labels(purpose=p.purpose).inc()
             log.warning(
-                "preempting allocation %s of %s (%s, %s borrowed GPU(s)) for %s; due %s UTC",
+                "preempting allocation %s of %s (%s, %s GPU(s), %s borrowed) for %s; due %s UTC",
                 p.allocation_id,
                 p.user,
                 p.purpose,
+                p.gpus,
                 p.borrowed,
                 p.for_user,
                 f"{p.due:%H:%M:%S}",
             )
-        due = await broker.run(broker.ledger.due_preemptions)
-        live = {p.allocation_id for p, _ in due}
+        live = {p.allocation_id for p in settled.servers}
         for gone in set(self._asked) - live:
             del self._asked[gone]
-        for p, is_server in due:
-            if not is_server:
-                continue  # its renewals are refused now: its kernel stops the engines
+        for p in settled.servers:
             asked = self._asked.get(p.allocation_id)
             if asked is not None and self.clock() - asked < RETRY_SECONDS:
                 continue

@@ -118,11 +118,12 @@ class PreemptionsHandler(_SinceHandler):
             return
         ledger = self.broker.ledger
         found = await self.broker.run(ledger.preemption_records, who, since)
+        admin = access.is_admin(self.require_caller())  # for_user: admins only
         per_user = await self.broker.run(ledger.borrowing_totals, since, now, who)
         self.finish(
             {
                 "since": views.iso(since),
-                "preemptions": [views.preemption_json(n) for n in found],
+                "preemptions": [views.preemption_json(n, admin) for n in found],
                 "users": per_user,
                 "total": {
                     "preemptions": len(found),

@@ -22,6 +22,13 @@ def preemption_of(a: AllocationInfo) -> dict[str, Any] | None:
     return None if a.preempt_due is None else {"due": iso(a.preempt_due), "reason": a.preempt_reason}
 
 
+def withdrawn_of(a: AllocationInfo) -> dict[str, Any] | None:
+    """The notice it had, withdrawn (the ledger's row says when and why); None: none was."""
+    if a.withdrawn is None or a.preempt_due is not None:
+        return None
+    return {"at": iso(a.withdrawn), "reason": a.withdrawn_reason}
+
+
 def allocation_json(a: AllocationInfo) -> dict[str, Any]:
     return {
         "id": a.id,
@@ -40,7 +47,9 @@ def allocation_json(a: AllocationInfo) -> dict[str, Any]:
         "gpus": [{"node": g.node, "index": g.index, "model": g.model} for g in a.gpus],
         "gpu_count": a.gpu_count,
         "borrowed": a.borrowed,
+        "backfill": a.backfill,
         "preemption": preemption_of(a),
+        "preemption_withdrawn": withdrawn_of(a),
     }
 
 
@@ -115,9 +124,12 @@ def me_json(
     }
 
 
-def preemption_json(n: PreemptionNotice) -> dict[str, Any]:
-    """A preemption, with when its allocation ended (null while it lives: the notice runs)."""
+def preemption_json(n: PreemptionNotice, admin: bool = False) -> dict[str, Any]:
+    """A preemption, with when its allocation ended (null while it lives: the notice runs) and
+    whether the notice was withdrawn. Whose request it was (``for_user``) is for admins only:
+    a user is not told who else waits (docs/borrowing.md)."""
     p = n.preemption
+    extra = {"for_user": p.for_user} if admin else {}
     return {
         "id": p.id,
         "allocation_id": p.allocation_id,
@@ -126,11 +138,13 @@ def preemption_json(n: PreemptionNotice) -> dict[str, Any]:
         "server_name": p.server_name,
         "gpus": p.gpus,
         "borrowed": p.borrowed,
-        "for_user": p.for_user,
+        **extra,
         "reason": p.reason,
         "created": iso(p.created),
         "due": iso(p.due),
         "ended": iso(n.ended),
+        "withdrawn": iso(p.withdrawn),
+        "withdrawn_reason": p.withdrawn_reason,
     }
 
 

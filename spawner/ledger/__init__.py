@@ -14,7 +14,8 @@ key (default, one group, one user); ``gpuhub limits unset`` returns that key to 
 
 The ledger is one class, :class:`Ledger`, made of parts, one module each: ``base`` (the
 database and transactions), ``combine``, ``inventory``, ``limits``, ``allocations`` (admission),
-``queue`` (waiting for GPUs), ``usage`` and ``spawner.reclaims``.
+``queue`` (waiting for GPUs), ``lending`` and ``takeback`` (borrowing, notices), ``usage`` and
+``spawner.reclaims``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .lending import LendingRecords, PreemptionInfo
 from .lending_reads import LendingReads, PreemptionNotice
 from .limits import LimitRecords
 from .queue import Admission, QueueInfo, QueueRecords
+from .takeback import Settled, TakeBackRecords
 from .usage import UsageRecords
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "PreemptionNotice",
     "QueueInfo",
     "QueueSettings",
+    "Settled",
     "utcnow",
 ]
 
@@ -59,6 +62,7 @@ class Ledger(
     QueueRecords,
     LendingRecords,
     LendingReads,
+    TakeBackRecords,
     LimitRecords,
     InventoryRecords,
     UsageRecords,

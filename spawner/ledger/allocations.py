@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import bindparam, insert, or_, select
 from sqlalchemy.orm import Session, selectinload
 
-from .. import policy
+from .. import borrowing, policy
 from ..db import connection
 from ..models import (
     ACTIVE_STATES,
@@ -36,7 +36,7 @@ LIVE_COUNTS = select(_A.c.gpu_count, gpus_of(_A.c.id), _A.c.borrowed).where(
 WINDOW_ROWS = select(_A.c.state, _A.c.gpu_count, *INTERVAL_COLUMNS).where(
     _A.c.user == bindparam("user"), or_(_A.c.ended.is_(None), _A.c.ended >= bindparam("since"))
 )
-# a release's one read: the allocation's state, its reclaim's reason, its preemption's
+# a release's one read: the allocation's state, its reclaim's reason, its standing preemption's
 RELEASE_READ = (
     select(
         _A.c.state,
@@ -46,7 +46,10 @@ RELEASE_READ = (
     )
     .select_from(_A)
     .outerjoin(Reclaim.__table__, Reclaim.__table__.c.allocation_id == _A.c.id)
-    .outerjoin(Preemption.__table__, Preemption.__table__.c.allocation_id == _A.c.id)
+    .outerjoin(
+        Preemption.__table__,
+        (Preemption.__table__.c.allocation_id == _A.c.id) & Preemption.__table__.c.withdrawn.is_(None),
+    )
     .where(_A.c.id == bindparam("id"))
 )
 
@@ -312,6 +315,7 @@ class AllocationRecords:
         deferred: bool = False,
         now: datetime | None = None,
         borrowed: int = 0,
+        backfill_for: Iterable[int] = (),
     ) -> AllocationInfo:
         """Write an allocation holding ``chosen`` (checked by the caller, in this transaction)
         and return its record. ``now``: the moment the caller decided at (the queue's plan),
@@ -333,6 +337,7 @@ class AllocationRecords:
             lease_expires=now + timedelta(seconds=lease_seconds) if leased else None,
             gpu_count=count,
             borrowed=borrowed,
+            backfill_for=borrowing.backfill_text(backfill_for),
         )
         conn = connection(s)
         aid = conn.execute(NEW_ALLOCATION, row).scalar_one()
@@ -357,6 +362,7 @@ class AllocationRecords:
             lease_expires=row["lease_expires"],
             gpu_count=max(count, len(gpus)),
             borrowed=borrowed,
+            backfill=row["backfill_for"] is not None,
         )
 
     def mark_running(self, allocation_id: int, backend_job_id: str | None = None) -> AllocationInfo:
@@ -480,7 +486,12 @@ class AllocationRecords:
             reclaimed = self._reclaim_reason(s, a.id)
             if reclaimed and not self._undo_if_used(s, a.id, active_at):
                 raise LookupError(f"allocation {allocation_id} was {reclaimed}")
-            preempted = self._preempt_reason(s, a.id, self.clock())
+            now = self.clock()
+            preempted = self._preempt_reason(s, a.id, now)
+            if preempted:  # due, but only for a request that still waits
+                self._end_stale(s, now)
+                self._withdraw_unwanted(s, now)
+                preempted = self._preempt_reason(s, a.id, now)
             if preempted:  # due: its kernel must stop the engines and release it
                 raise LookupError(f"allocation {allocation_id} was {preempted}")
             a.lease_expires = self.clock() + timedelta(seconds=lease_seconds)

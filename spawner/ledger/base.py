@@ -117,6 +117,7 @@ class QueueSettings:
     max_wait_hours: float = 12.0
     default_run_hours: float = 2.0
     reservations: int = 1
+    min_run_seconds: float = 300.0  # shorter runs (and those gpuhub ended) say nothing of a user's
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,9 @@ class AllocationInfo:
     borrowed: int = 0  # GPUs of it beyond the limit (lent while idle; may be taken back)
     preempt_due: datetime | None = None  # taken back then (the owner was given notice)
     preempt_reason: str | None = None
+    withdrawn: datetime | None = None  # a notice it had was withdrawn then (nobody waits for it)
+    withdrawn_reason: str | None = None
+    backfill: bool = False  # it started ahead of a reservation that still waits: may be taken back
 
     @property
     def active(self) -> bool:
@@ -203,6 +207,7 @@ def _info(a: Allocation, booked: Iterable[policy.Gpu] | None = None) -> Allocati
     """The record of ``a``; ``booked``: the GPUs of one just written (nothing to load)."""
     gpus = tuple(sorted(booked if booked is not None else (_gpu(ag.gpu) for ag in a.gpus)))
     preemption = None if booked is not None else a.preemption
+    pending = preemption is not None and preemption.withdrawn is None
     return AllocationInfo(
         id=a.id,
         user=a.user,
@@ -220,8 +225,11 @@ def _info(a: Allocation, booked: Iterable[policy.Gpu] | None = None) -> Allocati
         gpu_count=_count(a),
         idle_deadline=a.idle_deadline,
         borrowed=a.borrowed or 0,
-        preempt_due=preemption.due if preemption is not None else None,
-        preempt_reason=preemption.reason if preemption is not None else None,
+        preempt_due=preemption.due if pending else None,
+        preempt_reason=preemption.reason if pending else None,
+        withdrawn=preemption.withdrawn if preemption is not None else None,
+        withdrawn_reason=preemption.withdrawn_reason if preemption is not None else None,
+        backfill=a.backfill_for is not None,
     )
 
 
@@ -373,18 +381,24 @@ class LedgerBase(CombinedWrites):
         for aid, *g in s.execute(q):
             gpus.setdefault(aid, []).append(policy.Gpu(*g))
         notices = {
-            aid: (due, reason)
-            for aid, due, reason in s.execute(
-                select(Preemption.allocation_id, Preemption.due, Preemption.reason).join(
-                    live, live.c.id == Preemption.allocation_id
-                )
+            aid: rest
+            for aid, *rest in s.execute(
+                select(
+                    Preemption.allocation_id,
+                    Preemption.due,
+                    Preemption.reason,
+                    Preemption.withdrawn,
+                    Preemption.withdrawn_reason,
+                ).join(live, live.c.id == Preemption.allocation_id)
             )
         }
         out = []
         # sorted here: an ORDER BY id makes SQLite walk every allocation ever made in id order
         for a in sorted(s.execute(rows).mappings(), key=lambda a: a["id"]):
             held = tuple(sorted(gpus.get(a["id"], ())))
-            due, reason = notices.get(a["id"], (None, None))
+            due, reason, withdrawn, withdrawn_reason = notices.get(a["id"], (None,) * 4)
+            if withdrawn is not None:  # no notice stands
+                due = reason = None
             out.append(
                 AllocationInfo(
                     id=a["id"],
@@ -405,6 +419,9 @@ class LedgerBase(CombinedWrites):
                     borrowed=a["borrowed"] or 0,
                     preempt_due=due,
                     preempt_reason=reason,
+                    withdrawn=withdrawn,
+                    withdrawn_reason=withdrawn_reason,
+                    backfill=a["backfill_for"] is not None,
                 )
             )
         return out

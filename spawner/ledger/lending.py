@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from .. import borrowing, policy
@@ -37,6 +37,8 @@ class PreemptionInfo:
     reason: str
     created: datetime
     due: datetime
+    withdrawn: datetime | None = None  # the notice was withdrawn then: nobody waits for it now
+    withdrawn_reason: str | None = None
 
 
 def _preemption_info(p: Preemption) -> PreemptionInfo:
@@ -53,7 +55,15 @@ def _preemption_info(p: Preemption) -> PreemptionInfo:
         p.reason,
         p.created,
         p.due,
+        p.withdrawn,
+        p.withdrawn_reason,
     )
+
+
+def _standing(a: Allocation) -> Preemption | None:
+    """The allocation's notice, unless there is none or it was withdrawn."""
+    p = a.preemption
+    return p if p is not None and p.withdrawn is None else None
 
 
 class LendingRecords:
@@ -148,7 +158,11 @@ class LendingRecords:
         would let it start."""
         with self._read() as s:  # the broker asks every sweep: most of the time, nothing to do
             waits = s.scalar(select(QueueEntry.id).where(QueueEntry.state == "waiting").limit(1))
-            lent = s.scalar(select(Allocation.id).where(is_live(), has_borrowed()).limit(1))
+            lent = s.scalar(
+                select(Allocation.id)
+                .where(is_live(), or_(has_borrowed(), Allocation.backfill_for.is_not(None)))
+                .limit(1)
+            )
             if waits is None or lent is None:
                 return []
         with self._tx() as s:
@@ -161,15 +175,18 @@ class LendingRecords:
                 return []
             e = s.get(QueueEntry, head)
             live = self._active(s)
-            taken = [a for a in live if a.preemption is not None]
+            taken = [a for a in live if _standing(a) is not None]
             nodes = _nodes(e.on_nodes)
             inventory = [g for g in self._inventory(s) if nodes is None or g.node in nodes]
             coming = list(scene.free) + [_gpu(ag.gpu) for a in taken for ag in a.gpus if ag.held]
             coming = [g for g in coming if nodes is None or g.node in nodes]
+            # borrowed GPUs, and those that started ahead of this very entry (backfill)
             candidates = [
                 borrowing.Borrowed(a.id, a.created, tuple(_gpu(ag.gpu) for ag in a.gpus if ag.held))
                 for a in live
-                if (a.borrowed or 0) > 0 and a.preemption is None and a.user != e.user
+                if ((a.borrowed or 0) > 0 or e.id in borrowing.backfill_ids(a.backfill_for))
+                and _standing(a) is None
+                and a.user != e.user
             ]
             request = policy.Request(e.user, e.gpu_count, e.model, e.max_nodes, e.gpus_per_node)
             chosen = borrowing.victims(request, coming, inventory, candidates)
@@ -180,32 +197,27 @@ class LendingRecords:
             made = []
             for allocation_id in chosen:
                 a = by_id[allocation_id]
-                p = Preemption(
-                    allocation_id=a.id,
-                    user=a.user,
-                    purpose=a.purpose,
-                    server_name=a.server_name,
-                    gpus=max(a.gpu_count or 0, len(a.gpus)),
-                    borrowed=a.borrowed or 0,
-                    for_user=e.user,
-                    entry_id=e.id,
-                    reason=(
-                        # no name: users need not know who else waits (admins see for_user)
-                        f"preempted: {a.borrowed} borrowed GPU(s) taken back for another user's request "
-                        f"within its limit ({e.gpu_count} GPU(s), waiting since "
-                        f"{e.created:%H:%M} UTC)"
-                    ),
-                    created=now,
-                    due=now + grace,
-                )
-                s.add(p)
+                gpus = max(a.gpu_count or 0, len(a.gpus))
+                backfill = not a.borrowed
+                # a notice withdrawn before is the same row, given again (one per allocation)
+                p = a.preemption or Preemption(allocation_id=a.id)
+                p.user, p.purpose, p.server_name = a.user, a.purpose, a.server_name
+                p.gpus, p.borrowed, p.for_user, p.entry_id = gpus, a.borrowed or 0, e.user, e.id
+                p.reason = borrowing.notice_reason(p.borrowed, gpus, backfill, e.gpu_count, e.created)
+                p.created, p.due, p.withdrawn, p.withdrawn_reason = now, now + grace, None, None
+                if p.id is None:
+                    s.add(p)
                 made.append(p)
             s.flush()
             return [_preemption_info(p) for p in made]
 
     def _preempt_reason(self, s: Session, allocation_id: int, now: datetime | None = None) -> str | None:
         """The preemption's reason once it is due (None before, or when there is none)."""
-        p = s.scalar(select(Preemption).where(Preemption.allocation_id == allocation_id))
+        p = s.scalar(
+            select(Preemption).where(
+                Preemption.allocation_id == allocation_id, Preemption.withdrawn.is_(None)
+            )
+        )
         if p is None or (now is not None and now < p.due):
             return None
         return p.reason
@@ -215,10 +227,16 @@ class LendingRecords:
         (the broker stops those servers; a burst's kernel is refused its next renewal)."""
         with self._read() as s:
             now = self.clock()
-            q = (
+            q = (  # only for a request that still waits (a notice for one gone is withdrawn)
                 select(Preemption, Allocation)
                 .join(Allocation, Allocation.id == Preemption.allocation_id)
-                .where(Preemption.due <= now, is_live())
+                .outerjoin(QueueEntry, QueueEntry.id == Preemption.entry_id)
+                .where(
+                    Preemption.due <= now,
+                    Preemption.withdrawn.is_(None),
+                    or_(Preemption.entry_id.is_(None), QueueEntry.state == "waiting"),
+                    is_live(),
+                )
             )
             return [(_preemption_info(p), a.purpose == "server") for p, a in s.execute(q)]
 

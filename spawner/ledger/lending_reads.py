@@ -27,7 +27,12 @@ class PreemptionNotice:
 
     @property
     def pending(self) -> bool:
-        return self.ended is None
+        return self.ended is None and self.preemption.withdrawn is None
+
+    @property
+    def withdrawn(self) -> bool:
+        """The notice was withdrawn (the request it was for no longer waits): nothing is taken."""
+        return self.preemption.withdrawn is not None
 
 
 class LendingReads:
@@ -35,8 +40,8 @@ class LendingReads:
 
     def preemption_notices(self, user: str, days: float = 7.0) -> list[PreemptionNotice]:
         """The user's preemptions to tell them about, newest first: every one whose allocation
-        still lives (notice given, grace running or due), and servers taken back in the last
-        ``days`` and not started again since (one per server: the latest)."""
+        still lives (notice given, grace running or due, or withdrawn), and servers taken back
+        in the last ``days`` and not started again since (one per server: the latest)."""
         since = self.clock() - timedelta(days=days)
         with self._read() as s:
             rows = s.execute(
@@ -49,6 +54,8 @@ class LendingReads:
             for p, a in rows:
                 if a.state in ACTIVE_STATES:
                     out.append(PreemptionNotice(_preemption_info(p), None))
+                    continue
+                if p.withdrawn is not None:  # nothing was taken back: told while it lived
                     continue
                 if p.purpose != "server" or p.created < since or p.server_name in seen:
                     continue
@@ -106,7 +113,8 @@ class LendingReads:
         hours = self.borrowed_hours(since, until)
         counts: dict[str, int] = {}
         for n in self.preemption_records(user, since, until):
-            counts[n.preemption.user] = counts.get(n.preemption.user, 0) + 1
+            if not n.withdrawn:  # a withdrawn notice took nothing back
+                counts[n.preemption.user] = counts.get(n.preemption.user, 0) + 1
         users = {u for u, h in hours.items() if h > 0} | set(counts)
         if user is not None:
             users &= {user}

@@ -20,7 +20,6 @@ them, or when a limit lowered meanwhile no longer lets them start.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -29,7 +28,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from .. import fairshare, policy, queueplan, queueview
-from ..models import Allocation, KnownUser, QueueEntry, Reclaim
+from ..models import Allocation, KnownUser, Preemption, QueueEntry, Reclaim
 from .base import AllocationInfo, _gpu, _info
 
 NEW = 2**63 - 1  # the id a request not yet in the queue has in the plan (last on ties: it asked last)
@@ -164,6 +163,14 @@ class QueueRecords:
         w = self.queue_settings.weights
         cutoff = now - timedelta(hours=8 * w.half_life_hours)  # older use weighs under 0.4 %
         history = now - timedelta(days=HISTORY_DAYS)
+        taken = (  # ended by gpuhub: reclaimed for idleness, or taken back after a notice
+            or_(
+                select(Reclaim.id).where(Reclaim.allocation_id == Allocation.id).exists(),
+                select(Preemption.id)
+                .where(Preemption.allocation_id == Allocation.id, Preemption.withdrawn.is_(None))
+                .exists(),
+            ).label("taken")
+        )
         rows = s.execute(
             select(
                 Allocation.user,
@@ -171,22 +178,26 @@ class QueueRecords:
                 Allocation.started,
                 Allocation.ended,
                 Allocation.gpu_count,
+                taken,
             )
             .where(or_(Allocation.ended.is_(None), Allocation.ended >= min(cutoff, history)))
             .order_by(Allocation.id.desc())
         ).all()
         intervals: dict[str, list] = {}
-        runs: dict[str, list[float]] = {}
-        for user, created, started, ended, count in rows:
+        runs: dict[str, list[queueplan.Run]] = {}
+        least = self.queue_settings.min_run_seconds
+        for user, created, started, ended, count, by_gpuhub in rows:
             start = started or created
             if ended is None or ended >= cutoff:
                 intervals.setdefault(user, []).append((start, ended, count or 0))
-            if started is not None and ended is not None and ended >= history:
+            if ended is not None and ended >= history:
+                run = queueplan.Run(started, ended, bool(by_gpuhub))
                 got = runs.setdefault(user, [])
-                if len(got) < RUNS_PER_USER:
-                    got.append((ended - started).total_seconds() / 3600.0)
+                if len(got) < RUNS_PER_USER and queueplan.counts(run, least):  # only those that count
+                    got.append(run)
         usage = {u: fairshare.decayed_usage(iv, now, w.half_life_hours) for u, iv in intervals.items()}
-        return usage, {u: statistics.median(r) for u, r in runs.items() if r}
+        typical = {u: queueplan.typical_run_hours(r, least, RUNS_PER_USER) for u, r in runs.items()}
+        return usage, {u: h for u, h in typical.items() if h is not None}
 
     def _scene(
         self,
@@ -285,7 +296,7 @@ class QueueRecords:
                 fits=room,
             )
 
-    def _grant(self, s: Session, e: QueueEntry, gpus, now: datetime) -> AllocationInfo:
+    def _grant(self, s: Session, e: QueueEntry, gpus, now: datetime, ahead_of=()) -> AllocationInfo:
         booked = self._book(
             s,
             user=e.user,
@@ -296,6 +307,7 @@ class QueueRecords:
             backend=e.backend,
             lease_seconds=e.lease_seconds,
             now=now,
+            backfill_for=ahead_of,
         )
         e.state, e.ended, e.allocation_id = "granted", now, booked.id
         e.end_reason = f"started after {(now - e.created).total_seconds():.0f} s"
@@ -359,7 +371,7 @@ class QueueRecords:
                     f"of {policy._describe_limit(eff)}",
                 )
                 return Admission(entry=_entry_info(e))
-            allocation = self._grant(s, e, gpus, now)
+            allocation = self._grant(s, e, gpus, now, scene.plan.ahead_of.get(e.id, ()))
             return Admission(allocation=allocation, entry=_entry_info(e))
 
     def leave_queue(self, entry_id: int, reason: str = "left the queue") -> bool:
@@ -426,7 +438,7 @@ class QueueRecords:
     # the shared admission -------------------------------------------------------------
 
     def _granted(
-        self, s, user, purpose, server_name, request, gpus, backend, lease_seconds, now
+        self, s, user, purpose, server_name, request, gpus, backend, lease_seconds, now, ahead_of=()
     ) -> Admission:
         booked = self._book(
             s,
@@ -438,6 +450,7 @@ class QueueRecords:
             backend=backend,
             lease_seconds=lease_seconds,
             now=now,
+            backfill_for=ahead_of,
         )
         return Admission(allocation=booked)
 
@@ -495,7 +508,10 @@ class QueueRecords:
             adopt.state = "waiting"
         gpus = scene.plan.grants.get(NEW)
         if gpus is not None:
-            got = self._granted(s, user, purpose, server_name, request, gpus, backend, lease_seconds, now)
+            ahead = scene.plan.ahead_of.get(NEW, ())
+            got = self._granted(
+                s, user, purpose, server_name, request, gpus, backend, lease_seconds, now, ahead
+            )
             if adopt is not None:  # the start again that kept its place: granted, as any turn
                 adopt.state, adopt.ended, adopt.allocation_id = "granted", now, got.allocation.id
                 adopt.end_reason = f"started after {(now - adopt.created).total_seconds():.0f} s"
