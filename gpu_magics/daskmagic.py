@@ -30,7 +30,7 @@ from traitlets import Float
 
 from .arguments import COUNT
 from .burst import Burst
-from .daskprivate import WORKER_CONFIG, Private
+from .daskprivate import Private
 from .gpustats import nvml_problem
 from .ranks import Slot, choose_slots
 from .session import server_gpus
@@ -201,7 +201,7 @@ class DaskMagics(Magics):
                 import dask
 
                 private = Private.make()
-                with dask.config.set(WORKER_CONFIG):
+                with dask.config.set(private.config()):
                     cluster = private.cluster_class(make)(
                         n_workers=req.workers, **private.options(), **options
                     )

@@ -9,6 +9,10 @@
   through the owner's own Jupyter server (``gpu_magics.dashproxy``, behind JupyterHub's login) at
   ``{JUPYTERHUB_SERVICE_PREFIX}gpuhub/dask/<token>/status``; ``client.dashboard_link`` says so.
 - The workers' own HTTP servers (metrics only) serve no routes.
+- Scratch space (the scheduler's and every worker's ``local_directory``, which distributed puts
+  at ``sys.path[0]``, and Dask's ``temporary-directory``) is a directory made for this cluster,
+  0700, inside the cluster's own private directory: never distributed's default, a name under
+  the temporary place that another account could make first and fill with modules.
 
 The socket's place is found by the Jupyter server through a pointer file in the owner's Jupyter
 runtime directory (``gpuhub-dask/<token>.sock-path``), which Jupyter keeps private to the owner.
@@ -21,9 +25,10 @@ import re
 import secrets
 import shutil
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .scratch import make_private
 
 TOKEN = re.compile(r"[0-9a-f]{32}")
 
@@ -72,20 +77,23 @@ class Private:
     directory: Path
     socket: str
     pointer: Path
+    scratch: Path
 
     @classmethod
     def make(cls) -> Private:
         from distributed.security import Security
 
         token = secrets.token_hex(16)
-        directory = Path(tempfile.mkdtemp(prefix="gpuhub-dask-"))  # 0700, short (a socket path
-        # may hold about 100 bytes, which a home directory's runtime path can exceed)
+        # 0700, short (a socket path may hold about 100 bytes, which a home directory's runtime
+        # path can exceed), under the process's private TMPDIR (gpu_magics.scratch)
+        directory = make_private(prefix="gpuhub-dask-")
+        scratch = make_private(directory, prefix="scratch-")
         pointer = pointer_dir() / f"{token}.sock-path"
         sock = str(directory / "http.sock")
         fd = os.open(pointer, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(sock)
-        return cls(Security.temporary(), token, directory, sock, pointer)
+        return cls(Security.temporary(), token, directory, sock, pointer, scratch)
 
     def remove(self) -> None:
         self.pointer.unlink(missing_ok=True)
@@ -98,7 +106,13 @@ class Private:
             "protocol": "tls://",
             "host": "127.0.0.1",
             "dashboard_address": "private",  # not None: the dashboard routes are served
+            "local_directory": str(self.scratch),
         }
+
+    def config(self) -> dict:
+        """Dask configuration to make the cluster in (workers get it from their nanny): the
+        workers' HTTP routes off, and the cluster's scratch as Dask's temporary directory."""
+        return {**WORKER_CONFIG, "temporary-directory": str(self.scratch)}
 
     def cluster_class(self, base: type) -> type:
         """``base`` whose scheduler serves HTTP on the private socket only."""

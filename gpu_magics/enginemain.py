@@ -92,6 +92,11 @@ def with_log_level(argv: list[str], level: str = "WARN") -> list[str]:
 if __name__ == "__main__":
     from ipyparallel.engine.app import main
 
+    from gpu_magics.scratch import private_tmpdir
+
+    # the engine's temporary files: its kernel's private TMPDIR where that is on this node,
+    # else one of its own (an engine on another Slurm node)
+    private_tmpdir()
     _install_preempt_handler()
     sys.argv = with_log_level(sys.argv)
     main()

@@ -30,6 +30,17 @@ handlers, ORM and SQLAlchemy (0.6-0.8 s in every job, before the port is even re
 a single-user server never uses. A port the hub refuses ends the launcher with the hub's
 answer (batchspawner's would start a server the hub can never find).
 
+**Private temporary files.** The launcher gives the server a ``TMPDIR`` of the user's own
+(``gpu_magics.scratch.private_tmpdir``: an inherited one only if it is a 0700 directory of the
+user's, else a new one with a random name), which the server's kernels, their engines and Dask
+inherit, so no process of the user writes to a shared name under ``/tmp`` that another account
+could have made first.
+
+**No generic proxy.** jupyter-server-proxy is installed for the private Dask dashboard
+(``gpu_magics.dashproxy`` uses its handler class), and its own server extension would serve
+``/proxy/<port>/`` to any loopback port, another account's included, on the hub's origin with
+the user's cookies. The launcher turns that extension off (:data:`SERVER_ARGS`).
+
 The hub's spawners start ``gpuhub-singleuser`` by default (``c.Spawner.cmd``); it takes
 ``jupyterhub-singleuser``'s arguments. ``python -m spawner.singleuser`` is the same.
 """
@@ -47,6 +58,8 @@ import threading
 import types
 
 DEFERRED = "rfc3987_syntax"
+# every gpuhub server's own options, after the spawner's (a later value wins)
+SERVER_ARGS = ("--ServerApp.jpserver_extensions=jupyter_server_proxy=False",)
 _lock = threading.Lock()
 
 
@@ -214,7 +227,15 @@ def launched_command(argv: list[str]) -> str | None:
     return shutil.which(argv[1])
 
 
+def server_argv(argv: list[str]) -> list[str]:
+    """``argv`` with :data:`SERVER_ARGS` after the spawner's options (pure)."""
+    return [*argv, *(a for a in SERVER_ARGS if a not in argv)]
+
+
 def main() -> None:
+    from gpu_magics.scratch import private_tmpdir
+
+    private_tmpdir()
     defer_import()
     defer_lab_registry()
     command = launched_command(sys.argv)
@@ -230,6 +251,7 @@ def main() -> None:
         return
     from jupyterhub.singleuser import main as singleuser_main
 
+    sys.argv = server_argv(sys.argv)
     sys.exit(singleuser_main())
 
 

@@ -51,12 +51,19 @@ def require_cluster() -> None:
 
 
 def ensure_unix_users(names=USERS) -> None:
-    """Slurm jobs run as real users: create the demo users (home directories) if missing."""
+    """Slurm jobs run as real users: create the demo users if missing, each with a home that
+    only they can open (0700, as docs/security.md asks of production; Debian's useradd would
+    make it 0755, and another user could read the server's log and notebooks there)."""
     for name in names:
         try:
-            pwd.getpwnam(name)
+            home = pwd.getpwnam(name).pw_dir
         except KeyError:
-            subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", name], check=True)
+            subprocess.run(
+                ["useradd", "--create-home", "-K", "HOME_MODE=0700", "--shell", "/bin/bash", name], check=True
+            )
+            home = pwd.getpwnam(name).pw_dir
+        if os.path.isdir(home) and os.stat(home).st_mode & 0o077:
+            os.chmod(home, 0o700)
 
 
 def slurm(*argv: str, user: str | None = None, input: str | None = None, check=True):

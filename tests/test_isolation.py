@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from .hubtools import DEMO_PASSWORD, Hub
+from .hubtools import DEMO_PASSWORD, Hub, free_port
 from .kerneltools import run_cell
 from .slurmtools import ensure_unix_users
 from .test_broker_pages import login
@@ -225,3 +225,153 @@ attempt("ipyparallel with a guessed key", engines)
     assert out.count("3.0") == 2, out
     cell(kc, "%distributed shutdown")
     assert not os.path.exists(os.path.dirname(store))
+
+
+def private_to(path: str, user: str) -> bool:
+    st = os.lstat(path)
+    return os.path.isdir(path) and st.st_uid == pwd.getpwnam(user).pw_uid and st.st_mode & 0o077 == 0
+
+
+def test_alices_server_has_no_generic_proxy_for_bob_to_listen_behind(victim):
+    """bob listens on a loopback port; a page alice's browser loads from her own server's
+    ``/proxy/<bob's port>/`` would hand him her cookies. Her server has no such route."""
+    hub, _ = victim
+    port = free_port()
+    listener = subprocess.Popen(
+        ["runuser", "-u", ATTACKER, "--", sys.executable, "-c", LISTEN, str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout.readline().strip() == "listening"
+        alice = hub.login(VICTIM)
+        base = f"{hub.url}/user/{VICTIM}"
+        answers = {
+            path: alice.get(f"{base}/{path}", timeout=30).status_code
+            for path in (
+                f"proxy/{port}/x.png",
+                f"proxy/127.0.0.1:{port}/x.png",
+                f"proxy/absolute/{port}/x.png",
+                "server-proxy/servers-info",
+            )
+        }
+        assert answers == dict.fromkeys(answers, 404), answers
+        assert alice.get(f"{base}/lab", timeout=30).status_code == 200  # the same session reaches her server
+    finally:
+        listener.terminate()
+        got = listener.communicate(timeout=30)[0]
+    assert "REQUEST" not in got, got  # not one request reached bob, so no cookie either
+
+
+LISTEN = """
+import socket, sys
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+while True:
+    c, _ = s.accept()
+    print("REQUEST", c.recv(65536)[:200], flush=True)
+    c.close()
+"""
+
+
+def test_bob_cannot_plant_code_in_alices_dask_scratch_nor_stall_it(victim):
+    """bob makes distributed's default scratch places first (open to all, a module in each) and
+    holds their lock: alice's cluster uses none of them, imports nothing of his, and starts."""
+    _, kc = victim
+    uid = pwd.getpwnam(VICTIM).pw_uid
+    planted = [f"/tmp/dask-scratch-space-{uid}", "/tmp/dask-scratch-space"]
+    locker = None
+    try:
+        R = as_attacker(
+            ATTEMPT
+            + """
+import os
+for d in F["planted"]:
+    def plant(d=d):
+        os.makedirs(d, exist_ok=True)
+        os.chmod(d, 0o777)
+        open(os.path.join(d, "bobs_module.py"), "w").write("import os\\nBOB = os.getuid()\\n")
+        os.chmod(os.path.join(d, "bobs_module.py"), 0o666)
+    attempt(d, plant)
+""",
+            planted=planted,
+        )
+        assert R == dict.fromkeys(planted, "OPEN"), R  # /tmp lets him: the names are his now
+        locker = subprocess.Popen(
+            ["runuser", "-u", ATTACKER, "--", sys.executable, "-c", LOCK, *planted],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert locker.stdout.readline().strip() == "locked"
+
+        out = cell(kc, "%dask_cuda --cpu --workers 1")
+        assert "Dask cluster up" in out, out
+        facts = json.loads(
+            cell(
+                kc,
+                "import json, os, sys, tempfile\n"
+                "def where(dask_worker):\n"
+                "    import importlib.util, os\n"
+                "    return {'dir': dask_worker.local_directory, 'tmp': os.environ.get('TMPDIR'),\n"
+                "            'bob': importlib.util.find_spec('bobs_module') is not None}\n"
+                "w = list(client.run(where).values())[0]\n"
+                "import importlib.util\n"
+                "print(json.dumps({'worker': w, 'kernel_tmp': tempfile.gettempdir(),\n"
+                "    'kernel_bob': importlib.util.find_spec('bobs_module') is not None,\n"
+                "    'sched_dir': client.run_on_scheduler(lambda dask_scheduler: "
+                "dask_scheduler.local_directory)}))",
+            ).strip()
+        )
+        assert facts["kernel_bob"] is False and facts["worker"]["bob"] is False, facts
+        for path in (facts["worker"]["dir"], facts["sched_dir"]):
+            assert not any(path.startswith(p) for p in planted), facts
+        # the worker's scratch lies in directories of alice's that only she can open
+        assert private_to(os.path.dirname(os.path.dirname(facts["worker"]["dir"])), VICTIM), facts
+        assert private_to(facts["kernel_tmp"], VICTIM), facts
+        assert cell(kc, "print(client.submit(lambda x: x * 2, 21).result())").strip() == "42"
+        assert "Dask cluster closed" in cell(kc, "%dask_cuda shutdown")
+        # nothing of alice's was written into bob's places (the lock file is bob's own)
+        assert all(sorted(os.listdir(p)) == ["bobs_module.py", "global.lock"] for p in planted), [
+            os.listdir(p) for p in planted
+        ]
+    finally:
+        if locker is not None:
+            locker.communicate("", timeout=30)
+        subprocess.run(["rm", "-rf", *planted], check=True)
+
+
+LOCK = """
+import fcntl, os, sys
+held = []
+for d in sys.argv[1:]:
+    f = open(os.path.join(d, "global.lock"), "a+")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    held.append(f)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_alices_server_kernel_and_engines_keep_temporary_files_private(victim):
+    _, kc = victim
+    # the kernel's environment is the one its server gave it (the server makes TMPDIR at start)
+    server_tmp = cell(kc, "import os\nprint(os.environ['TMPDIR'])").strip()
+    assert server_tmp.startswith("/tmp/gpuhub-") and private_to(server_tmp, VICTIM), server_tmp
+    out = cell(kc, "%%distributed --gpus 2\nimport os, tempfile\nprint('TMP', tempfile.gettempdir())")
+    engine_tmps = {line.split("TMP ", 1)[1].strip() for line in out.splitlines() if "TMP " in line}
+    assert engine_tmps == {server_tmp}, out
+    cell(kc, "%distributed shutdown")
+    # bob can neither list nor write there
+    R = as_attacker(
+        ATTEMPT
+        + """
+import os
+attempt("list", lambda: os.listdir(F["tmp"]))
+attempt("write", lambda: open(os.path.join(F["tmp"], "x"), "w"))
+""",
+        tmp=server_tmp,
+    )
+    assert R == {"list": "PermissionError", "write": "PermissionError"}, R

@@ -109,17 +109,17 @@ def test_nothing_is_deferred_that_is_not_installed_or_already_imported():
 
 SERVER = """
 import json, logging, sys, tempfile
-from spawner.singleuser import defer_import
+from spawner.singleuser import defer_import, server_argv
 defer_import()
 from jsonschema import ValidationError
 from jupyter_server.serverapp import ServerApp
 
 app = ServerApp()
-app.initialize(argv=[
+app.initialize(argv=server_argv([
     "--allow-root", "--ServerApp.open_browser=False", "--ServerApp.ip=127.0.0.1",
     "--ServerApp.port={port}", "--IdentityProvider.token=", "--ServerApp.root_dir=" + tempfile.mkdtemp(),
     "--ServerApp.jpserver_extensions=gpu_magics.reporter=True",
-])
+]))
 
 def rejected(schema_id, data):
     try:
@@ -167,11 +167,13 @@ def test_a_server_started_through_the_launcher_loads_its_extensions_and_validate
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: requests.get(f"{base}/api", timeout=5).ok, 60, "the server to answer")
         assert requests.get(f"{base}/lab", timeout=10).status_code == 200  # jupyterlab
-        info = requests.get(f"{base}/server-proxy/servers-info", timeout=10)
-        assert info.status_code == 200 and "server_processes" in info.json()  # jupyter_server_proxy
+        # jupyter-server-proxy is installed, and its routes are not served (spawner.singleuser)
+        for path in ("server-proxy/servers-info", f"proxy/{port}/api", f"proxy/absolute/{port}/api"):
+            assert requests.get(f"{base}/{path}", timeout=10).status_code == 404, path
         text = open(tmp_path / "server.log").read()
-        for name in ("jupyterlab", "jupyter_server_proxy", "gpu_magics.reporter", "ipyparallel"):
+        for name in ("jupyterlab", "gpu_magics.reporter", "ipyparallel"):
             assert f"{name} | extension was successfully loaded" in text, text[-3000:]
+        assert "jupyter_server_proxy | extension was successfully loaded" not in text
         assert "extension failed" not in text
     finally:
         proc.terminate()
@@ -278,8 +280,7 @@ def test_a_hub_server_is_started_by_the_launcher_and_answers_with_its_extensions
         assert b"spawner.singleuser" in cmdline
         assert hub.api_url_request("GET", "/user/alice/api/status").status_code == 200
         assert hub.api_url_request("GET", "/user/alice/lab").status_code == 200
-        info = hub.api_url_request("GET", "/user/alice/server-proxy/servers-info")
-        assert info.status_code == 200 and "server_processes" in info.json()
+        assert hub.api_url_request("GET", "/user/alice/server-proxy/servers-info").status_code == 404
     finally:
         hub.stop_server("alice")
 
@@ -292,6 +293,8 @@ def test_a_slurm_server_is_started_by_the_launcher_and_answers(tmp_path):
         cmdline = open(f"/proc/{slurm_hub.server_pid('alice')}/cmdline", "rb").read().split(b"\0")
         assert str(slurmtools.VENV_BIN / "gpuhub-singleuser").encode() in cmdline
         assert slurm_hub.api_url_request("GET", "/user/alice/lab").status_code == 200
+        # no generic proxy on a Slurm node either, where the server's loopback is everyone's
+        assert slurm_hub.api_url_request("GET", "/user/alice/proxy/22/").status_code == 404
 
 
 def test_a_server_that_dies_before_it_answers_fails_the_spawn_and_frees_its_gpus(tmp_path):
