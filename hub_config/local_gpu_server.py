@@ -8,6 +8,14 @@ file, so ``gpuhub limits set --group students 2`` and ``gpuhub gpus`` work there
 c = get_config()  # noqa: F821 - provided by JupyterHub when it loads this file
 
 c.JupyterHub.bind_url = "http://0.0.0.0:8000"  # put TLS in front, or set ssl_cert/ssl_key
+
+# Each user's server on an origin of its own, over HTTPS (docs/security.md, production
+# settings): a page one user's server serves can then neither send another user's cookies nor
+# script another user's server. It needs a wildcard DNS name and certificate (*.hub.example.org);
+# put in your names and uncomment:
+# c.JupyterHub.subdomain_host = "https://hub.example.org"
+# c.JupyterHub.ssl_cert = "/etc/jupyterhub/ssl/hub.example.org.crt"
+# c.JupyterHub.ssl_key = "/etc/jupyterhub/ssl/hub.example.org.key"
 c.JupyterHub.authenticator_class = "pam"  # Unix accounts of this machine
 c.Authenticator.admin_users = {"gpuadmin"}
 c.Authenticator.allow_all = True  # or allowed_users / allowed_groups

@@ -20,6 +20,17 @@ USER_ENV = Path(sys.executable).parent  # the users' environment; a shared path 
 c.JupyterHub.bind_url = "http://:8000"
 c.JupyterHub.hub_ip = "0.0.0.0"  # servers on compute nodes call the hub back
 c.JupyterHub.cleanup_servers = False  # a hub restart leaves the jobs (and their GPUs) alone
+
+# Each user's server on an origin of its own, over HTTPS (docs/security.md, production
+# settings): a page one user's server serves can then neither send another user's cookies nor
+# script another user's server. It needs a wildcard DNS name and certificate (*.hub.example.org);
+# put in your names and uncomment:
+# c.JupyterHub.subdomain_host = "https://hub.example.org"
+# c.JupyterHub.ssl_cert = "/etc/jupyterhub/ssl/hub.example.org.crt"
+# c.JupyterHub.ssl_key = "/etc/jupyterhub/ssl/hub.example.org.key"
+# and TLS between the hub, the proxy and the servers on compute nodes (JupyterHub's
+# internal_ssl; its certificates must reach each server's node):
+# c.JupyterHub.internal_ssl = True
 # c.JupyterHub.authenticator_class = "pam"   (or your site's authenticator)
 
 c.JupyterHub.spawner_class = "gpu-slurm"
