@@ -120,7 +120,11 @@ class LeaseKeeper:
     An allocation with borrowed GPUs may be taken back with notice (``preemption``: the
     broker's ``{"due", "reason"}``): it is also looked at (``GET allocations/{id}``) every
     ``check_seconds`` between renewals, so that a grace period shorter than a third of the
-    lease is not missed; ``on_notice(preemption)`` is called once, from this thread.
+    lease is not missed; ``on_notice(preemption)`` is called once per notice, from this
+    thread. So is an allocation that started ahead of the queue (``backfill``: it may be taken
+    back for the request it went ahead of). A notice the broker withdraws (the request it was
+    for no longer waits: the answer's ``preemption`` is null and ``preemption_withdrawn`` says
+    when and why, from the ledger's row) is passed on as ``on_notice({"withdrawn": ...})``.
     """
 
     def __init__(
@@ -149,12 +153,17 @@ class LeaseKeeper:
     def borrowed(self) -> int:
         return int(self.allocation.get("borrowed") or 0)
 
+    @property
+    def preemptible(self) -> bool:
+        """Borrowed GPUs, or GPUs that started ahead of the queue: they may be taken back."""
+        return bool(self.borrowed or self.allocation.get("backfill"))
+
     def _run(self) -> None:
         every = self.lease_seconds / 3
         next_renewal = time.monotonic() + every
         while True:
             wait = next_renewal - time.monotonic()
-            if self.borrowed and self.check_seconds:  # only borrowed GPUs are ever taken back
+            if self.preemptible and self.check_seconds:  # only such GPUs are ever taken back
                 wait = min(wait, self.check_seconds)
             if self._stop.wait(max(0.0, wait)):
                 return
@@ -185,14 +194,24 @@ class LeaseKeeper:
                 self._say(f"could not renew the lease of allocation {self.allocation['id']}: {e!r}")
 
     def _noticed(self, answer: dict) -> None:
-        """A preemption notice in the broker's answer, passed on once."""
+        """A preemption notice in the broker's answer, passed on once (a new one, given again
+        after a withdrawal, once more); a withdrawal the ledger recorded, passed on once."""
         notice = answer.get("preemption")
-        if not notice or self.preemption:
+        if not notice:
+            withdrawn = answer.get("preemption_withdrawn")
+            if self.preemption and withdrawn and answer.get("state") != "released":
+                self.preemption = None
+                self._tell({"withdrawn": withdrawn})
+            return
+        if notice == self.preemption:
             return
         self.preemption = notice
+        self._tell(notice)
+
+    def _tell(self, what: dict) -> None:
         if self.on_notice is not None:
             try:
-                self.on_notice(notice)
+                self.on_notice(what)
             except Exception as e:  # never let it end the renewals
                 self._say(f"while showing the preemption notice of allocation {self.allocation['id']}: {e!r}")
 

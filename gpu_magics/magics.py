@@ -198,6 +198,14 @@ class Notice:
         return datetime.fromtimestamp(self.due, UTC).strftime("%H:%M:%S UTC")
 
 
+def _taken(part) -> str:
+    """What of a burst may be taken back: its borrowed GPUs, or all of one that started ahead
+    of the queue (backfill)."""
+    if part.borrowed:
+        return f"{part.borrowed} borrowed GPU(s)"
+    return f"{part.size} GPU(s) that started ahead of the queue"
+
+
 def parse_due(text: str | None) -> float:
     """The broker's ISO time (UTC) as Unix time; now when there is none."""
     if not text:
@@ -634,7 +642,21 @@ class DistributedMagics(CheckpointCommands, Magics):
 
     def _on_notice(self, part: Burst, notice: dict) -> None:
         """The lease's thread saw a preemption notice for ``part``: remember it, and act at
-        its time even if no cell runs then."""
+        its time even if no cell runs then. A withdrawal (``{"withdrawn": {"at", "reason"}}``,
+        the ledger's) forgets it: its timer then finds it is no longer the current notice."""
+        withdrawn = notice.get("withdrawn")
+        if withdrawn is not None:
+            with self.lock:
+                n = self._notice
+                if n is None or n.part is not part or n.acted:
+                    return
+                self._notice = None
+            say(
+                f"gpuhub: the notice for {_taken(part)} of this pool (allocation #{part.id}) was "
+                f"{withdrawn.get('reason') or 'withdrawn'}. Nothing is taken back: the pool keeps them.",
+                err=True,
+            )
+            return
         self._notice = Notice(part, notice.get("reason") or "preempted", parse_due(notice.get("due")))
         self._arm_notice_timer(self._notice)
 
@@ -669,7 +691,7 @@ class DistributedMagics(CheckpointCommands, Magics):
     def _notice_text(self, n: Notice) -> str:
         left = max(0, n.due - time.time())
         head = (
-            f"gpuhub: NOTICE: {n.part.borrowed} borrowed GPU(s) of this pool (allocation #{n.part.id}) "
+            f"gpuhub: NOTICE: {_taken(n.part)} of this pool (allocation #{n.part.id}) "
             f"are taken back at {n.due_text} (in {left:.0f} s): {n.reason}."
         )
         if self.autosave:
@@ -746,7 +768,7 @@ class DistributedMagics(CheckpointCommands, Magics):
         t.start()
 
         lines = [
-            f"gpuhub: the pool's {n.part.borrowed} borrowed GPU(s) (allocation #{n.part.id}) are taken "
+            f"gpuhub: the pool's {_taken(n.part)} (allocation #{n.part.id}) are taken "
             f"back at {n.due_text}: {n.reason}."
         ]
         kept = [f["name"] for f in saved.files] if saved else []

@@ -29,13 +29,22 @@ def render_notices(notices: list[ReclaimInfo]) -> str:
     return "".join(parts)
 
 
-def _gpus(n: int) -> str:
-    return f"{n} borrowed GPU{'' if n == 1 else 's'}"
+def _gpus(p) -> str:
+    """What a notice takes back: the borrowed GPUs, or all of one that started ahead of the
+    queue (backfill: ``borrowed`` 0)."""
+    if p.borrowed:
+        return f"{p.borrowed} borrowed GPU{'' if p.borrowed == 1 else 's'}"
+    return f"{p.gpus} GPU{'' if p.gpus == 1 else 's'} (started ahead of the queue)"
+
+
+def _count(p) -> int:
+    return p.borrowed or p.gpus
 
 
 def render_preemptions(notices: list[PreemptionNotice], now=None) -> str:
     """The home page's text for a user's preemptions (HTML, every value escaped): a pending
-    one says when its borrowed GPUs will be taken back, a done one (a server) when they were."""
+    one says when its borrowed GPUs will be taken back, a done one (a server) when they were,
+    a withdrawn one that they will not be."""
     parts = []
     for n in notices:
         p = n.preemption
@@ -45,20 +54,26 @@ def render_preemptions(notices: list[PreemptionNotice], now=None) -> str:
             which = f"Your burst #{p.allocation_id}'s"
         attrs = f'class="gpuhub-preemption" data-preemption="{p.id}"'
         reason = escape(p.reason)
-        if n.pending:
+        if n.withdrawn:  # the ledger's row says so: nothing is taken back
+            parts.append(
+                f'<p {attrs} data-state="withdrawn">{which} {_gpus(p)} will not be taken back: the '
+                f"notice of {p.created:%H:%M:%S} UTC was withdrawn at {p.withdrawn:%H:%M:%S} UTC "
+                f"({escape(p.withdrawn_reason or 'withdrawn')}).</p>"
+            )
+        elif n.pending:
             late = now is not None and now >= p.due
-            are = "is" if p.borrowed == 1 else "are"
+            are = "is" if _count(p) == 1 else "are"
             when = f"{are} being taken back now" if late else f"will be taken back at {p.due:%H:%M:%S} UTC"
             then = "gpuhub stops the server then" if p.purpose == "server" else "its engines stop then"
             parts.append(
-                f'<p {attrs} data-state="pending">{which} {_gpus(p.borrowed)} {when} for a request '
+                f'<p {attrs} data-state="pending">{which} {_gpus(p)} {when} for a request '
                 f"within its limit: {then}. Save your work now. ({reason})</p>"
             )
         else:
             when = n.ended or p.due
             parts.append(
-                f'<p {attrs} data-state="done">{which} {_gpus(p.borrowed)} '
-                f"{'was' if p.borrowed == 1 else 'were'} taken back at "
+                f'<p {attrs} data-state="done">{which} {_gpus(p)} '
+                f"{'was' if _count(p) == 1 else 'were'} taken back at "
                 f"{when:%Y-%m-%d %H:%M} UTC for a request within its limit: gpuhub stopped the server "
                 f"({reason}). Your notebooks and files are saved; start it again within your limit, "
                 "or borrow again when GPUs are free and nobody waits.</p>"

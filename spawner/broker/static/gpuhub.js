@@ -387,7 +387,7 @@ function fillPreemptions(pre) {
   if (!body) return;
   const rows = pre.preemptions.map((p) => row(
     [utcTime(p.created), p.user, allocationWhat(p), `${p.borrowed} of ${p.gpus}`, p.for_user, utcTime(p.due),
-      p.ended ? utcTime(p.ended) : "not yet", p.reason],
+      p.withdrawn ? `notice withdrawn at ${utcTime(p.withdrawn)}` : (p.ended ? utcTime(p.ended) : "not yet"), p.reason],
     { "data-preemption": p.id, "data-user": p.user }));
   body.replaceChildren(...(rows.length ? rows : [emptyRow(8, "No preemptions in this period.")]));
   const users = document.querySelector("#borrowing-users tbody");
@@ -539,14 +539,22 @@ function preemptionNotice(p) {
   const which = p.purpose === "server"
     ? (p.server_name ? `Your server ${p.server_name}'s` : "Your server's")
     : `Your burst #${p.allocation_id}'s`;
-  const gpus = `${p.borrowed} borrowed GPU${p.borrowed === 1 ? "" : "s"}`;
+  const n = p.borrowed || p.gpus; // borrowed GPUs, or all of one that started ahead of the queue
+  const gpus = p.borrowed ? `${p.borrowed} borrowed GPU${p.borrowed === 1 ? "" : "s"}`
+    : `${p.gpus} GPU${p.gpus === 1 ? "" : "s"} (started ahead of the queue)`;
   let text;
+  if (p.withdrawn) { // the ledger's row says so: nothing is taken back
+    text = `${which} ${gpus} will not be taken back: the notice of ${utcTime(p.created)} was withdrawn at ${utcTime(p.withdrawn)} (${p.withdrawn_reason}).`;
+    const box = el("div", { class: "alert alert-info", role: "status", "data-preemption": p.id, "data-state": "withdrawn" });
+    box.append(el("strong", {}, text));
+    return box;
+  }
   if (p.ended) {
-    text = `${which} ${gpus} ${p.borrowed === 1 ? "was" : "were"} taken back at ${utcTime(p.ended)} for a request within its limit` +
+    text = `${which} ${gpus} ${n === 1 ? "was" : "were"} taken back at ${utcTime(p.ended)} for a request within its limit` +
       (p.purpose === "server" ? ": gpuhub stopped the server. Your notebooks and files are saved." : ".");
   } else {
     const left = (Date.parse(p.due) - Date.now()) / 1000;
-    const when = left > 0 ? `will be taken back at ${utcTime(p.due)} (in ${duration(left)})` : `${p.borrowed === 1 ? "is" : "are"} being taken back now`;
+    const when = left > 0 ? `will be taken back at ${utcTime(p.due)} (in ${duration(left)})` : `${n === 1 ? "is" : "are"} being taken back now`;
     const then = p.purpose === "server" ? "gpuhub stops the server then" : "its engines stop then";
     text = `${which} ${gpus} ${when} for a request within its limit: ${then}. Save your work now.`;
   }
