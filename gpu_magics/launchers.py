@@ -1,5 +1,6 @@
 """Where a pool's engines run. The pool (``pool.EnginePool``) asks its launcher, never "local or
-Slurm": ``cluster_options`` (where the controller listens), ``launch`` (start the engines),
+Slurm": ``cluster_options`` (where the controller listens), ``controller_args`` (its channels'
+protection: ``channels``), ``launch`` (start the engines),
 ``ranks`` (which engine is which rank, with each rank's environment), ``signal`` (reach the
 ranks' processes), ``local_pids`` (processes of ours here that the kernel's reaper ends) and
 ``stop``. ``LocalLauncher`` runs engines on this machine through ipyparallel; the Slurm backend's
@@ -9,12 +10,17 @@ ranks' processes), ``local_pids`` (processes of ours here that the kernel's reap
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 from traitlets.config import Config
 
+from . import channels
+
 # ipyparallel's engine with SIGUSR1 blocked in every thread (a stuck rank is freed by it)
 ENGINE_CMD = [sys.executable, "-m", "gpu_magics.enginemain"]
+# ipyparallel's controller, binding Unix sockets where its engines and clients look for them
+CONTROLLER_CMD = [sys.executable, "-m", "gpu_magics.controllermain"]
 
 
 def signal_pids(pool, sig: int, ranks: list[int] | None) -> None:
@@ -27,17 +33,25 @@ def signal_pids(pool, sig: int, ranks: list[int] | None) -> None:
 
 
 class LocalLauncher:
-    """Engines on this machine, started by ipyparallel; the ranks as planned (``specs``)."""
+    """Engines on this machine, started by ipyparallel; the ranks as planned (``specs``). The
+    controller binds Unix sockets (``ipc``) in a new private directory (0700, removed at
+    ``stop``) and, as every pool's, runs with CurveZMQ: no TCP port of the pool gives anything
+    to an account without the keys in the owner's connection files."""
 
     local_pids: list[int] = []
+    controller_args = channels.IPC_CONTROLLER_ARGS
 
     def __init__(self, specs):
         self.specs = specs
+        self.socket_dir: str | None = None
 
     def cluster_options(self) -> dict:
         config = Config()
         config.LocalEngineSetLauncher.engine_cmd = ENGINE_CMD
-        return {"controller_ip": "127.0.0.1", "config": config}
+        config.LocalControllerLauncher.controller_cmd = CONTROLLER_CMD
+        self.stop()  # a pool started again: a new directory
+        self.socket_dir = channels.socket_dir("gpuhub-pool-", channels.CONTROLLER_SOCKET_NAME)
+        return {"controller_ip": os.path.join(self.socket_dir, channels.CONTROLLER_PREFIX), "config": config}
 
     def launch(self, cluster, n: int) -> None:
         cluster.start_engines_sync(n=n)
@@ -51,4 +65,6 @@ class LocalLauncher:
         signal_pids(pool, sig, ranks)
 
     def stop(self) -> None:
-        pass
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            self.socket_dir = None

@@ -166,8 +166,13 @@ class EnginePool:
         n = self.size
         self.cluster = ipp.Cluster(n=0, log=_quiet_log(), **self.launcher.cluster_options())
         # detect a dead engine in ~1.5 s rather than ~10 s; log warnings only (at its default,
-        # INFO, the controller writes two lines per request and engine: every rank, every cell)
-        self.cluster.controller_args = [f"--HeartMonitor.period={HEARTBEAT_MS}", "--log-level=WARN"]
+        # INFO, the controller writes two lines per request and engine: every rank, every cell);
+        # its channels as the launcher says (channels: Unix sockets here, CurveZMQ everywhere)
+        self.cluster.controller_args = [
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            "--log-level=WARN",
+            *getattr(self.launcher, "controller_args", ()),
+        ]
         self.cluster.start_controller_sync()
         self.controller_pid = self.cluster.controller.pid
         self._start_reaper([self.controller_pid])  # from now on a killed kernel leaves nothing

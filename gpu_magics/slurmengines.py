@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from . import channels
 from .launchers import signal_pids
 from .ranks import RankSpec, Slot, make_rank_specs
 
@@ -221,6 +222,10 @@ class SlurmLauncher:
     @property
     def target(self) -> str:
         return f"{self.job_id}.{self.step}" if self.mode == "steps" and self.step else self.job_id
+
+    # engines on other nodes connect over TCP: CurveZMQ on every socket of the controller (and
+    # of each engine), the key in the owner's connection files only (gpu_magics.channels)
+    controller_args = channels.CONTROLLER_ARGS
 
     def cluster_options(self) -> dict:
         # engines on Slurm nodes connect to this node

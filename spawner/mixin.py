@@ -31,6 +31,9 @@ from .settings import GpuHub
 
 STATE_KEY = "gpuhub_allocation_id"
 REPORTER = "gpu_magics.reporter"
+# kernels on Unix sockets in the user's private runtime directory (gpu_magics.channels)
+CHANNELS = "gpu_magics.channels"
+KERNEL_ARGS = ("--KernelManager.transport=ipc", f"--ServerApp.jpserver_extensions={CHANNELS}=True")
 
 
 def make_gpu_env(allocation: AllocationInfo | None) -> dict[str, str]:
@@ -182,8 +185,9 @@ class GpuSpawnerMixin(Configurable):
         return {**make_gpu_env(allocation), **self.gpuhub.report_env()}
 
     def get_args(self):
-        # the server reports its GPUs' use and its kernels' activity (gpu_magics.reporter)
-        return [*super().get_args(), f"--ServerApp.jpserver_extensions={REPORTER}=True"]
+        # the server reports its GPUs' use and its kernels' activity (gpu_magics.reporter); its
+        # kernels listen on Unix sockets only their owner can reach, no TCP port (channels)
+        return [*super().get_args(), f"--ServerApp.jpserver_extensions={REPORTER}=True", *KERNEL_ARGS]
 
     async def mark_started(self, allocation: AllocationInfo) -> AllocationInfo:
         """Record in the ledger that the backend started the server."""

@@ -49,6 +49,27 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
 
 
+def kernel_process(kernel_id: str) -> tuple[int, str]:
+    """(pid, connection file) of the running kernel ``kernel_id`` of any server here: its
+    command line names ``kernel-<id>.json`` (``-f``), wherever its server keeps kernels."""
+    name = f"kernel-{kernel_id}.json"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for i, arg in enumerate(argv[:-1]):
+            if arg == "-f" and os.path.basename(argv[i + 1]) == name:
+                return int(proc.name), argv[i + 1]
+    raise LookupError(f"no process of kernel {kernel_id}")
+
+
+def kernel_connection_file(kernel_id: str) -> str:
+    return kernel_process(kernel_id)[1]
+
+
 def process_environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes()
     return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
@@ -260,14 +281,12 @@ enable_broker(c, url="http://{self.broker_host}:{self.broker_port}")
         """A client of a ``python3-gpus`` kernel that ``user``'s running server started (as
         JupyterLab would), connected and ready; the caller stops its channels. ``home``: the
         user's home where it is not the test hub's (a real Unix account's)."""
-        import glob
-
         from jupyter_client import BlockingKernelClient
 
         r = self.api_url_request("POST", f"/user/{user}/api/kernels", json={"name": "python3-gpus"})
         assert r.status_code == 201, r.text
-        pattern = f"{home or f'{self.dir}/home/{user}'}/**/kernel-{r.json()['id']}.json"
-        [conn] = glob.glob(pattern, recursive=True, include_hidden=True)
+        # in the user's runtime directory, or a private one of the server's (gpu_magics.channels)
+        conn = kernel_connection_file(r.json()["id"])
         kc = BlockingKernelClient(connection_file=conn)
         kc.load_connection_file()
         kc.start_channels()

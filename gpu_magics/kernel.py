@@ -1,0 +1,26 @@
+"""The "Python 3 (GPUs)" kernel's launcher: ``ipykernel_launcher``, which first refuses to start
+over TCP in a gpuhub server (``channels.tcp_refusal``: the server says ``GPUHUB_KERNEL_TRANSPORT=ipc``
+and the connection file it wrote says ``tcp``), before any socket is bound. Over IPC its IOPub
+pipe (subprocesses' output) is a Unix socket beside the others (``channels.private_iopub_pipe``),
+so the kernel listens on no TCP port at all. Elsewhere (a laptop's Jupyter, ``jupyter console``
+over TCP) it is ipykernel's launcher as it is."""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    # as ipykernel_launcher: the working directory off sys.path while ipykernel loads
+    # (InteractiveShellApp.init_path puts it back)
+    if sys.path[0] == "":
+        del sys.path[0]
+    from gpu_magics.channels import kernel_connection, private_iopub_pipe, tcp_refusal
+
+    refusal = tcp_refusal(sys.argv, os.environ)
+    if refusal:
+        sys.exit(refusal)
+    connection = kernel_connection(sys.argv) or {}
+    if connection.get("transport") == "ipc" and connection.get("ip"):
+        private_iopub_pipe(connection["ip"])
+    from ipykernel import kernelapp as app
+
+    app.launch_new_instance()

@@ -1,0 +1,330 @@
+"""bob, a second real Unix account, listens in on alice's kernel and on her ``%%distributed`` pool
+the way anyone on the machine (or on the Slurm cluster's network) could: he reads her uid's TCP
+listeners from ``/proc/net/tcp`` and subscribes a ZeroMQ ``SUB`` socket to every one, then waits
+for what she types and what her ranks print. He is also told the Unix sockets her kernel and
+her pool's controller listen on (root reads them from her connection files) and connects to each.
+
+Nothing of hers reaches him: her kernel and her local pool's controller listen on no TCP port
+(Unix sockets in directories only she can enter), and every TCP socket of a pool (a Slurm pool's
+controller on every address, each engine's own loopback helpers) is CurveZMQ, whose handshake a
+socket without the key in her connection files never completes. Her next cell works as before.
+
+The attack waits on conditions, never on time alone: ZeroMQ's socket monitor says how each
+connection's handshake ended (succeeded, or failed: protocol, authentication, disconnected), and
+only a subscription whose handshake succeeded is then read, until her secret arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from .hubtools import kernel_process, wait_for
+from .test_isolation import ATTACKER, VICTIM, cell, victim  # noqa: F401  (the fixture)
+
+pytestmark = [
+    pytest.mark.hub,
+    pytest.mark.skipif(os.geteuid() != 0, reason="two real Unix accounts need root to create and switch"),
+]
+
+# bob's listener: every TCP listener of alice's uid (or the ports he was given on another host),
+# a SUB socket on each; the Unix sockets he was told of, connected to. It reports which
+# handshakes succeeded ("ready"), waits for the go, then reads what the subscriptions bring.
+LISTEN = r"""
+import json, os, socket, sys, time
+import zmq
+import zmq.utils.monitor
+
+F = json.loads(sys.argv[1])
+R = {"targets": [], "handshakes": {}, "subscribed": [], "seen": [], "unix": {}, "dirs": {}}
+secret = F["secret"].encode()
+
+
+def listeners(uid):
+    found = set()
+    for name, family in (("tcp", 4), ("tcp6", 6)):
+        try:
+            lines = open(f"/proc/net/{name}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and int(f[7]) == uid:  # LISTEN, alice's
+                found.add((family, int(f[1].rsplit(":", 1)[1], 16)))
+    return sorted(found)
+
+
+targets = listeners(F["uid"]) if not F.get("host") else [(4, p) for p in F["ports"]]
+R["targets"] = [p for _, p in targets]
+R["host"] = socket.gethostname()
+ctx = zmq.Context()
+ENDED = {
+    zmq.EVENT_HANDSHAKE_SUCCEEDED: "succeeded",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed: protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "failed: auth",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",
+    zmq.EVENT_DISCONNECTED: "disconnected",
+    zmq.EVENT_CLOSED: "closed",
+}
+subs, monitors = {}, {}
+for family, port in targets:
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # a peer that never speaks ZMTP: failed after 5 s
+    if family == 6:
+        s.setsockopt(zmq.IPV6, 1)
+    monitors[s.get_monitor_socket()] = port
+    host = F.get("host") or ("127.0.0.1" if family == 4 else "[::1]")
+    s.connect(f"tcp://{host}:{port}")
+    subs[port] = s
+poller = zmq.Poller()
+for m in monitors:
+    poller.register(m, zmq.POLLIN)
+deadline = time.monotonic() + 60
+while len(R["handshakes"]) < len(monitors) and time.monotonic() < deadline:
+    for m, _ in poller.poll(1000):
+        event = zmq.utils.monitor.recv_monitor_message(m)["event"]
+        port = monitors[m]
+        if event in ENDED and str(port) not in R["handshakes"]:
+            R["handshakes"][str(port)] = ENDED[event]
+R["subscribed"] = sorted(int(p) for p, how in R["handshakes"].items() if how == "succeeded")
+
+for path in F.get("unix", []):
+    try:
+        u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        u.connect(path)
+        R["unix"][path] = "OPEN"
+    except OSError as e:
+        R["unix"][path] = type(e).__name__
+for path in F.get("dirs", []):
+    try:
+        os.listdir(path)
+        R["dirs"][path] = "OPEN"
+    except OSError as e:
+        R["dirs"][path] = type(e).__name__
+
+ready = os.path.join(F["exchange"], "ready")
+with open(ready + ".tmp", "w") as f:
+    json.dump(R, f)
+os.rename(ready + ".tmp", ready)
+go = os.path.join(F["exchange"], "go")
+while not os.path.exists(go):  # the test runs alice's cell, then says go
+    time.sleep(0.05)
+# read what each subscription that got through brings, until alice's secret is in it
+reading = {subs[p]: p for p in R["subscribed"]}
+poller = zmq.Poller()
+for s in reading:
+    poller.register(s, zmq.POLLIN)
+deadline = time.monotonic() + 60
+while reading and len(R["seen"]) < len(reading) and time.monotonic() < deadline:
+    for s, _ in poller.poll(1000):
+        frames = s.recv_multipart()
+        if any(secret in frame for frame in frames) and reading[s] not in R["seen"]:
+            R["seen"].append(reading[s])
+print("RESULT " + json.dumps(R), flush=True)
+"""
+
+
+class Listener:
+    """bob's :data:`LISTEN` running (as a process of his here, or as ``argv`` that runs it
+    elsewhere, e.g. ``srun`` on a node); :meth:`ready` once his sockets are in place,
+    :meth:`result` after :meth:`go`."""
+
+    def __init__(self, facts: dict, argv: list[str] | None = None):
+        self.exchange = tempfile.mkdtemp(prefix="bob-exchange-")
+        os.chmod(self.exchange, 0o777)  # bob writes his report here; nothing of alice's is in it
+        facts = dict(facts, exchange=self.exchange)
+        script = Path(self.exchange) / "listen.py"
+        script.write_text(LISTEN)
+        script.chmod(0o644)
+        argv = argv or ["runuser", "-u", ATTACKER, "--", sys.executable]
+        self.proc = subprocess.Popen(
+            [*argv, str(script), json.dumps(facts)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd="/tmp",
+        )
+
+    def ready(self) -> dict:
+        path = Path(self.exchange) / "ready"
+        wait_for(lambda: path.exists() or self.proc.poll() is not None, 120, "bob's sockets")
+        if not path.exists():
+            out, err = self.proc.communicate()
+            raise AssertionError(f"bob's listener failed:\n{out[-3000:]}\n{err[-3000:]}")
+        return json.loads(path.read_text())
+
+    def go(self) -> None:
+        (Path(self.exchange) / "go").touch()
+
+    def result(self) -> dict:
+        out, err = self.proc.communicate(timeout=180)
+        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+        assert line, f"bob's listener failed:\n{out[-3000:]}\n{err[-3000:]}"
+        return json.loads(line[len("RESULT ") :])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        subprocess.run(["rm", "-rf", self.exchange], check=False)
+
+
+def tcp_listeners_of(pids: list[int]) -> list[int]:
+    """The TCP ports these processes listen on (their socket inodes in /proc/net/tcp{,6})."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    ports = []
+    for name in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid_net(pids)}/net/{name}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:
+                ports.append(int(f[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)
+
+
+def pid_net(pids: list[int]) -> str:
+    return str(pids[0]) if pids else "self"
+
+
+def tree(pid: int) -> list[int]:
+    import psutil
+
+    p = psutil.Process(pid)
+    return [pid, *(c.pid for c in p.children(recursive=True))]
+
+
+def private(path: str) -> bool:
+    st = os.stat(path)
+    return st.st_uid == pwd.getpwnam(VICTIM).pw_uid and st.st_mode & 0o777 == 0o700
+
+
+def attack(kc, facts: dict, code: str, argv: list[str] | None = None) -> tuple[dict, dict]:
+    """bob listens (``facts``), alice runs ``code`` (which shows ``facts["secret"]``), bob
+    reads. Returns (what bob had in place before her cell, what he got)."""
+    bob = Listener(facts, argv)
+    try:
+        before = bob.ready()
+        out = cell(kc, code)
+        assert facts["secret"] in out, out  # alice sees her own output
+        bob.go()
+        return before, bob.result()
+    finally:
+        bob.close()
+
+
+def test_bob_cannot_read_alices_kernel(victim):  # noqa: F811
+    _, kc = victim
+    kid = os.path.basename(kc.connection_file).removeprefix("kernel-").removesuffix(".json")
+    pid, connection_file = kernel_process(kid)
+    connection = json.load(open(connection_file))  # root reads it; bob is told where it is
+    secret = f"alice-{uuid.uuid4().hex}"
+    unix = (
+        [f"{connection['ip']}-{connection[k]}" for k in ("shell_port", "iopub_port", "control_port")]
+        if connection["transport"] == "ipc"
+        else []
+    )
+    facts = {
+        "uid": pwd.getpwnam(VICTIM).pw_uid,
+        "secret": secret,
+        "unix": unix,
+        "dirs": [os.path.dirname(connection_file)],
+    }
+    before, R = attack(kc, facts, f"print({secret!r})")
+
+    assert R["seen"] == [], R  # pre-fix: bob read her execute_input and stream on IOPub
+    assert R["subscribed"] == [], R  # no ZeroMQ socket of hers let him in
+    assert connection["transport"] == "ipc", connection
+    assert tcp_listeners_of(tree(pid)) == []  # her kernel has no TCP port at all
+    assert private(os.path.dirname(connection_file))
+    assert set(R["unix"].values()) == {"PermissionError"}, R
+    assert set(R["dirs"].values()) == {"PermissionError"}, R
+    assert before["targets"] == R["targets"]  # he tried every listener of her uid he could see
+    # nothing changed for alice
+    assert cell(kc, "print(6 * 7)").strip() == "42"
+
+
+POOL_FACTS = (
+    "import json, os\np = get_ipython().magics_manager.registry['DistributedMagics'].pool\n"
+    "print(json.dumps({'profile': p.cluster.profile_dir, 'cluster_id': p.cluster.cluster_id, "
+    "'controller': p.controller_pid, 'engines': p.pids}))"
+)
+
+
+def pool_facts(kc) -> dict:
+    pool = json.loads(cell(kc, POOL_FACTS).strip().splitlines()[-1])
+    security = os.path.join(pool["profile"], "security")
+    pool["client"] = json.load(open(f"{security}/ipcontroller-{pool['cluster_id']}-client.json"))
+    pool["engine"] = json.load(open(f"{security}/ipcontroller-{pool['cluster_id']}-engine.json"))
+    return pool
+
+
+def ipc_paths(info: dict) -> list[str]:
+    """The Unix sockets of a controller's connection file (its ``ipc://`` interface)."""
+    proto, _, base = info["interface"].partition("://")
+    if proto != "ipc":
+        return []
+    ports = [v for v in info.values() if isinstance(v, int)]
+    ports += [p for v in info.values() if isinstance(v, list) for p in v]
+    return [f"{base}:{p}" for p in ports]
+
+
+def test_bob_cannot_read_alices_distributed_output(victim):  # noqa: F811
+    _, kc = victim
+    assert "[rank 1] up" in cell(kc, "%%distributed --gpus 2\nprint('up')")
+    pool = pool_facts(kc)
+    secret = f"alice-{uuid.uuid4().hex}"
+    unix = ipc_paths(pool["client"]) + ipc_paths(pool["engine"])
+    facts = {
+        "uid": pwd.getpwnam(VICTIM).pw_uid,
+        "secret": secret,
+        "unix": unix,
+        "dirs": sorted({os.path.dirname(p) for p in unix}),
+    }
+    code = f"%%distributed --gpus 2\nimport sys\nprint({secret!r})\nprint({secret!r}, file=sys.stderr)"
+    _, R = attack(kc, facts, code)
+
+    assert R["seen"] == [], R  # pre-fix: every rank's stdout and stderr, from the controller's IOPub
+    assert R["subscribed"] == [], R
+    # one host: the controller listens on Unix sockets only, in a directory that is hers alone
+    assert pool["client"]["interface"].startswith("ipc://"), pool["client"]
+    assert tcp_listeners_of(tree(pool["controller"])) == []
+    assert len(unix) > 10 and set(R["unix"].values()) == {"PermissionError"}, R
+    assert all(private(d) for d in facts["dirs"]) and set(R["dirs"].values()) == {"PermissionError"}, R
+    # what is left on TCP (each engine's nanny and heartbeat monitor, on loopback) is CurveZMQ
+    engines = tcp_listeners_of([p for pid in pool["engines"] for p in tree(pid)])
+    assert set(engines) <= set(R["targets"]), (engines, R)
+    assert pool["client"]["curve_serverkey"] and pool["engine"]["curve_serverkey"]
+    assert not {R["handshakes"].get(str(p)) for p in engines} & {"succeeded", None}, R
+
+    # alice's pool goes on: the same engines, the group intact
+    out = cell(kc, "%%distributed --gpus 2\nx = torch.ones(1)\ndist.all_reduce(x)\nprint(x.item())")
+    assert out.count("2.0") == 2, out
+    assert json.loads(cell(kc, POOL_FACTS).strip().splitlines()[-1])["engines"] == pool["engines"]
+    cell(kc, "%distributed shutdown")
+    assert not any(os.path.exists(d) for d in facts["dirs"])  # the socket directory goes with the pool
+
+
+def test_ipc_urls_are_the_ones_engines_and_clients_connect_to():
+    from gpu_magics.controllermain import ipc_url
+
+    assert ipc_url("ipc:///tmp/d/c-4242", "ipc:///tmp/d/c") == "ipc:///tmp/d/c:4242"
+    assert ipc_url("tcp://0.0.0.0:4242", "tcp://0.0.0.0") == "tcp://0.0.0.0:4242"
+    assert re.fullmatch(r"ipc:///tmp/d/c:\d+", ipc_url("ipc:///tmp/d/c-1", "ipc:///tmp/d/c"))
