@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from .hubtools import kernel_process, wait_for
+from .hubtools import DEMO_PASSWORD, kernel_process, wait_for
+from .test_broker_pages import login
 from .test_isolation import ATTACKER, VICTIM, cell, victim  # noqa: F401  (the fixture)
 
 pytestmark = [
@@ -328,3 +329,58 @@ def test_ipc_urls_are_the_ones_engines_and_clients_connect_to():
     assert ipc_url("ipc:///tmp/d/c-4242", "ipc:///tmp/d/c") == "ipc:///tmp/d/c:4242"
     assert ipc_url("tcp://0.0.0.0:4242", "tcp://0.0.0.0") == "tcp://0.0.0.0:4242"
     assert re.fullmatch(r"ipc:///tmp/d/c:\d+", ipc_url("ipc:///tmp/d/c-1", "ipc:///tmp/d/c"))
+
+
+LAB_CELLS = [
+    "%%distributed --gpus 2\nprint('up', rank, flush=True)",
+    "%%distributed --gpus 2\nprint('looping', rank, flush=True)\nwhile True:\n    pass",
+    "%%distributed --gpus 2\nx = torch.ones(1)\ndist.all_reduce(x)\nprint('after', rank, x.item())",
+]
+
+
+def test_jupyterlab_runs_a_distributed_cell_and_its_stop_button_reaches_every_rank(victim, browser):  # noqa: F811
+    """alice in JupyterLab (headless Chromium): a ``%%distributed`` cell over the new channels,
+    the toolbar's stop button (a kernel interrupt) on a looping one, and the next cell."""
+    hub, _ = victim
+    notebook = {
+        "cells": [{"cell_type": "code", "source": s, "metadata": {}, "outputs": [], "execution_count": None}
+                  for s in LAB_CELLS],
+        "metadata": {"kernelspec": {"name": "python3-gpus", "display_name": "Python 3 (GPUs)",
+                                    "language": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }  # fmt: skip
+    name = f"channels-{uuid.uuid4().hex[:8]}.ipynb"
+    r = hub.api_url_request(
+        "PUT", f"/user/{VICTIM}/api/contents/{name}", json={"type": "notebook", "content": notebook}
+    )
+    assert r.status_code == 201, r.text
+    page = login(browser, hub, VICTIM, DEMO_PASSWORD)
+    try:
+        page.goto(f"{hub.url}/user/{VICTIM}/lab/tree/{name}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+        outputs = page.locator(".jp-Notebook .jp-Cell .jp-Cell-outputArea")
+
+        page.locator(".jp-Notebook .jp-Cell").nth(0).click()
+        page.keyboard.press("Shift+Enter")  # the first cell; the looping one is next
+        page.keyboard.press("Shift+Enter")
+        outputs.nth(0).get_by_text("[rank 1] up 1").wait_for(timeout=180_000)
+        outputs.nth(1).get_by_text("[rank 1] looping 1").wait_for(timeout=180_000)
+        page.locator("[data-command='notebook:interrupt-kernel']").first.click()  # the stop button
+        outputs.nth(1).get_by_text("KeyboardInterrupt").first.wait_for(timeout=120_000)
+        page.keyboard.press("Shift+Enter")  # the third cell, on the same engines
+        outputs.nth(2).get_by_text("[rank 1] after 1 2.0").wait_for(timeout=180_000)
+
+        # the notebook's kernel listens on Unix sockets only
+        [session] = [
+            s for s in hub.api_url_request("GET", f"/user/{VICTIM}/api/sessions").json() if s["path"] == name
+        ]
+        pid, connection_file = kernel_process(session["kernel"]["id"])
+        assert json.load(open(connection_file))["transport"] == "ipc"
+        assert tcp_listeners_of([pid]) == []  # (its pool's engines: each a nanny's, Curve)
+    finally:
+        page.close()
+        for s in hub.api_url_request("GET", f"/user/{VICTIM}/api/sessions").json():
+            if s["path"] == name:
+                hub.api_url_request("DELETE", f"/user/{VICTIM}/api/sessions/{s['id']}")
