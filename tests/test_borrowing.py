@@ -15,9 +15,13 @@ from spawner.borrowing import (
     BorrowRules,
     Split,
     allowance_problem,
+    backfill_ids,
+    backfill_text,
     effective_borrow,
+    notice_reason,
     split,
     victims,
+    withdrawal,
 )
 from spawner.broker.views import allocation_json
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
@@ -642,3 +646,207 @@ def test_borrowing_and_preemptions_survive_a_hub_restart(open_ledger, url, clock
     again.release(borrowed.id)
     assert again.get(borrowed.id).end_reason == p.reason
     assert again.wait_turn(carol.id).allocation is not None
+
+
+# withdrawn notices, the due pass, backfill (issue 27) ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "state, want",
+    [
+        ("waiting", None),
+        ("granted", "withdrawn: the request it was for was served by other GPUs"),
+        ("left", "withdrawn: the request it was for no longer waits (it left the queue)"),
+        (None, "withdrawn: the request it was for no longer waits (it left the queue)"),  # gone
+    ],
+)
+def test_withdrawal(state, want):
+    assert withdrawal(state) == want
+
+
+@pytest.mark.parametrize(
+    "borrowed, gpus, backfill, want",
+    [
+        (
+            2,
+            3,
+            False,
+            "preempted: 2 borrowed GPU(s) taken back for another user's request within its limit "
+            "(1 GPU(s), waiting since 09:00 UTC)",
+        ),
+        (
+            0,
+            3,
+            True,
+            "preempted: 3 GPU(s) that started ahead of a waiting request (backfill) taken back at its "
+            "turn (1 GPU(s), waiting since 09:00 UTC)",
+        ),
+    ],
+)
+def test_notice_reason(borrowed, gpus, backfill, want):
+    assert notice_reason(borrowed, gpus, backfill, 1, T) == want
+
+
+@pytest.mark.parametrize(
+    "text, ids", [(None, frozenset()), ("", frozenset()), ("3", {3}), ("3,12", {3, 12}), ("x,4", {4})]
+)
+def test_backfill_ids(text, ids):
+    assert backfill_ids(text) == ids
+    assert backfill_ids(backfill_text(ids)) == ids
+
+
+def lent_burst(led, clock):
+    """alice: 2 within her limit, a borrowed burst of 1; bob 1: nothing is free."""
+    led.allocate("alice", [], 2)
+    clock.advance(minutes=1)
+    burst = led.allocate("alice", [], 1, purpose="distributed", server_name="nb", lease_seconds=3600)
+    assert burst.borrowed == 1
+    bobs = led.allocate("bob", [], 1)
+    return burst, bobs
+
+
+@pytest.mark.parametrize("how", ["left", "cancelled", "quiet", "served"])
+def test_a_notice_is_withdrawn_once_its_request_no_longer_waits(open_ledger, clock, how):
+    led = open_ledger(keepalive_seconds=60)
+    burst, bobs = lent_burst(led, clock)
+    carol = led.request("carol", [], 1).entry
+    [p] = led.preempt_for_queue()
+    assert (p.allocation_id, p.entry_id) == (burst.id, carol.id)
+    clock.advance(seconds=30)
+    if how == "left":
+        assert led.leave_queue(carol.id)
+    elif how == "cancelled":
+        assert led.leave_queue(carol.id, "cancelled by admin admin")
+    elif how == "quiet":
+        clock.advance(seconds=31)  # nobody asked about it for the keepalive
+    else:  # bob gives his GPU back: carol's turn comes on it, not on the borrowed one
+        led.release(bobs.id)
+        assert led.wait_turn(carol.id).allocation.gpus == bobs.gpus
+    settled = led.settle_preemptions()
+    [w] = settled.withdrawn
+    assert (w.id, w.withdrawn, settled.ended, settled.servers) == (p.id, clock(), [], [])
+    assert w.withdrawn_reason == withdrawal("granted" if how == "served" else "left")
+    a = led.get(burst.id)
+    assert (a.active, a.preempt_due, a.preempt_reason) == (True, None, None)
+    assert (a.withdrawn, a.withdrawn_reason) == (clock(), w.withdrawn_reason)
+    assert allocation_json(a)["preemption_withdrawn"] == {
+        "at": clock().isoformat() + "Z",
+        "reason": w.withdrawn_reason,
+    }
+    [n] = led.preemption_notices("alice")  # the owner is told
+    assert n.withdrawn and not n.pending
+    # past the due time nothing is taken: no due pass, renewals go on
+    clock.advance(seconds=GRACE)
+    assert led.due_preemptions() == []
+    assert led.settle_preemptions().ended == []
+    assert led.renew(burst.id, 600).active
+    assert led.borrowing_totals(T)["alice"]["preemptions"] == 0  # nothing was taken back
+    assert led.settle_preemptions().withdrawn == []  # told once
+
+
+def test_a_renewal_past_the_due_time_withdraws_a_notice_nobody_waits_for(led, clock):
+    """Without the broker's pass in between: the renewal itself asks whether the request waits."""
+    burst, _ = lent_burst(led, clock)
+    carol = led.request("carol", [], 1).entry
+    assert len(led.preempt_for_queue()) == 1
+    led.leave_queue(carol.id)
+    clock.advance(seconds=GRACE)
+    renewed = led.renew(burst.id, 600)
+    assert renewed.preempt_due is None and renewed.withdrawn == clock()
+    assert [q.withdrawn for q in led.preemptions()] == [clock()]
+
+
+def test_a_withdrawn_notice_is_given_again_for_another_request(led, clock):
+    burst, _ = lent_burst(led, clock)
+    carol = led.request("carol", [], 1).entry
+    [p] = led.preempt_for_queue()
+    led.leave_queue(carol.id)
+    led.settle_preemptions()
+    clock.advance(minutes=1)
+    dave = led.request("dave", [], 1).entry
+    [again] = led.preempt_for_queue()
+    assert (again.id, again.entry_id, again.for_user, again.created) == (p.id, dave.id, "dave", clock())
+    assert (again.withdrawn, again.due) == (None, clock() + timedelta(seconds=GRACE))
+    assert led.get(burst.id).preempt_due == again.due
+
+
+def test_the_due_pass_ends_a_burst_whatever_its_lease_and_names_a_server(led, clock):
+    led.allocate("alice", [], 2)
+    burst = led.allocate("alice", [], 1, purpose="distributed", server_name="nb", lease_seconds=3600)
+    server = led.allocate("alice", [], 1, server_name="big")  # borrowed too
+    assert (burst.borrowed, server.borrowed) == (1, 1)
+    carol = led.request("carol", [], 2).entry
+    made = sorted(led.preempt_for_queue(), key=lambda p: p.allocation_id)
+    assert [p.allocation_id for p in made] == [burst.id, server.id]
+    clock.advance(seconds=GRACE - 1)
+    assert led.settle_preemptions().ended == []  # not due yet
+    clock.advance(seconds=1)
+    settled = led.settle_preemptions()
+    assert [p.allocation_id for p in settled.ended] == [burst.id]
+    assert [p.allocation_id for p in settled.servers] == [server.id]
+    ended = led.get(burst.id)
+    assert (ended.state, ended.end_reason, ended.ended) == ("released", made[0].reason, clock())
+    assert ended.lease_expires > clock()  # its lease did not end it
+    with pytest.raises(LookupError):
+        led.renew(burst.id, 600)
+    assert led.wait_turn(carol.id).allocation is None  # the server's GPU is not free yet
+    led.release(server.id, "server stopped")  # the broker stopped it
+    assert set(led.wait_turn(carol.id).allocation.gpus) == set(burst.gpus) | set(server.gpus)
+
+
+def test_instant_cycles_do_not_make_a_users_runs_look_short(led, clock):
+    """The attack of issue 27, item 5, in the ledger: 20 allocations given back at once."""
+    for _ in range(20):
+        led.release(led.allocate("dave", [], 1, purpose="distributed", lease_seconds=60).id)
+    led.allocate("alice", [], 1)
+    clock.advance(minutes=1)
+    led.allocate("carol", [], 2)
+    bob = led.request("bob", [], 2).entry  # alice's GPU and the free one, at alice's expected end
+    led.move_to_front(bob.id)
+    with pytest.raises(Refusal) as err:
+        led.allocate("dave", [], 1)
+    assert err.value.reason == "no_capacity"
+    assert led.active(user="dave") == [] and led.queue_entry(bob.id).position == 1
+
+
+def test_an_allocation_that_starts_ahead_of_a_reservation_is_taken_back_for_it(led, clock):
+    for _ in range(3):  # erin's runs really are 10 minutes
+        a = led.allocate("erin", [], 1, purpose="distributed", lease_seconds=3600)
+        clock.advance(minutes=10)
+        led.release(a.id)
+    alice = led.allocate("alice", [], 1)
+    clock.advance(minutes=1)
+    led.allocate("carol", [], 2)
+    bob = led.request("bob", [], 2).entry
+    dave = led.request("dave", [], 1).entry  # behind bob, 2 h expected: waits
+    erin = led.allocate("erin", [], 1, purpose="distributed", lease_seconds=3600)
+    assert erin.backfill and not erin.borrowed
+    assert led.preempt_for_queue() == []  # bob's turn has not come: nothing stands in its way
+    led.release(alice.id)  # now it has, but for erin's GPU
+    [p] = led.preempt_for_queue()
+    assert (p.allocation_id, p.entry_id, p.borrowed, p.gpus) == (erin.id, bob.id, 0, 1)
+    assert p.reason == notice_reason(0, 1, True, 2, bob.created)
+    clock.advance(seconds=GRACE)
+    assert [q.allocation_id for q in led.settle_preemptions().ended] == [erin.id]
+    got = led.wait_turn(bob.id).allocation
+    assert set(got.gpus) == set(alice.gpus) | set(erin.gpus)
+    assert led.queue_entry(dave.id).state == "waiting"
+
+
+def test_a_backfilled_allocation_is_ordinary_once_its_reservations_start(led, clock):
+    for _ in range(3):
+        a = led.allocate("erin", [], 1, purpose="distributed", lease_seconds=3600)
+        clock.advance(minutes=10)
+        led.release(a.id)
+    alice = led.allocate("alice", [], 2)
+    led.allocate("carol", [], 1)
+    bob = led.request("bob", [], 2).entry  # 1 free: bob waits for alice's GPUs
+    erin = led.allocate("erin", [], 1, purpose="distributed", lease_seconds=3600)
+    assert led.get(erin.id).backfill
+    led.release(alice.id)
+    assert led.wait_turn(bob.id).allocation is not None  # bob starts on alice's GPUs
+    led.settle_preemptions()
+    assert not led.get(erin.id).backfill  # nobody it went ahead of waits
+    dave = led.request("dave", [], 1).entry  # every GPU is taken: dave waits
+    assert dave is not None
+    assert led.preempt_for_queue() == []  # erin's is not taken back for dave
