@@ -107,7 +107,11 @@ def keeper(hub, token, allocation, seen):
 def notice_for(ledger, user, entry_id):
     return wait_for(
         lambda: next(
-            (p for p in ledger.preemptions(user=user) if p.entry_id == entry_id and p.withdrawn is None),
+            (
+                p
+                for p in ledger.preemptions(user=user)
+                if p.entry_id == entry_id and getattr(p, "withdrawn", None) is None  # (main: no such field)
+            ),
             None,
         ),
         30,
