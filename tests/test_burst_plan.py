@@ -411,3 +411,74 @@ def test_the_pools_own_burst_in_the_way_is_released_then_asked_again(magic, brok
     assert first.stopped and fake.made("release") == [("release", 11)]
     assert [c[:2] for c in fake.made("request")] == [("request", 1), ("request", 2), ("request", 2)]
     assert labels(pool) == ["n:2", "n:3"]
+
+
+# preemption notices that are withdrawn (issue 27) ------------------------------------------
+
+NOTICE = {"due": "2026-12-03T12:00:00Z", "reason": "preempted: 2 borrowed GPU(s) taken back"}
+LATER = {"due": "2026-12-03T12:09:00Z", "reason": "preempted: 2 borrowed GPU(s) taken back"}
+GONE = {"at": "2026-12-03T11:58:00Z", "reason": "withdrawn: the request it was for left the queue"}
+
+
+@pytest.mark.parametrize(
+    "answers, told",
+    [
+        ([{"preemption": NOTICE}], [NOTICE]),
+        ([{"preemption": NOTICE}, {"preemption": NOTICE}], [NOTICE]),  # once per notice
+        # withdrawn (the ledger's row says so), then given again for another request
+        (
+            [
+                {"preemption": NOTICE},
+                {"preemption": None, "preemption_withdrawn": GONE},
+                {"preemption": LATER},
+            ],
+            [NOTICE, {"withdrawn": GONE}, LATER],
+        ),
+        # a notice gone without the ledger saying it was withdrawn: nothing is said
+        ([{"preemption": NOTICE}, {"preemption": None, "preemption_withdrawn": None}], [NOTICE]),
+        # a withdrawal of a notice never seen: nothing to tell
+        ([{"preemption": None, "preemption_withdrawn": GONE}], []),
+        # released (taken back): not a withdrawal
+        (
+            [{"preemption": NOTICE}, {"state": "released", "preemption": None, "preemption_withdrawn": GONE}],
+            [NOTICE],
+        ),
+        # the due time moved (a new notice after a withdrawal the keeper did not see)
+        ([{"preemption": NOTICE}, {"preemption": LATER}], [NOTICE, LATER]),
+    ],
+)
+def test_the_lease_keeper_passes_on_each_notice_and_withdrawal_once(answers, told):
+    from gpu_magics.brokerclient import LeaseKeeper
+
+    seen = []
+    keeper = LeaseKeeper(SimpleNamespace(), {"id": 7, "borrowed": 2}, 3600, on_notice=seen.append)
+    try:
+        for answer in answers:
+            keeper._noticed({"state": "running", **answer})
+    finally:
+        keeper.stop()
+    assert seen == told
+
+
+def test_a_withdrawn_notice_is_forgotten_and_said(magic, capsys):
+    part = SimpleNamespace(id=7, borrowed=2, size=2)
+    other = SimpleNamespace(id=8, borrowed=0, size=1)
+    magic._notice = magicsmod.Notice(part, NOTICE["reason"], magicsmod.parse_due(NOTICE["due"]))
+    magic._on_notice(other, {"withdrawn": GONE})  # another allocation's: this one stands
+    assert magic._notice is not None and magic._notice.part is part
+    magic._on_notice(part, {"withdrawn": GONE})
+    assert magic._notice is None
+    said = capsys.readouterr()
+    assert (
+        "gpuhub: the notice for 2 borrowed GPU(s) of this pool (allocation #7) was withdrawn: the "
+        "request it was for left the queue. Nothing is taken back: the pool keeps them."
+    ) in said.out + said.err
+
+
+def test_a_notice_acted_on_is_not_withdrawn(magic):
+    part = SimpleNamespace(id=7, borrowed=0, size=3)
+    n = magicsmod.Notice(part, "preempted", 0.0, acted=True)
+    magic._notice = n
+    magic._on_notice(part, {"withdrawn": GONE})
+    assert magic._notice is n  # the pool was already stopped for it: nothing to undo
+    assert magicsmod._taken(part) == "3 GPU(s) that started ahead of the queue"

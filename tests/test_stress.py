@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import create_engine, delete, insert, select, update
 
-from spawner.borrowing import BorrowRules, effective_borrow
+from spawner.borrowing import BorrowRules, backfill_ids, effective_borrow
 from spawner.db import make_engine
 from spawner.fairshare import Shares
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
@@ -204,13 +204,21 @@ def history(url: str):
 
 
 def preemption_problems(url: str) -> list[str]:
-    """Preemptions of allocations that borrowed nothing, or that had ended already."""
+    """Preemptions of allocations that borrowed nothing and did not start ahead of the request
+    they were taken back for (backfill), or that had ended already."""
     P = Preemption
-    [found] = read(url, select(P.allocation_id, A.borrowed, A.created, A.ended, P.created).join(A))
+    [found] = read(
+        url,
+        select(P.allocation_id, A.borrowed, A.backfill_for, P.entry_id, A.created, A.ended, P.created).join(
+            A
+        ),
+    )
     problems = []
-    for aid, borrowed, created, ended, at in found:
-        if not borrowed:
-            problems.append(f"allocation {aid} was preempted, but it borrowed nothing")
+    for aid, borrowed, ahead_of, entry_id, created, ended, at in found:
+        if not borrowed and entry_id not in backfill_ids(ahead_of):
+            problems.append(
+                f"allocation {aid} was preempted, but it borrowed nothing and went ahead of nobody"
+            )
         if at < created or (ended is not None and ended < at):
             problems.append(f"allocation {aid} was preempted at {at}, outside its life {created}-{ended}")
     return problems
