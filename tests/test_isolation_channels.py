@@ -50,7 +50,7 @@ R = {"targets": [], "handshakes": {}, "subscribed": [], "seen": [], "unix": {}, 
 secret = F["secret"].encode()
 
 
-def listeners(uid):
+def listeners(uid, wildcard=False):
     found = set()
     for name, family in (("tcp", 4), ("tcp6", 6)):
         try:
@@ -59,13 +59,15 @@ def listeners(uid):
             continue
         for line in lines:
             f = line.split()
-            if f[3] == "0A" and int(f[7]) == uid:  # LISTEN, alice's
-                found.add((family, int(f[1].rsplit(":", 1)[1], 16)))
+            address, port = f[1].rsplit(":", 1)
+            if f[3] == "0A" and int(f[7]) == uid and (not wildcard or not address.strip("0")):
+                found.add((family, int(port, 16)))  # LISTEN, alice's (on every address)
     return sorted(found)
 
 
 targets = listeners(F["uid"]) if not F.get("host") else [(4, p) for p in F["ports"]]
 R["targets"] = [p for _, p in targets]
+R["wildcard"] = [p for _, p in listeners(F["uid"], wildcard=True)]  # reachable from other hosts
 R["host"] = socket.gethostname()
 ctx = zmq.Context()
 ENDED = {
@@ -75,19 +77,26 @@ ENDED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",
     zmq.EVENT_DISCONNECTED: "disconnected",
     zmq.EVENT_CLOSED: "closed",
+    zmq.EVENT_CONNECT_RETRIED: "refused",
 }
 subs, monitors = {}, {}
-for family, port in targets:
+# plain ZMTP on every port; with F["curve"] also as a CurveZMQ client of a guessed server key
+modes = [False, True] if F.get("curve") else [False]
+for (family, port), curve in [(t, c) for t in targets for c in modes]:
     s = ctx.socket(zmq.SUB)
     s.setsockopt(zmq.SUBSCRIBE, b"")
     s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # a peer that never speaks ZMTP: failed after 5 s
+    s.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # a peer that never completes a handshake: failed after 5 s
+    if curve:
+        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+        s.curve_serverkey = zmq.curve_keypair()[0]  # a guess: some server's public key
     if family == 6:
         s.setsockopt(zmq.IPV6, 1)
-    monitors[s.get_monitor_socket()] = port
+    key = f"{port}+curve" if curve else str(port)
+    monitors[s.get_monitor_socket()] = key
     host = F.get("host") or ("127.0.0.1" if family == 4 else "[::1]")
     s.connect(f"tcp://{host}:{port}")
-    subs[port] = s
+    subs[key] = s
 poller = zmq.Poller()
 for m in monitors:
     poller.register(m, zmq.POLLIN)
@@ -95,10 +104,10 @@ deadline = time.monotonic() + 60
 while len(R["handshakes"]) < len(monitors) and time.monotonic() < deadline:
     for m, _ in poller.poll(1000):
         event = zmq.utils.monitor.recv_monitor_message(m)["event"]
-        port = monitors[m]
-        if event in ENDED and str(port) not in R["handshakes"]:
-            R["handshakes"][str(port)] = ENDED[event]
-R["subscribed"] = sorted(int(p) for p, how in R["handshakes"].items() if how == "succeeded")
+        key = monitors[m]
+        if event in ENDED and key not in R["handshakes"]:
+            R["handshakes"][key] = ENDED[event]
+R["subscribed"] = sorted(k for k, how in R["handshakes"].items() if how == "succeeded")
 
 for path in F.get("unix", []):
     try:
@@ -384,3 +393,73 @@ def test_jupyterlab_runs_a_distributed_cell_and_its_stop_button_reaches_every_ra
         for s in hub.api_url_request("GET", f"/user/{VICTIM}/api/sessions").json():
             if s["path"] == name:
                 hub.api_url_request("DELETE", f"/user/{VICTIM}/api/sessions/{s['id']}")
+
+
+@pytest.fixture(scope="module")
+def slurm_victim(tmp_path_factory):
+    """alice's server as a Slurm job (2 GPUs on one node), a kernel of it, and bob's Slurm
+    association (his own jobs, on her node and on the other)."""
+    from . import slurmtools, wskernel
+
+    with slurmtools.slurm_hub(tmp_path_factory.mktemp("slurm-channels")) as hub:
+        hub.wait_for_broker()
+        slurmtools.slurm("sacctmgr", "-i", "add", "user", ATTACKER, "account=gpuhub", check=False)
+        assert hub.spawn(VICTIM, {"gpus": 2}).status_code in (201, 202)
+        hub.wait_ready(VICTIM, timeout=120)
+        kc, kid = wskernel.server_kernel(hub, VICTIM)
+        try:
+            yield hub, kc, kid
+        finally:
+            kc.stop_channels()
+
+
+def bob_on(node: str) -> list[str]:
+    """Run as bob, in a job of his own on ``node`` (its network, its host name)."""
+    from . import slurmtools
+
+    return ["sudo", "-u", ATTACKER, "srun", "--account=gpuhub", "-w", node, "-n1", "--gres=none",
+            "--job-name=gpuhub-test", str(slurmtools.VENV_BIN / "python")]  # fmt: skip
+
+
+def test_on_slurm_bob_reads_nothing_of_alices_kernel_or_pool_on_her_node_or_from_another(slurm_victim):
+    from .hubtools import process_environ
+
+    _, kc, kid = slurm_victim
+    pid, connection_file = kernel_process(kid)
+    node = process_environ(pid)["SLURMD_NODENAME"]
+    other = next(n for n in ("gpu-node1", "gpu-node2") if n != node)
+    connection = json.load(open(connection_file))
+    assert "[rank 1] up" in cell(kc, "%%distributed --gpus 2\nprint('up')")
+    pool = pool_facts(kc)
+    secret = f"alice-{uuid.uuid4().hex}"
+    body = f"import sys; print({secret!r}); print({secret!r}, file=sys.stderr)"
+    code = f"print({secret!r})\nget_ipython().run_cell_magic('distributed', '--gpus 2', {body!r})"
+    unix = [f"{connection['ip']}-{connection[k]}" for k in ("shell_port", "iopub_port", "control_port")]
+    facts = {"uid": pwd.getpwnam(VICTIM).pw_uid, "secret": secret, "unix": unix,
+             "dirs": [os.path.dirname(connection_file)]}  # fmt: skip
+
+    # bob on her node: every TCP listener of her uid there; then bob on the other node, at her
+    # node's address, on what listens on every address there
+    _, here = attack(kc, facts, code, bob_on(node))
+    facts_there = dict(facts, host=node, ports=here["wildcard"], unix=[], dirs=[], curve=True)
+    _, there = attack(kc, facts_there, code, bob_on(other))
+    assert here["host"] == node and there["host"] == other and there["targets"] == here["wildcard"]
+    assert len(there["handshakes"]) == 2 * len(there["targets"]), there  # plain, and Curve of a guessed key
+    assert (here["seen"], there["seen"]) == ([], []), (here, there)  # pre-fix: her cell and ranks' output
+    assert (here["subscribed"], there["subscribed"]) == ([], []), (here, there)
+    assert set(here["unix"].values()) == {"PermissionError"}, here
+    assert set(here["dirs"].values()) == {"PermissionError"}, here
+    # her kernel: Unix sockets only; her pool's controller: on every address (engines on other
+    # nodes come in), and Curve on each of its sockets
+    assert connection["transport"] == "ipc"
+    assert tcp_listeners_of([pid]) == []
+    assert pool["client"]["curve_serverkey"] and pool["client"]["key"] == ""
+    controller = tcp_listeners_of(tree(pool["controller"]))
+    assert set(controller) & set(here["wildcard"]) and set(controller) <= set(here["targets"]), here
+    assert not {here["handshakes"].get(str(p)) for p in controller} & {"succeeded", None}, here
+
+    # alice's kernel and pool go on
+    assert cell(kc, "print(6 * 7)").strip() == "42"
+    out = cell(kc, "%%distributed --gpus 2\nx = torch.ones(1)\ndist.all_reduce(x)\nprint(x.item())")
+    assert out.count("2.0") == 2, out
+    cell(kc, "%distributed shutdown")
