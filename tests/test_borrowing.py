@@ -850,3 +850,13 @@ def test_a_backfilled_allocation_is_ordinary_once_its_reservations_start(led, cl
     dave = led.request("dave", [], 1).entry  # every GPU is taken: dave waits
     assert dave is not None
     assert led.preempt_for_queue() == []  # erin's is not taken back for dave
+
+
+def test_a_give_back_after_the_request_left_is_not_called_a_preemption(led, clock):
+    """Before the broker's pass has withdrawn the notice: the release reads the request too."""
+    burst, _ = lent_burst(led, clock)
+    carol = led.request("carol", [], 1).entry
+    assert len(led.preempt_for_queue()) == 1
+    led.leave_queue(carol.id)
+    assert led.release(burst.id, "released through the API by owner")
+    assert led.get(burst.id).end_reason == "released through the API by owner"

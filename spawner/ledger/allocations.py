@@ -43,6 +43,8 @@ RELEASE_READ = (
         Reclaim.__table__.c.reason.label("reclaimed"),
         Preemption.__table__.c.reason.label("preempted"),
         Preemption.__table__.c.due,
+        Preemption.__table__.c.entry_id,
+        QueueEntry.__table__.c.state.label("for_state"),  # the request it was for: still waiting?
     )
     .select_from(_A)
     .outerjoin(Reclaim.__table__, Reclaim.__table__.c.allocation_id == _A.c.id)
@@ -50,6 +52,7 @@ RELEASE_READ = (
         Preemption.__table__,
         (Preemption.__table__.c.allocation_id == _A.c.id) & Preemption.__table__.c.withdrawn.is_(None),
     )
+    .outerjoin(QueueEntry.__table__, QueueEntry.__table__.c.id == Preemption.__table__.c.entry_id)
     .where(_A.c.id == bindparam("id"))
 )
 
@@ -459,7 +462,9 @@ class AllocationRecords:
         if found is None or found.state not in ACTIVE_STATES:
             return False
         taken = None if found.reclaimed is None else f"reclaimed: {found.reclaimed}"
-        if taken is None and found.preempted is not None:  # due: taken back; else given back
+        # a notice for a request that no longer waits (not yet withdrawn) took nothing back
+        stands = found.preempted is not None and (found.entry_id is None or found.for_state == "waiting")
+        if taken is None and stands:  # due: taken back; else given back
             taken = (  # after its notice
                 found.preempted
                 if self.clock() >= found.due
