@@ -13,7 +13,8 @@ enter, never a TCP port another account can reach.
   also runs with ipyparallel's CurveZMQ (:data:`CONTROLLER_ARGS`), so a socket without its
   owner's keys (the connection files, 0700) gets nothing: the TCP ones of a pool across hosts
   (``slurmengines.SlurmLauncher``) and each engine's own loopback ones (its nanny, its heartbeat
-  monitor) alike.
+  monitor) alike. Other ipyparallel clusters started from the server or its kernels get
+  CurveZMQ by default too (``IPP_ENABLE_CURVE=1`` in the server's environment).
 """
 
 from __future__ import annotations
@@ -181,4 +182,7 @@ def _load_jupyter_server_extension(serverapp) -> None:
     if made:
         atexit.register(shutil.rmtree, directory, True)
     os.environ[TRANSPORT_ENV] = "ipc"
+    # any other ipyparallel cluster started from this server or its kernels (JupyterLab's
+    # IPython Parallel panel, a user's own ipp.Cluster()) is CurveZMQ too, unless they say not
+    os.environ.setdefault("IPP_ENABLE_CURVE", "1")
     serverapp.log.info("gpuhub: kernels listen on Unix sockets in %s", directory)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import re
 import subprocess
 import sys
 import tempfile
@@ -330,14 +329,6 @@ def test_bob_cannot_read_alices_distributed_output(victim):  # noqa: F811
     assert json.loads(cell(kc, POOL_FACTS).strip().splitlines()[-1])["engines"] == pool["engines"]
     cell(kc, "%distributed shutdown")
     assert not any(os.path.exists(d) for d in facts["dirs"])  # the socket directory goes with the pool
-
-
-def test_ipc_urls_are_the_ones_engines_and_clients_connect_to():
-    from gpu_magics.controllermain import ipc_url
-
-    assert ipc_url("ipc:///tmp/d/c-4242", "ipc:///tmp/d/c") == "ipc:///tmp/d/c:4242"
-    assert ipc_url("tcp://0.0.0.0:4242", "tcp://0.0.0.0") == "tcp://0.0.0.0:4242"
-    assert re.fullmatch(r"ipc:///tmp/d/c:\d+", ipc_url("ipc:///tmp/d/c-1", "ipc:///tmp/d/c"))
 
 
 LAB_CELLS = [
