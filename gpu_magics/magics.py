@@ -977,6 +977,8 @@ class DistributedMagics(CheckpointCommands, Magics):
                 borrowed = (
                     f", {part.borrowed} borrowed beyond your limit (may be taken back with notice)"
                     if part.borrowed
+                    else ", started ahead of the queue (may be taken back with notice at its turn)"
+                    if a.get("backfill")
                     else ""
                 )
                 lines.append(
