@@ -163,13 +163,20 @@ class QueueRecords:
         w = self.queue_settings.weights
         cutoff = now - timedelta(hours=8 * w.half_life_hours)  # older use weighs under 0.4 %
         history = now - timedelta(days=HISTORY_DAYS)
-        taken = (  # ended by gpuhub: reclaimed for idleness, or taken back after a notice
-            or_(
-                select(Reclaim.id).where(Reclaim.allocation_id == Allocation.id).exists(),
-                select(Preemption.id)
-                .where(Preemption.allocation_id == Allocation.id, Preemption.withdrawn.is_(None))
-                .exists(),
-            ).label("taken")
+        recent = Allocation.ended >= history
+        taken = set(  # ended by gpuhub: reclaimed for idleness, or taken back after a notice
+            s.scalars(
+                select(Reclaim.allocation_id)
+                .join(Allocation, Allocation.id == Reclaim.allocation_id)
+                .where(recent)
+            )
+        )
+        taken.update(
+            s.scalars(
+                select(Preemption.allocation_id)
+                .join(Allocation, Allocation.id == Preemption.allocation_id)
+                .where(recent, Preemption.withdrawn.is_(None))
+            )
         )
         rows = s.execute(
             select(
@@ -178,7 +185,7 @@ class QueueRecords:
                 Allocation.started,
                 Allocation.ended,
                 Allocation.gpu_count,
-                taken,
+                Allocation.id,
             )
             .where(or_(Allocation.ended.is_(None), Allocation.ended >= min(cutoff, history)))
             .order_by(Allocation.id.desc())
@@ -186,12 +193,12 @@ class QueueRecords:
         intervals: dict[str, list] = {}
         runs: dict[str, list[queueplan.Run]] = {}
         least = self.queue_settings.min_run_seconds
-        for user, created, started, ended, count, by_gpuhub in rows:
+        for user, created, started, ended, count, aid in rows:
             start = started or created
             if ended is None or ended >= cutoff:
                 intervals.setdefault(user, []).append((start, ended, count or 0))
             if ended is not None and ended >= history:
-                run = queueplan.Run(started, ended, bool(by_gpuhub))
+                run = queueplan.Run(started, ended, aid in taken)
                 got = runs.setdefault(user, [])
                 if len(got) < RUNS_PER_USER and queueplan.counts(run, least):  # only those that count
                     got.append(run)
