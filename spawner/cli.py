@@ -205,6 +205,13 @@ def make_parser() -> argparse.ArgumentParser:
     sscript.add_argument("--partition", default="")
     command(slurm, "sync", help="write every known user's GPU limit and fair share to Slurm's accounting")
     command(slurm, "priority", help="slurm.conf lines: Slurm orders jobs by gpuhub's fair share")
+    from . import sampler
+
+    sampler.add_arguments(
+        sub.add_parser(
+            "sampler", help="report this node's GPU readings to the broker (as root, on each node)"
+        )
+    )
     dbp = sub.add_parser("db", help="ledger database").add_subparsers(dest="action", required=True)
     command(dbp, "upgrade", help="migrate the ledger to this gpuhub's schema")
     kernel = sub.add_parser("kernel", help="notebook kernels").add_subparsers(dest="action", required=True)
@@ -292,6 +299,13 @@ def open_ledger(settings: GpuHub) -> Ledger:
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
+    if args.command == "sampler":
+        from . import sampler
+
+        try:
+            return sampler.run(args)
+        except (ValueError, OSError) as e:
+            raise UsageError(str(e)) from None
     if args.command == "kernel":
         from gpu_magics import kernelspec
 

@@ -90,6 +90,7 @@ class Hub:
         base_config: Path = DEMO_CONFIG,
         python: Path | None = None,
         ledger_url: str | None = None,
+        sampler_token: str | None = None,
     ):
         self.python = python  # run the hub with this Python (an installed gpuhub), not this test's
         self.dir = Path(workdir)
@@ -106,6 +107,13 @@ class Hub:
         self.base_config = base_config
         self.proc: subprocess.Popen | None = None
         self.log_path = self.dir / "jupyterhub.log"
+        # the nodes' samplers' token (enable_broker's sampler_token_file), in a file of root's
+        self.sampler_token_file = None
+        if sampler_token is not None:
+            self.sampler_token_file = self.dir / "sampler.token"
+            fd = os.open(self.sampler_token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(sampler_token)
 
     @property
     def ledger_url(self) -> str:
@@ -144,7 +152,11 @@ c.Spawner.poll_interval = 1
 c.GpuBroker.sweep_seconds = 1
 {self.extra_config}
 from spawner.broker import enable_broker
-enable_broker(c, url="http://{self.broker_host}:{self.broker_port}")
+enable_broker(
+    c,
+    url="http://{self.broker_host}:{self.broker_port}",
+    sampler_token_file={None if self.sampler_token_file is None else str(self.sampler_token_file)!r},
+)
 """
         )
         return cfg

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pwd
+import secrets
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -124,11 +125,42 @@ c.GpuHub.report_seconds = 1
 
 
 class SlurmHub(Hub):
-    """The demo hub (users, groups, limits) with the Slurm backend on the test cluster."""
+    """The demo hub (users, groups, limits) with the Slurm backend on the test cluster, and
+    gpuhub's sampler on each node (root, in the node's namespaces, with the hub's sampler
+    token): its readings of the fake GPUs (``UTIL_FILE``) decide idle reclaims, as
+    ``gpuhub sampler`` on a real cluster's nodes."""
 
     def __init__(self, workdir, extra_config: str = ""):
-        super().__init__(workdir, SLURM_HUB_CONFIG + extra_config)
+        super().__init__(workdir, SLURM_HUB_CONFIG + extra_config, sampler_token=secrets.token_hex(32))
         self.broker_host = HEAD  # the nodes' engines and servers report and ask there
+        self.samplers: list[subprocess.Popen] = []
+
+    def start(self, timeout: float = 90) -> SlurmHub:
+        super().start(timeout)
+        log = open(self.dir / "samplers.log", "a")
+        for node in NODES:
+            self.samplers.append(
+                subprocess.Popen(
+                    [str(REPO / "scripts" / "slurm-cluster"), "exec", node,
+                     str(VENV_BIN / "gpuhub"), "sampler", "--broker-url", f"http://{HEAD}:{self.broker_port}/services/gpuhub/api/v1/",
+                     "--token-file", str(self.sampler_token_file), "--node", node, "--gpus", "4",
+                     "--interval", "1", "--source", "simulated", "--simulated-file", str(UTIL_FILE)],
+                    stdout=log, stderr=subprocess.STDOUT,
+                )
+            )  # fmt: skip
+        log.close()
+        return self
+
+    def stop(self, timeout: float = 30) -> None:
+        for p in self.samplers:
+            p.terminate()
+        for p in self.samplers:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.samplers = []
+        super().stop(timeout)
 
     def job_id(self, user: str, name: str = "") -> str:
         return self.server(user, name)["state"]["job_id"]

@@ -182,13 +182,14 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         wait_for(lambda: len(ledger.get(burst.id).gpus) == 8, 30, "the watcher to record the burst's GPUs")
         assert {g.label for g in ledger.get(burst.id).gpus} == {r[3] for r in ranks.values()}
 
-        # each engine reports its own GPU's use from its Slurm node (idle reclaim, the grid)
+        # gpuhub's sampler on each node reads the burst's GPUs (what decides idle reclaim), and
+        # each engine reports its own GPU from its node (kept for alice's view)
         def burst_reported():
             grid = hub.broker("GET", "utilization", hub.user_token("admin")).json()
             mine = [g for g in grid["gpus"] if g["holder"] and g["holder"]["allocation_id"] == burst.id]
-            return len(mine) == 8 and all(g["utilization"] is not None for g in mine)
+            return len(mine) == 8 and all(g["utilization"] is not None and g["reported"] for g in mine)
 
-        wait_for(burst_reported, 30, "the engines on both nodes to report their GPUs")
+        wait_for(burst_reported, 30, "the samplers and the engines on both nodes to report the burst's GPUs")
 
         # the same pool answers the next cell (warm engines, same job)
         status, out = run(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 from contextlib import contextmanager
 
 import pytest
@@ -283,11 +284,17 @@ def test_a_report_names_only_the_callers_own_live_allocation_and_its_gpus(reclai
     r = hub.broker("POST", path, alice, json={"gpus": [{**sample, "utilization": 250}]})
     assert r.status_code == 400 and "from 0 to 100" in r.json()["message"]
     grid = hub.broker("GET", "utilization", alice).json()
-    assert [g["utilization"] for g in grid["gpus"]] == [None]  # nothing refused was recorded
-    # the owner's report is taken and answered with the idle state
-    r = hub.broker("POST", path, alice, json={"gpus": [sample], "idle_seconds": 0})
+    assert [g["reported"] for g in grid["gpus"]] == [None]  # nothing refused was recorded
+    # the owner's report is taken (shown to her as hers) and answered with the idle state
+    r = hub.broker("POST", path, alice, json={"gpus": [{**sample, "utilization": 37}], "idle_seconds": 0})
     assert r.status_code == 200 and r.json()["allocation_id"] == burst["id"], r.text
-    assert [g["utilization"] for g in hub.broker("GET", "utilization", alice).json()["gpus"]] == [50.0]
+    [row] = hub.broker("GET", "utilization", alice).json()["gpus"]
+    assert row["reported"]["utilization"] == 37.0
+    wait_for(  # what decides is gpuhub's own reading of the GPU (the file says 50 %)
+        lambda: hub.broker("GET", "utilization", alice).json()["gpus"][0]["utilization"] == 50.0,
+        20,
+        "the broker's own reading",
+    )
     # once released, reports are refused: the reporter stops
     assert hub.broker("DELETE", f"allocations/{burst['id']}", alice).status_code == 200
     r = hub.broker("POST", path, alice, json={"gpus": [sample]})
@@ -319,3 +326,41 @@ def test_a_waiting_spawn_counts_on_an_idle_reclaim_and_starts_when_it_comes(recl
     assert set(bobs.gpus) == set(alice.gpus)
     for user in ("bob", "dave"):
         hub.stop_server(user)
+
+
+def test_an_owners_busy_reports_keep_no_idle_gpu_from_the_others(reclaim_hub):
+    """alice's GPU sits idle; she reports it 100 % busy with her own token, twice a second, to
+    keep it from whoever waits. What decides is gpuhub's own reading of it (the broker samples
+    this machine's GPUs itself, c.GpuReclaim.readings = "sampler"): she is warned and her server
+    stopped as if she had said nothing; she sees her own reports as hers. (With readings =
+    "owners", the earlier way, her reports kept it busy for as long as she sent them.)"""
+    hub, ledger, util_file = reclaim_hub
+    assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
+    hub.wait_ready("alice")
+    [a] = ledger.active(user="alice")
+    [gpu] = a.gpus
+    token = hub.user_token("alice")
+    stop, answers = threading.Event(), []
+
+    def forge():
+        body = {"gpus": [{"node": gpu.node, "index": gpu.index, "utilization": 100, "memory_used_mib": 9000}]}
+        while not stop.wait(0.5):
+            answers.append(hub.broker("POST", f"allocations/{a.id}/samples", token, json=body).status_code)
+
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    try:
+        set_utilization(util_file, {})  # what the GPU really does: nothing
+        wait_for(lambda: idle_state(hub, a.id)["state"] == "warned", 40, "alice warned despite her reports")
+        [row] = hub.broker("GET", "utilization", token).json()["gpus"]
+        # gpuhub's reading decides; hers (the forger's 100 %, her server reporter's) are kept for her
+        assert row["utilization"] == 0.0 and row["reported"]["utilization"] in (0.0, 100.0), row
+        wait_for(lambda: ledger.get(a.id).state == "released", 60, "alice's idle server reclaimed")
+    finally:
+        stop.set()
+        forger.join(30)
+    assert answers.count(200) >= 3, answers  # her reports were taken, and decided nothing
+    reclaims = hub.broker("GET", "reclaims", hub.user_token("admin")).json()["reclaims"]
+    [rec] = [r for r in reclaims if r["allocation_id"] == a.id]
+    assert rec["user"] == "alice" and "below 5% utilization" in rec["reason"], rec
+    wait_for(lambda: hub.server("alice") is None, 30, "alice's server gone from the hub")

@@ -17,9 +17,10 @@ import os
 import sys
 
 from ..notices import ReclaimNotice
-from .access import ADMIN_SCOPE, OWN_SCOPE
+from .access import ADMIN_SCOPE, OWN_SCOPE, SAMPLE_SCOPE
 
 SERVICE = "gpuhub"
+SAMPLER_SERVICE = "gpuhub-sampler"  # the nodes' samplers (gpuhub sampler), with sampler_token_file
 
 
 SECTIONS = ("GpuHub", "GpuBroker", "GpuReclaim", "SlurmAccounting")
@@ -43,8 +44,31 @@ def _replace(items: list, new: dict) -> list:
     return [r for r in items if r.get("name") != new["name"]] + [new]
 
 
-def enable_broker(c, *, url: str = "http://127.0.0.1:10101", admin_users=None) -> None:
-    """Configure the broker service on a JupyterHub config object ``c``."""
+def read_sampler_token(path: str) -> str:
+    """The node samplers' token from ``path``, which only its owner may read (it lets its holder
+    decide what counts as idle)."""
+    st = os.stat(path)
+    if st.st_mode & 0o077:
+        raise ValueError(
+            f"enable_broker: sampler_token_file {path} has mode {st.st_mode & 0o777:04o}; "
+            f"others may read it: chmod 600 {path}"
+        )
+    token = open(path).read().strip()
+    if len(token) < 32:
+        raise ValueError(
+            f"enable_broker: sampler_token_file {path} holds {len(token)} characters; put a random "
+            f"token of at least 32 there, e.g. openssl rand -hex 32 > {path}"
+        )
+    return token
+
+
+def enable_broker(
+    c, *, url: str = "http://127.0.0.1:10101", admin_users=None, sampler_token_file: str | None = None
+) -> None:
+    """Configure the broker service on a JupyterHub config object ``c``.
+
+    ``sampler_token_file``: a file (0600) with the token that ``gpuhub sampler`` on each Slurm
+    node reports its GPUs with (the ``gpuhub-sampler`` service and role, docs/reclaim.md)."""
     access = f"access:services!service={SERVICE}"
     service = {
         "name": SERVICE,
@@ -56,11 +80,16 @@ def enable_broker(c, *, url: str = "http://127.0.0.1:10101", admin_users=None) -
         "oauth_no_confirm": True,
         "display": True,
     }
-    c.JupyterHub.services = _replace(list(c.JupyterHub.get("services", [])), service)
+    services = _replace(list(c.JupyterHub.get("services", [])), service)
+    if sampler_token_file is not None:
+        sampler = {"name": SAMPLER_SERVICE, "api_token": read_sampler_token(sampler_token_file)}
+        services = _replace(services, sampler)
+    c.JupyterHub.services = services
     c.JupyterHub.custom_scopes = {
         **c.JupyterHub.get("custom_scopes", {}),
         OWN_SCOPE: {"description": "Read and manage your own GPU allocations in gpuhub."},
         ADMIN_SCOPE: {"description": "Administer gpuhub: limits, every allocation, the cluster view."},
+        SAMPLE_SCOPE: {"description": "Report a node's GPU readings to gpuhub (its trusted sampler)."},
     }
     admins = sorted(admin_users if admin_users is not None else c.Authenticator.get("admin_users", ()))
     roles = list(c.JupyterHub.get("load_roles", []))
@@ -83,6 +112,12 @@ def enable_broker(c, *, url: str = "http://127.0.0.1:10101", admin_users=None) -
             # starting any): to stop a server whose GPUs sat idle (c.GpuReclaim)
             "scopes": ["read:users:groups", "read:users:name", "delete:servers"],
             "services": [SERVICE],
+        },
+        {
+            "name": "gpuhub-sampler",
+            "description": "gpuhub's GPU sampler on each node: its readings decide idle reclaims",
+            "scopes": [SAMPLE_SCOPE, access],
+            "services": [SAMPLER_SERVICE] if sampler_token_file is not None else [],
         },
     ):
         roles = _replace(roles, role)

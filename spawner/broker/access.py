@@ -6,6 +6,8 @@ Scopes (defined by ``enable_broker`` as JupyterHub custom scopes):
   as ``custom:gpuhub:allocations!user`` (JupyterHub expands it to ``...!user=<name>``), and to
   each single-user server's token, so the magics can ask for burst GPUs.
 - ``custom:gpuhub:admin``: limits, every allocation, the cluster view, everyone's usage.
+- ``custom:gpuhub:sample``: report a node's GPU readings (gpuhub's own sampler on each node,
+  the ``gpuhub-sampler`` service); no user has it.
 
 A caller without a scope gets 403; a caller asking for someone else's allocation gets 404,
 so allocation ids of other users are not even confirmed to exist.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 OWN_SCOPE = "custom:gpuhub:allocations"
 ADMIN_SCOPE = "custom:gpuhub:admin"
+SAMPLE_SCOPE = "custom:gpuhub:sample"
 METRICS_SCOPES = (ADMIN_SCOPE, "read:metrics")
 
 

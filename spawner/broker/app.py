@@ -29,6 +29,7 @@ from .metrics import Metrics, UtilizationCollector
 from .pages import AdminPage, MetricsHandler, UserPage
 from .preempter import Preempter
 from .reclaimer import Reclaimer
+from .sampling import OwnSampler, own_nodes
 from .settings import GpuBroker, GpuReclaim
 from .usage_api import usage_api_handlers
 from .utilization import Utilization
@@ -100,6 +101,7 @@ async def main() -> None:
         reports_per_gpu_minute=reclaim.reports_per_gpu_minute,
     )
     broker.reclaim_rules = rules
+    broker.readings = reclaim.readings.lower()
     broker.metrics.registry.register(UtilizationCollector(broker))
     reclaimer = Reclaimer(broker, rules)
     from ..slurm.accounting import SlurmAccounting
@@ -128,6 +130,21 @@ async def main() -> None:
             log.exception("the idle check failed; it runs again in %s s", reclaim.check_seconds)
 
     PeriodicCallback(check_idle, reclaim.check_seconds * 1000).start()
+
+    nodes = own_nodes(broker.readings, hub_settings.inventory, hub_settings.local_nodes())
+    if nodes:
+        sampler = OwnSampler(broker, nodes, hub_settings.report_env())
+
+        async def sample():
+            try:
+                await sampler.tick()
+            except Exception:  # one bad pass must not end the sampling
+                log.exception(
+                    "gpuhub's own GPU sampling failed; it runs again in %s s", hub_settings.report_seconds
+                )
+
+        PeriodicCallback(sample, hub_settings.report_seconds * 1000).start()
+        log.info("sampling the GPUs of %s itself (c.GpuReclaim.readings = sampler)", ", ".join(sorted(nodes)))
     log.info(
         "gpuhub broker at %s%s, ledger %s", url.geturl().rstrip("/"), broker.prefix, safe_url(ledger.url)
     )

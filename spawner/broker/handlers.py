@@ -39,6 +39,7 @@ class Broker:
         self.accounting = None  # a SlurmAccounting: limits written to Slurm associations too
         self.utilization = Utilization()  # what servers and engines report of their GPUs
         self.reclaim_rules = IdleRules()  # c.GpuReclaim
+        self.readings = "sampler"  # c.GpuReclaim.readings: whose readings decide reclaims
         self._groups: dict[str, tuple[float, list[str]]] = {}
 
     async def run(self, fn, *args, **kw):

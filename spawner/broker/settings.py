@@ -103,6 +103,20 @@ class GpuReclaim(Configurable):
         """,
     ).tag(config=True)
 
+    readings = CaselessStrEnum(
+        ["sampler", "owners"],
+        "sampler",
+        help="""Whose GPU readings decide a reclaim. ``sampler``: gpuhub's own, where no user can
+        write: the broker samples the GPUs of its own machine (the local backend, a simulated
+        inventory) every ``c.GpuHub.report_seconds``, and on a Slurm cluster ``gpuhub sampler``
+        runs on each node as root or the hub's account with a token of the ``gpuhub-sampler``
+        role (``docs/reclaim.md``); a GPU nobody samples has unknown use and is never reclaimed.
+        The owners' own reports (their servers and engines) are still kept and shown to them.
+        ``owners``: the owners' reports decide, so a user can keep an idle GPU by reporting it
+        busy. A kernel's activity is always its owner's own word. ``c.GpuReclaim.readings = "sampler"``
+        """,
+    ).tag(config=True)
+
     stale_seconds = Float(
         180.0,
         help="""An allocation whose GPUs have not reported for this long has unknown use

@@ -4,6 +4,8 @@
   memory (and, from a server, how long ago its kernels were last active). Only the owner's
   token, only for the allocation's own GPUs. The answer is the allocation's idle verdict,
   which the server writes to its log.
+- ``POST nodes/{node}/samples``: gpuhub's own sampler on a node reports its GPUs
+  (:mod:`.sampling`); only a token with ``custom:gpuhub:sample``.
 - ``GET utilization``: the live grid. Admins see every GPU and every user; a user sees the
   GPUs they hold.
 - ``GET reclaims``: reclaims with their reasons and the idle GPU-hours they ended, per user
@@ -23,6 +25,7 @@ from ..ledger import utcnow
 from ..reclaims import totals
 from . import access, schemas, views
 from .handlers import APIHandler
+from .sampling import NodeSamplesHandler
 
 
 class SamplesHandler(APIHandler):
@@ -54,8 +57,9 @@ class SamplesHandler(APIHandler):
             )
         broker = self.broker
         rules = broker.reclaim_rules
-        if report.samples:
-            broker.utilization.add_samples(a, report.samples, rules.threshold, rules.stale_after)
+        if report.samples:  # the owner's word: decisive only where c.GpuReclaim.readings says so
+            decisive = broker.readings == "owners"
+            broker.utilization.add_samples(a, report.samples, rules.threshold, rules.stale_after, decisive)
         if report.idle_seconds is not None:
             broker.utilization.add_activity(a, report.idle_seconds)
         verdict = broker.utilization.verdicts.get(a.id)
@@ -137,6 +141,7 @@ def usage_api_handlers(prefix: str) -> list[tuple]:
     api = f"{prefix}api/v1"
     return [
         (rf"{api}/allocations/(\d{{1,18}})/samples", SamplesHandler),
+        (rf"{api}/nodes/([A-Za-z0-9][A-Za-z0-9._-]{{0,254}})/samples", NodeSamplesHandler),
         (f"{api}/utilization", UtilizationHandler),
         (f"{api}/reclaims", ReclaimsHandler),
         (f"{api}/preemptions", PreemptionsHandler),

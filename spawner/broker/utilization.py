@@ -1,6 +1,11 @@
 """What the broker has heard about GPU use: a short per-GPU history and one
 :class:`spawner.idle.Watch` per live allocation. In memory: a restarted broker starts every
 idle clock again, which can only delay a reclaim, never hasten one.
+
+Readings are *decisive* (they move the idle clocks, and the grid shows them) or the owner's
+own (kept per GPU in ``reported`` for the owner's view, deciding nothing): with
+``c.GpuReclaim.readings = "sampler"`` only gpuhub's sampler, which the user cannot write to,
+is decisive (:mod:`.sampling`).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Utilization:
         self.min_interval = min_interval
         self.reports_per_gpu_minute = reports_per_gpu_minute
         self.gpus: dict[tuple[str, int], deque[Reading]] = {}
+        self.reported: dict[tuple[str, int], deque[Reading]] = {}  # owners' own, when not decisive
         self.watches: dict[int, Watch] = {}
         self.verdicts: dict[int, Verdict] = {}
         self.reports: dict[int, deque[float]] = {}
@@ -83,12 +89,29 @@ class Utilization:
         return w
 
     def add_samples(
-        self, a: AllocationInfo, samples: Iterable[Sample], threshold: float, stale_after: float
+        self,
+        a: AllocationInfo,
+        samples: Iterable[Sample],
+        threshold: float,
+        stale_after: float,
+        decisive: bool = True,
     ) -> Watch:
+        """Store ``samples`` of ``a``'s GPUs; decisive ones also move ``a``'s idle clock."""
+        samples = list(samples)
+        self.record(samples, decisive)
+        if not decisive:
+            return self.watch(a)
+        busy = any(s.utilization >= threshold for s in samples)
+        w = after_samples(self.watch(a), busy, self.clock(), stale_after)
+        self.watches[a.id] = w
+        return w
+
+    def record(self, samples: Iterable[Sample], decisive: bool = True) -> None:
+        """Add readings to their GPUs' histories (no allocation's clock moves)."""
         now = self.clock()
-        busy = False
+        histories = self.gpus if decisive else self.reported
         for s in samples:
-            history = self.gpus.setdefault((s.node, s.index), deque())
+            history = histories.setdefault((s.node, s.index), deque())
             reading = Reading(now, s.utilization, s.memory_used_mib, s.memory_total_mib)
             if len(history) > 1 and history[-1].t - history[-2].t < self.min_interval:
                 history[-1] = reading  # the newest is provisional until min_interval after the last
@@ -96,10 +119,6 @@ class Utilization:
                 history.append(reading)
             while history and history[0].t < now - self.history_seconds:
                 history.popleft()
-            busy = busy or s.utilization >= threshold
-        w = after_samples(self.watch(a), busy, now, stale_after)
-        self.watches[a.id] = w
-        return w
 
     def add_activity(self, a: AllocationInfo, idle_seconds: float) -> Watch:
         w = after_activity(self.watch(a), idle_seconds, self.clock())
@@ -111,9 +130,12 @@ class Utilization:
         if w is not None:
             self.watches[allocation_id] = replace(w, warned_at=self.clock())
 
-    def latest(self, node: str, index: int, fresh_for: float, since: float = 0.0) -> Reading | None:
-        """The last reading if fresh, and taken ``since`` (a holder's start: never the last holder's)."""
-        history = self.gpus.get((node, index))
+    def latest(
+        self, node: str, index: int, fresh_for: float, since: float = 0.0, reported: bool = False
+    ) -> Reading | None:
+        """The last (decisive, or the owner's ``reported``) reading if fresh, and taken ``since``
+        (a holder's start: never the last holder's)."""
+        history = (self.reported if reported else self.gpus).get((node, index))
         if not history or self.clock() - history[-1].t > fresh_for or history[-1].t < since:
             return None
         return history[-1]

@@ -254,6 +254,7 @@ def utilization_json(table: list[GpuStatus], util: Utilization, fresh_for: float
         h = st.holder
         since = epoch(h.started or h.created) if h else 0.0  # a holder sees only their own time
         latest = util.latest(st.gpu.node, st.gpu.index, fresh_for, since)
+        reported = util.latest(st.gpu.node, st.gpu.index, fresh_for, since, reported=True)
         history = [
             [round(r.t - now, 1), round(r.utilization, 1)]
             for r in util.history(st.gpu.node, st.gpu.index, since)[-60:]
@@ -276,6 +277,9 @@ def utilization_json(table: list[GpuStatus], util: Utilization, fresh_for: float
                     "preemption": preemption_of(h),
                 },
                 **reading_json(latest),
+                # the holder's own report, where readings come from gpuhub's sampler instead:
+                # shown, never deciding (c.GpuReclaim.readings)
+                "reported": None if reported is None else reading_json(reported),
                 "history": history,
             }
         )
