@@ -860,3 +860,40 @@ def test_a_give_back_after_the_request_left_is_not_called_a_preemption(led, cloc
     led.leave_queue(carol.id)
     assert led.release(burst.id, "released through the API by owner")
     assert led.get(burst.id).end_reason == "released through the API by owner"
+
+
+@pytest.mark.parametrize("ended_by", ["user", "reclaim", "preemption"])
+def test_only_runs_their_user_ended_make_a_run_length(led, clock, ended_by):
+    """erin's three 10-minute runs let her start ahead of bob; not when gpuhub ended them."""
+    if ended_by == "preemption":
+        led.set_limit("user", "erin", Limit(max_gpus=0))  # all she takes is borrowed
+    for _ in range(3):
+        clock.advance(minutes=1)
+        if ended_by == "preemption":  # borrowed while nobody waits, taken back for dave's wait
+            led.allocate("alice", [], 2)
+            a = led.allocate("erin", [], 2, purpose="distributed", lease_seconds=3600)
+            assert a.borrowed == 2
+            d = led.request("dave", [], 1).entry
+            assert [p.allocation_id for p in led.preempt_for_queue()] == [a.id]
+        else:
+            a = led.allocate("erin", [], 1, purpose="distributed", lease_seconds=3600)
+        if ended_by == "reclaim":
+            assert led.record_reclaim(a.id, 600, "idle") is not None
+        clock.advance(minutes=10)
+        led.release(a.id)
+        if ended_by == "preemption":
+            led.leave_queue(d.id)
+            for other in led.active(user="alice"):
+                led.release(other.id)
+    led.unset_limit("user", "erin")
+    led.allocate("alice", [], 1)
+    clock.advance(minutes=1)
+    led.allocate("carol", [], 2)
+    bob = led.request("bob", [], 2).entry  # from alice's expected end (2 h), on the free GPU too
+    assert bob is not None
+    if ended_by == "user":
+        assert led.allocate("erin", [], 1, purpose="distributed", lease_seconds=60).backfill
+    else:
+        with pytest.raises(Refusal) as err:
+            led.allocate("erin", [], 1, purpose="distributed", lease_seconds=60)
+        assert err.value.reason == "no_capacity"
