@@ -3,9 +3,11 @@
 The decisions are :mod:`spawner.borrowing`'s. Here: a request beyond the limit but within the
 allowance is booked only on GPUs free now and only while nobody waits (it never queues); the
 broker's pass calls :meth:`preempt_for_queue`, which gives the owners of borrowed allocations
-that stand between the head of the queue and its GPUs a notice with a due time. Until it is
-due the allocation lives on (its kernel saves); then a burst's renewals are refused and a
-server is stopped by the broker, and the allocation ends with the preemption's reason.
+(and of allocations that started ahead of the head's reservation: backfill) that stand between
+the head of the queue and its GPUs a notice with a due time. Until it is due the allocation
+lives on (its kernel saves); then, if the request it was for still waits, a burst is ended and
+a server is stopped by the broker (``takeback.py``), and the allocation ends with the
+preemption's reason. A notice whose request no longer waits is withdrawn instead.
 """
 
 from __future__ import annotations
@@ -150,8 +152,9 @@ class LendingRecords:
     # taking back ------------------------------------------------------------------------
 
     def preempt_for_queue(self) -> list[PreemptionInfo]:
-        """Give notice to the borrowed allocations standing between the head of the queue
-        and GPUs it could start on now (newest borrowing first, as few GPUs as will do).
+        """Give notice to the borrowed allocations, and those that started ahead of the head
+        (backfill), standing between the head of the queue and GPUs it could start on now
+        (newest first, as few GPUs as will do). A notice withdrawn before is given again.
 
         Only the first entry that cannot start is served per call; nothing is preempted when
         what is already being taken back will do, or when no choice of borrowed allocations
