@@ -243,9 +243,10 @@ class SlurmLauncher:
         leaves through the pool's stop (``stop``: scancel) and the magic's burst release."""
         show = show or _display_line()
         poll = poll or self.read_queue
+        hidden = jobs_hidden(self.read_config())  # then no place among others' can be counted
         delay, last = 0.5, None
         while True:
-            line = queue_line(poll(), self.job_id, self.nodes * self.per_node, _utcnow())
+            line = queue_line(poll(), self.job_id, self.nodes * self.per_node, _utcnow(), hidden)
             if line is None:
                 if last is not None:
                     show(f"Slurm job {self.job_id} left the queue; starting the engines")
@@ -255,6 +256,18 @@ class SlurmLauncher:
                 last = line
             time.sleep(delay)
             delay = min(delay * 2, QUEUE_POLL_MAX)
+
+    @staticmethod
+    def read_config() -> str | None:
+        """``scontrol show config`` as this user sees it; None when Slurm could not be asked."""
+        try:
+            out = subprocess.run(
+                [shutil.which("scontrol") or "scontrol", "show", "config"],
+                capture_output=True, text=True, timeout=30, env=job_env(os.environ),
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout if out.returncode == 0 else None
 
     @staticmethod
     def read_queue():
@@ -344,11 +357,25 @@ def _utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
 
 
-def queue_line(listing, job_id: str, gpus: int, now: datetime) -> str | None:
+def jobs_hidden(config: str | None) -> bool:
+    """Whether Slurm shows this user only their own jobs, from ``scontrol show config``
+    (``PrivateData`` naming ``jobs``); True when it could not be read: a place counted among
+    jobs one may not see would be wrong, so none is claimed (pure)."""
+    if config is None:
+        return True
+    for line in config.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "PrivateData":
+            return "jobs" in {v.strip().lower() for v in value.split(",")}
+    return False
+
+
+def queue_line(listing, job_id: str, gpus: int, now: datetime, hidden: bool = False) -> str | None:
     """The wait line of the engines' job ``job_id`` in ``listing`` (``jobs.Listing`` of
     ``squeue --json``), or None once it is no longer waiting (running, ended, gone). A
     listing that could not be read (None) or that skipped the job keeps it waiting, with
-    what Slurm last said unknown."""
+    what Slurm last said unknown. ``hidden``: the listing holds only this user's jobs
+    (:func:`jobs_hidden`), so the line counts no place."""
     from spawner.slurm import jobs, priority
 
     if listing is None or job_id in listing.unreadable:
@@ -356,6 +383,8 @@ def queue_line(listing, job_id: str, gpus: int, now: datetime) -> str | None:
     job = listing.jobs.get(str(job_id))
     if job is None or not job.pending:
         return None
+    if hidden:
+        return priority.wait_message(job, None, gpus, now, what="engines job", place_hidden=True)
     position = jobs.queue_positions(listing.queue, [job.job_id]).get(job.job_id)
     return priority.wait_message(job, position, gpus, now, what="engines job")
 

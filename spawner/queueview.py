@@ -45,7 +45,7 @@ def in_words(seconds: float) -> str:
 
 
 def wait_line(
-    position: int,
+    position: int | None,
     waiting: int,
     gpus: int,
     expected: datetime | None,
@@ -53,8 +53,11 @@ def wait_line(
     now: datetime,
 ) -> str:
     """E.g. ``2nd of 4 waiting for 2 GPUs, expected start about 14:20 (in 12 min; a guess
-    from recent run lengths)``. Times are naive UTC; shown in local time."""
-    head = f"{ordinal(position)} of {waiting} waiting for {_plural(gpus)}"
+    from recent run lengths)``; without a ``position`` (one the caller cannot count) just
+    ``waiting for 2 GPUs, ...``. Times are naive UTC; shown in local time."""
+    head = f"waiting for {_plural(gpus)}"
+    if position is not None:
+        head = f"{ordinal(position)} of {waiting} {head}"
     if expected is None:
         if sure == "slurm":
             return f"{head}; no estimate from Slurm yet (its backfill pass gives one shortly)"

@@ -254,6 +254,29 @@ def test_queue_line_of_the_engines_job():
     assert queue_line(listing(job(12, "RUNNING", name="gpuhub-engines")), "12", 4, NOW) is None
     assert queue_line(listing(), "12", 4, NOW) is None  # gone: the pool reports missing engines
     assert "Slurm does not answer" in queue_line(None, "12", 4, NOW)  # keeps waiting
+    # a cluster that shows a user only their own jobs: no place among them is claimed
+    hidden = queue_line(got, "12", 4, NOW, hidden=True)
+    assert hidden.startswith(
+        "Queued in Slurm as engines job 12 in partition gpu: waiting for 4 GPUs, expected"
+    )
+    assert "private on this cluster" in hidden and " of " not in hidden.split("Slurm's reason")[0], hidden
+
+
+@pytest.mark.parametrize(
+    "config, hidden",
+    [
+        ("PrivateData             = jobs,usage,users\n", True),
+        ("ClusterName = gpuhub\nPrivateData = usage,jobs\n", True),
+        ("PrivateData             = none\n", False),
+        ("PrivateData = usage,users\n", False),
+        ("ClusterName = gpuhub\n", False),  # not set: every job is visible
+        (None, True),  # Slurm could not be asked: claim no place
+    ],
+)
+def test_whether_slurm_hides_other_users_jobs(config, hidden):
+    from gpu_magics.slurmengines import jobs_hidden
+
+    assert jobs_hidden(config) is hidden
 
 
 def test_wait_in_queue_shows_each_new_line_once_and_returns_when_the_job_leaves(monkeypatch):
@@ -269,6 +292,7 @@ def test_wait_in_queue_shows_each_new_line_once_and_returns_when_the_job_leaves(
     ])  # fmt: skip
     launcher = slurmengines.SlurmLauncher("job", 1, 4, "/tmp")
     launcher.job_id = "12"
+    launcher.read_config = lambda: "PrivateData = none\n"
     shown = []
     launcher.wait_in_queue(shown.append, lambda: next(answers))
     assert len(shown) == 3 and "no estimate from Slurm yet" in shown[0] and "expected start" in shown[1]
@@ -284,6 +308,7 @@ def test_ctrl_c_while_waiting_leaves_through_the_caller():
 
     launcher = slurmengines.SlurmLauncher("job", 1, 4, "/tmp")
     launcher.job_id = "12"
+    launcher.read_config = lambda: "PrivateData = none\n"
     with pytest.raises(KeyboardInterrupt):  # the pool's stop (scancel) and the magic's release follow
         launcher.wait_in_queue(lambda line: None, interrupted)
 

@@ -76,18 +76,35 @@ def render_priority_conf(weights: Weights, calc_period_minutes: int = 5) -> str:
     return "\n".join(lines) + "\n"
 
 
+PLACE_HIDDEN = "your place among other users' jobs is private on this cluster (Slurm's PrivateData)"
+
+
 def wait_message(
-    job: JobInfo, position: tuple[int, int, str] | None, gpus: int, now: datetime, what: str = "job"
+    job: JobInfo,
+    position: tuple[int, int, str] | None,
+    gpus: int,
+    now: datetime,
+    what: str = "job",
+    place_hidden: bool = False,
 ) -> str:
     """The line for a job waiting in Slurm's queue, e.g. ``Queued in Slurm as job 42 in
     partition gpu: 2nd of 3 waiting for 2 GPUs, expected start about 14:20 (in 12 min;
     Slurm's estimate, not a promise). Slurm's reason: Resources``. Without a position
-    (the job is held, or this Slurm has no JSON), Slurm's state and reason as before."""
-    if not job.pending or position is None:
+    (the job is held, or this Slurm has no JSON), Slurm's state and reason as before. With
+    ``place_hidden`` (the caller sees only its own jobs: ``PrivateData=jobs``) no place is
+    counted, and the line says why."""
+    if not job.pending or (position is None and not place_hidden):
         return job.describe()
+    reason = job.reason if job.reason and job.reason != "None" else "waiting"
+    if place_hidden:
+        partition = job.partition.split(",")[0] or "?"
+        line = wait_line(None, 0, gpus, job.expected, "slurm", now)
+        return (
+            f"Queued in Slurm as {what} {job.job_id} in partition {partition}: {line}; {PLACE_HIDDEN}. "
+            f"Slurm's reason: {reason}"
+        )
     n, of, partition = position
     line = wait_line(n, of, gpus, job.expected, "slurm", now)
-    reason = job.reason if job.reason and job.reason != "None" else "waiting"
     return (
         f"Queued in Slurm as {what} {job.job_id} in partition {partition}: {line}. Slurm's reason: {reason}"
     )
