@@ -39,17 +39,24 @@ class LocalLauncher:
     to an account without the keys in the owner's connection files."""
 
     local_pids: list[int] = []
-    controller_args = channels.IPC_CONTROLLER_ARGS
+    # off: loopback TCP without Curve, as before issue 27 (benchmarks/channels.py compares them)
+    private_channels = True
 
     def __init__(self, specs):
         self.specs = specs
         self.socket_dir: str | None = None
+
+    @property
+    def controller_args(self) -> list[str]:
+        return channels.IPC_CONTROLLER_ARGS if self.private_channels else []
 
     def cluster_options(self) -> dict:
         config = Config()
         config.LocalEngineSetLauncher.engine_cmd = ENGINE_CMD
         config.LocalControllerLauncher.controller_cmd = CONTROLLER_CMD
         self.stop()  # a pool started again: a new directory
+        if not self.private_channels:
+            return {"controller_ip": "127.0.0.1", "config": config}
         self.socket_dir = channels.socket_dir("gpuhub-pool-", channels.CONTROLLER_SOCKET_NAME)
         return {"controller_ip": os.path.join(self.socket_dir, channels.CONTROLLER_PREFIX), "config": config}
 
