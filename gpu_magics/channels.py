@@ -20,6 +20,7 @@ enter, never a TCP port another account can reach.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import stat
@@ -149,6 +150,15 @@ def private_iopub_pipe(prefix: str) -> None:
 
     iostream.IOPubThread._setup_pipe_in = _setup_pipe_in
     iostream.IOPubThread._setup_pipe_out = _setup_pipe_out
+
+    master = os.getpid()
+
+    def remove() -> None:  # jupyter_client removes the sockets it numbered, not this one
+        if os.getpid() == master:
+            with contextlib.suppress(OSError):
+                os.unlink(address[len("ipc://") :])
+
+    atexit.register(remove)
 
 
 def tcp_refusal(argv: list[str], environ) -> str | None:
