@@ -331,6 +331,7 @@ def test_bob_cannot_read_alices_distributed_output(victim):  # noqa: F811
     assert not any(os.path.exists(d) for d in facts["dirs"])  # the socket directory goes with the pool
 
 
+NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"  # the notebook in view
 LAB_CELLS = [
     "%%distributed --gpus 2\nprint('up', rank, flush=True)",
     "%%distributed --gpus 2\nprint('looping', rank, flush=True)\nwhile True:\n    pass",
@@ -357,20 +358,33 @@ def test_jupyterlab_runs_a_distributed_cell_and_its_stop_button_reaches_every_ra
     assert r.status_code == 201, r.text
     page = login(browser, hub, VICTIM, DEMO_PASSWORD)
     try:
-        page.goto(f"{hub.url}/user/{VICTIM}/lab/tree/{name}")
-        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+        # ?reset: a workspace of an earlier run would reopen its notebooks beside this one
+        page.goto(f"{hub.url}/user/{VICTIM}/lab/tree/{name}?reset")
+        page.wait_for_selector(f"{NOTEBOOK} .jp-Cell", timeout=120_000)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-        outputs = page.locator(".jp-Notebook .jp-Cell .jp-Cell-outputArea")
 
-        page.locator(".jp-Notebook .jp-Cell").nth(0).click()
+        def shows(i: int, text: str, timeout: float = 180_000) -> None:
+            """Wait until cell ``i``'s output holds ``text`` (in the DOM: JupyterLab may leave a
+            cell that is out of view unpainted, which Playwright counts as hidden)."""
+            page.wait_for_function(
+                """([i, text, notebook]) => {
+                  const cell = document.querySelectorAll(notebook + " .jp-Cell")[i];
+                  const out = cell && cell.querySelector(".jp-Cell-outputArea");
+                  return !!out && out.textContent.includes(text);
+                }""",
+                arg=[i, text, NOTEBOOK],
+                timeout=timeout,
+            )
+
+        page.locator(f"{NOTEBOOK} .jp-Cell").nth(0).click()
         page.keyboard.press("Shift+Enter")  # the first cell; the looping one is next
         page.keyboard.press("Shift+Enter")
-        outputs.nth(0).get_by_text("[rank 1] up 1").wait_for(timeout=180_000)
-        outputs.nth(1).get_by_text("[rank 1] looping 1").wait_for(timeout=180_000)
+        shows(0, "[rank 1] up 1")
+        shows(1, "[rank 1] looping 1")
         page.locator("[data-command='notebook:interrupt-kernel']").first.click()  # the stop button
-        outputs.nth(1).get_by_text("KeyboardInterrupt").first.wait_for(timeout=120_000)
+        shows(1, "KeyboardInterrupt", 120_000)
         page.keyboard.press("Shift+Enter")  # the third cell, on the same engines
-        outputs.nth(2).get_by_text("[rank 1] after 1 2.0").wait_for(timeout=180_000)
+        shows(2, "[rank 1] after 1 2.0")
 
         # the notebook's kernel listens on Unix sockets only
         [session] = [
