@@ -331,7 +331,8 @@ def test_bob_cannot_read_alices_distributed_output(victim):  # noqa: F811
     assert not any(os.path.exists(d) for d in facts["dirs"])  # the socket directory goes with the pool
 
 
-NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook"  # the notebook in view
+PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in view
+NOTEBOOK = f"{PANEL} .jp-Notebook"
 LAB_CELLS = [
     "%%distributed --gpus 2\nprint('up', rank, flush=True)",
     "%%distributed --gpus 2\nprint('looping', rank, flush=True)\nwhile True:\n    pass",
@@ -366,6 +367,17 @@ def test_jupyterlab_runs_a_distributed_cell_and_its_stop_button_reaches_every_ra
         def shows(i: int, text: str, timeout: float = 180_000) -> None:
             """Wait until cell ``i``'s output holds ``text`` (in the DOM: JupyterLab may leave a
             cell that is out of view unpainted, which Playwright counts as hidden)."""
+            try:
+                wait(i, text, timeout)
+            except Exception:
+                page.screenshot(path="/tmp/gpuhub-lab-failure.png")
+                cells = page.evaluate(
+                    "(nb) => [...document.querySelectorAll(nb + ' .jp-Cell')].map((c) => c.textContent)",
+                    NOTEBOOK,
+                )
+                raise AssertionError(f"cell {i} never showed {text!r}; the cells: {cells}") from None
+
+        def wait(i: int, text: str, timeout: float) -> None:
             page.wait_for_function(
                 """([i, text, notebook]) => {
                   const cell = document.querySelectorAll(notebook + " .jp-Cell")[i];
@@ -376,14 +388,25 @@ def test_jupyterlab_runs_a_distributed_cell_and_its_stop_button_reaches_every_ra
                 timeout=timeout,
             )
 
-        page.locator(f"{NOTEBOOK} .jp-Cell").nth(0).click()
-        page.keyboard.press("Shift+Enter")  # the first cell; the looping one is next
-        page.keyboard.press("Shift+Enter")
+        def run(i: int) -> None:
+            """Make cell ``i`` the active one, then the toolbar's run button."""
+            cell = page.locator(f"{NOTEBOOK} .jp-Cell").nth(i)
+            cell.locator(".jp-InputPrompt").click()
+            page.wait_for_function(
+                "([i, nb]) => document.querySelectorAll(nb + ' .jp-Cell')[i]"
+                ".classList.contains('jp-mod-active')",
+                arg=[i, NOTEBOOK],
+                timeout=30_000,
+            )
+            page.locator(f"{PANEL} [data-command='notebook:run-cell-and-select-next']").first.click()
+
+        run(0)
         shows(0, "[rank 1] up 1")
+        run(1)
         shows(1, "[rank 1] looping 1")
-        page.locator("[data-command='notebook:interrupt-kernel']").first.click()  # the stop button
+        page.locator(f"{PANEL} [data-command='notebook:interrupt-kernel']").first.click()  # the stop button
         shows(1, "KeyboardInterrupt", 120_000)
-        page.keyboard.press("Shift+Enter")  # the third cell, on the same engines
+        run(2)  # the next cell, on the same engines
         shows(2, "[rank 1] after 1 2.0")
 
         # the notebook's kernel listens on Unix sockets only
