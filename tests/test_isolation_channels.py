@@ -362,7 +362,12 @@ def test_jupyterlab_runs_a_distributed_cell_and_its_stop_button_reaches_every_ra
         # ?reset: a workspace of an earlier run would reopen its notebooks beside this one
         page.goto(f"{hub.url}/user/{VICTIM}/lab/tree/{name}?reset")
         page.wait_for_selector(f"{NOTEBOOK} .jp-Cell", timeout=120_000)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
+        # the notebook's kernel started and JupyterLab connected to it (the status bar says so)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.jp-StatusBar-Widget')]"
+            ".some((w) => /Python 3 \\(GPUs\\) \\| Idle/.test(w.textContent))",
+            timeout=120_000,
+        )
 
         def shows(i: int, text: str, timeout: float = 180_000) -> None:
             """Wait until cell ``i``'s output holds ``text`` (in the DOM: JupyterLab may leave a
