@@ -241,8 +241,16 @@ class EnginePool:
         if self.reaper is not None:
             self.reaper.kill()
             self.reaper.wait()
+        sockets = getattr(self.launcher, "socket_dir", None)  # removed too, should the kernel die
         self.reaper = subprocess.Popen(
-            [sys.executable, "-m", "gpu_magics.reaper", str(os.getpid()), *map(str, pids)],
+            [
+                sys.executable,
+                "-m",
+                "gpu_magics.reaper",
+                str(os.getpid()),
+                *map(str, pids),
+                *([f"--remove={sockets}"] if sockets else []),
+            ],
             start_new_session=True,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
