@@ -3,10 +3,22 @@ over TCP in a gpuhub server (``channels.tcp_refusal``: the server says ``GPUHUB_
 and the connection file it wrote says ``tcp``), before any socket is bound. Over IPC its IOPub
 pipe (subprocesses' output) is a Unix socket beside the others (``channels.private_iopub_pipe``),
 so the kernel listens on no TCP port at all. Elsewhere (a laptop's Jupyter, ``jupyter console``
-over TCP) it is ipykernel's launcher as it is."""
+over TCP) it is ipykernel's launcher as it is.
+
+The debugger is off in a gpuhub server (:func:`debugger_allowed`): ipykernel's starts debugpy
+listening on a loopback TCP port, which any account on the machine could attach to first and
+run code as the kernel's owner. The kernel then tells JupyterLab it has no debugger
+(``kernel_info``) and ignores debug requests."""
 
 import os
 import sys
+
+
+def debugger_allowed(environ) -> bool:
+    """Whether this kernel may start ipykernel's debugger (pure): not in a gpuhub server, whose
+    kernels keep every channel off TCP (``GPUHUB_KERNEL_TRANSPORT=ipc``)."""
+    return environ.get("GPUHUB_KERNEL_TRANSPORT", "") != "ipc"
+
 
 if __name__ == "__main__":
     # as ipykernel_launcher: the working directory off sys.path while ipykernel loads
@@ -21,6 +33,10 @@ if __name__ == "__main__":
     connection = kernel_connection(sys.argv) or {}
     if connection.get("transport") == "ipc" and connection.get("ip"):
         private_iopub_pipe(connection["ip"])
+    if not debugger_allowed(os.environ):
+        from ipykernel import debugger
+
+        debugger._is_debugpy_available = False  # read by the kernel for kernel_info and debug requests
     from ipykernel import kernelapp as app
 
     app.launch_new_instance()

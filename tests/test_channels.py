@@ -87,3 +87,17 @@ def test_ipc_urls_are_the_ones_engines_and_clients_connect_to():
     assert ipc_url("ipc:///tmp/d/c-4242", "ipc:///tmp/d/c") == "ipc:///tmp/d/c:4242"
     assert ipc_url("tcp://0.0.0.0:4242", "tcp://0.0.0.0") == "tcp://0.0.0.0:4242"
     assert ipc_url("ipc:///tmp/d/c:4242", "ipc:///tmp/d/c") == "ipc:///tmp/d/c:4242"
+
+
+@pytest.mark.parametrize(
+    "environ, allowed",
+    [
+        ({"GPUHUB_KERNEL_TRANSPORT": "ipc"}, False),  # a gpuhub server: no debugpy port
+        ({}, True),  # a laptop's Jupyter: ipykernel as it is
+        ({"GPUHUB_KERNEL_TRANSPORT": "tcp"}, True),
+    ],
+)
+def test_the_debugger_is_off_in_a_gpuhub_server(environ, allowed):
+    from gpu_magics.kernel import debugger_allowed
+
+    assert debugger_allowed(environ) is allowed

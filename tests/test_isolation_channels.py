@@ -270,6 +270,30 @@ def test_bob_cannot_read_alices_kernel(victim):  # noqa: F811
     assert cell(kc, "print(6 * 7)").strip() == "42"
 
 
+def test_alices_kernel_starts_no_debugger_port_for_bob_to_attach_to(victim):  # noqa: F811
+    """ipykernel's debugger listens on a loopback TCP port (debugpy) once a client starts it,
+    and whoever attaches first runs code as the kernel's owner. In a gpuhub server the kernel
+    says it has no debugger (JupyterLab then offers none) and a debug request opens nothing."""
+    _, kc = victim
+    kid = os.path.basename(kc.connection_file).removeprefix("kernel-").removesuffix(".json")
+    pid, _ = kernel_process(kid)
+    kc.kernel_info()
+    info = kc.get_shell_msg(timeout=60)
+    content = info["content"]
+    assert content["status"] == "ok" and "debugger" not in content["supported_features"], content
+    assert not content.get("debugger"), content  # the older way of saying it
+    for command in ("initialize", "attach"):  # what JupyterLab's debugger sends first
+        msg = kc.session.msg(
+            "debug_request", {"type": "request", "seq": 1, "command": command, "arguments": {}}
+        )
+        kc.control_channel.send(msg)
+        reply = kc.get_control_msg(timeout=60)
+        assert reply["parent_header"]["msg_id"] == msg["header"]["msg_id"]
+        assert reply["content"] == {}, reply["content"]  # not handled: no debugpy started
+    assert tcp_listeners_of(tree(pid)) == []
+    assert cell(kc, "print(6 * 7)").strip() == "42"
+
+
 POOL_FACTS = (
     "import json, os\np = get_ipython().magics_manager.registry['DistributedMagics'].pool\n"
     "print(json.dumps({'profile': p.cluster.profile_dir, 'cluster_id': p.cluster.cluster_id, "
