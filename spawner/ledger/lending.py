@@ -43,6 +43,22 @@ class PreemptionInfo:
     withdrawn_reason: str | None = None
 
 
+def select_due(now: datetime):
+    """Standing preemptions due at ``now`` of live allocations, with their allocations: only
+    for a request that still waits (a notice for one gone is withdrawn)."""
+    return (
+        select(Preemption, Allocation)
+        .join(Allocation, Allocation.id == Preemption.allocation_id)
+        .outerjoin(QueueEntry, QueueEntry.id == Preemption.entry_id)
+        .where(
+            Preemption.due <= now,
+            Preemption.withdrawn.is_(None),
+            or_(Preemption.entry_id.is_(None), QueueEntry.state == "waiting"),
+            is_live(),
+        )
+    )
+
+
 def _preemption_info(p: Preemption) -> PreemptionInfo:
     return PreemptionInfo(
         p.id,
@@ -229,19 +245,9 @@ class LendingRecords:
         """Preemptions due now whose allocation still lives, with whether it is a server's
         (the broker stops those servers; a burst's kernel is refused its next renewal)."""
         with self._read() as s:
-            now = self.clock()
-            q = (  # only for a request that still waits (a notice for one gone is withdrawn)
-                select(Preemption, Allocation)
-                .join(Allocation, Allocation.id == Preemption.allocation_id)
-                .outerjoin(QueueEntry, QueueEntry.id == Preemption.entry_id)
-                .where(
-                    Preemption.due <= now,
-                    Preemption.withdrawn.is_(None),
-                    or_(Preemption.entry_id.is_(None), QueueEntry.state == "waiting"),
-                    is_live(),
-                )
-            )
-            return [(_preemption_info(p), a.purpose == "server") for p, a in s.execute(q)]
+            return [
+                (_preemption_info(p), a.purpose == "server") for p, a in s.execute(select_due(self.clock()))
+            ]
 
     def preemptions(self, user: str | None = None, since: datetime | None = None) -> list[PreemptionInfo]:
         with self._read() as s:

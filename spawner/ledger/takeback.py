@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import or_, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .. import borrowing
 from ..models import Allocation, Preemption, QueueEntry, is_live
-from .lending import PreemptionInfo, _preemption_info
+from .lending import PreemptionInfo, _preemption_info, select_due
 
 
 @dataclass
@@ -88,17 +88,7 @@ class TakeBackRecords:
             self._end_stale(s, now)  # a waiter gone quiet no longer waits
             withdrawn = self._withdraw_unwanted(s, now)
             self._end_backfill(s)
-            due = s.execute(
-                select(Preemption, Allocation)
-                .join(Allocation, Allocation.id == Preemption.allocation_id)
-                .outerjoin(QueueEntry, QueueEntry.id == Preemption.entry_id)
-                .where(
-                    Preemption.due <= now,
-                    Preemption.withdrawn.is_(None),
-                    or_(Preemption.entry_id.is_(None), QueueEntry.state == "waiting"),
-                    is_live(),
-                )
-            ).all()
+            due = s.execute(select_due(now)).all()
             for p, a in due:
                 if a.purpose == "server":
                     out.servers.append(_preemption_info(p))
