@@ -440,7 +440,10 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(db_url, tmp_pat
     assert counts["granted"] > 60 and counts["refused"] > 20, counts
     assert counts["queued"] > 25 and counts["granted after waiting"] > 10 and counts["left"] > 8, counts
     assert counts["borrowed"] > 5 and counts["borrow refused: no_borrowing"] > 5, counts
-    assert counts["preemptions"] > 0 and counts["preempted and released"] > 0, counts
+    # notices given, and allocations under notice released: as preempted, or as their owner's
+    # once the request the notice was for no longer waited (both checked where they happen)
+    released = counts["preempted and released"] + counts["released, its notice moot"]
+    assert counts["preemptions"] > 0 and released > 0, counts
     # the threads' writes that waited together were made in one transaction, and a refusal
     # among them had the others made again
     assert counts["combined"] > 0 and counts["made again"] > 0, counts
