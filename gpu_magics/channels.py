@@ -26,6 +26,8 @@ import shutil
 import stat
 import tempfile
 
+from .scratch import make_private, why_not_private
+
 # the longest path a Unix socket can have on Linux (sun_path is 108 bytes with its NUL)
 SUN_PATH_MAX = 107
 TRANSPORT_ENV = "GPUHUB_KERNEL_TRANSPORT"
@@ -48,8 +50,7 @@ def is_private_dir(path: str, uid: int | None = None) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    uid = os.geteuid() if uid is None else uid
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077
+    return why_not_private(st, os.geteuid() if uid is None else uid) is None
 
 
 def fits(directory: str, longest_name: int) -> bool:
@@ -65,9 +66,7 @@ def socket_dir(prefix: str, longest_name: int) -> str:
     name = len(prefix) + 8 + 1  # mkdtemp's random part and the separator
     for base in dict.fromkeys((tempfile.gettempdir(), "/tmp")):
         if fits(base, name + longest_name):
-            path = tempfile.mkdtemp(prefix=prefix, dir=base)
-            assert is_private_dir(path), path
-            return path
+            return str(make_private(base, prefix))
     raise OSError(f"no directory short enough for Unix sockets ({tempfile.gettempdir()!r})")
 
 

@@ -54,10 +54,10 @@ def by_holder(
     return list(groups.values())
 
 
-async def ingest(broker, samples: list[Sample]) -> int:
-    """Store gpuhub's own readings as decisive; the allocations that hold those GPUs get them
-    on their idle clocks. Returns how many allocations were updated."""
-    table = await broker.run(broker.ledger.gpu_table)
+def ingest(broker, samples: list[Sample], table) -> int:
+    """Store gpuhub's own readings as decisive; the allocations that hold those GPUs (in
+    ``table``, the ledger's ``gpu_table`` read for this report) get them on their idle clocks.
+    Returns how many allocations were updated."""
     holders = {(st.gpu.node, st.gpu.index): st.holder for st in table if st.holder is not None}
     rules = broker.reclaim_rules
     updated = 0
@@ -108,7 +108,7 @@ class OwnSampler:
         if self.failed:
             log.info("gpuhub's own GPU sampler reads the GPUs again")
             self.failed = False
-        return await ingest(self.broker, samples)
+        return ingest(self.broker, samples, table)
 
 
 class NodeSamplesHandler(APIHandler):
@@ -136,9 +136,10 @@ class NodeSamplesHandler(APIHandler):
                 + (f" (it named {', '.join(stray)})." if stray else "."),
                 "bad_request",
             )
-        known = {(st.gpu.node, st.gpu.index) for st in await self.broker.run(self.broker.ledger.gpu_table)}
+        table = await self.broker.run(self.broker.ledger.gpu_table)
+        known = {(st.gpu.node, st.gpu.index) for st in table}
         unknown = [f"{s.node}:{s.index}" for s in report.samples if (s.node, s.index) not in known]
         if unknown:
             return self.fail(400, f"GPU {', '.join(unknown)} is not in gpuhub's inventory.", "not_a_gpu")
-        updated = await ingest(self.broker, list(report.samples))
+        updated = ingest(self.broker, list(report.samples), table)
         self.finish({"node": node, "gpus": len(report.samples), "allocations": updated})
