@@ -9,11 +9,11 @@
 
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from .brokerclient import BrokerClient, BrokerError
-from .daskmagic import DaskMagics
-from .magics import DistributedMagics, register
-from .session import describe, server_gpus
-from .usage import describe_use
+from gpu_magics.brokerclient import BrokerClient, BrokerError
+from gpu_magics.daskmagic import DaskMagics
+from gpu_magics.magics import DistributedMagics, register
+from gpu_magics.session import describe, server_gpus
+from gpu_magics.usage import describe_use
 
 __all__ = ["load_ipython_extension", "server_gpus"]
 

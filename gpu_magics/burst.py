@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from .brokerclient import BrokerClient, BrokerError, LeaseKeeper
-from .ranks import Slot
+from gpu_magics.brokerclient import BrokerClient, BrokerError, LeaseKeeper
+from gpu_magics.ranks import Slot
 
 
 def burst_size(allocation: Mapping) -> int:
@@ -101,7 +101,7 @@ class Burst:
         try:
             alloc = client.request(gpus, nodes, gpus_per_node, lease_seconds, node=node, wait=wait)
             if "queued" in alloc:
-                from .queuewait import wait_for_turn
+                from gpu_magics.queuewait import wait_for_turn
 
                 alloc = wait_for_turn(
                     client, alloc["queued"], magic=magic, poll=queue_poll_seconds(), show=show
@@ -172,7 +172,7 @@ class Burst:
 
     def report_here(self, labels: list[str] | None = None) -> None:
         """Report this burst's GPUs' use from this process (their users run on this machine)."""
-        from .reporter import start_burst_reporter
+        from gpu_magics.reporter import start_burst_reporter
 
         if self._reporting:
             return

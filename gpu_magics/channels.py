@@ -26,7 +26,7 @@ import shutil
 import stat
 import tempfile
 
-from .scratch import make_private, why_not_private
+from gpu_magics.scratch import make_private, why_not_private
 
 # the longest path a Unix socket can have on Linux (sun_path is 108 bytes with its NUL)
 SUN_PATH_MAX = 107

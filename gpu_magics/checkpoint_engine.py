@@ -10,7 +10,7 @@ import os
 import socket
 import tempfile
 
-from .checkpoint import (
+from gpu_magics.checkpoint import (
     _MISSING,
     FORMAT,
     KINDS,
@@ -24,7 +24,7 @@ from .checkpoint import (
     state_of,
     type_name,
 )
-from .procs import alive
+from gpu_magics.procs import alive
 
 # engine side -------------------------------------------------------------------------------
 

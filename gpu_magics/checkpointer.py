@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from IPython.core.error import UsageError
 
-from .checkpoint import (
+from gpu_magics.checkpoint import (
     CHECK_TIMEOUT,
     KINDS,
     SAVE_TIMEOUT,
@@ -26,7 +26,7 @@ from .checkpoint import (
     restore_problem_message,
     unsaveable_message,
 )
-from .checkpoint_engine import (
+from gpu_magics.checkpoint_engine import (
     engine_apply_restore,
     engine_discard,
     engine_inspect,
@@ -34,7 +34,7 @@ from .checkpoint_engine import (
     engine_save,
     engine_stat,
 )
-from .procs import alive
+from gpu_magics.procs import alive
 
 # kernel side -------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tornado import web
 
-from .daskprivate import socket_for
+from gpu_magics.daskprivate import socket_for
 
 
 def _handler_class():

@@ -28,7 +28,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .scratch import make_private
+from gpu_magics.scratch import make_private
 
 TOKEN = re.compile(r"[0-9a-f]{32}")
 

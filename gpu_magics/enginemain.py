@@ -28,7 +28,7 @@ signal.signal(signal.SIGUSR1, lambda signum, frame: None)
 
 def autosave_request(environ) -> tuple[list[str], str] | None:
     """(names, directory) the engines save at SIGTERM, or None (pure)."""
-    from .checkpoint_engine import AUTOSAVE_DIR, AUTOSAVE_NAMES
+    from gpu_magics.checkpoint_engine import AUTOSAVE_DIR, AUTOSAVE_NAMES
 
     names = [n for n in environ.get(AUTOSAVE_NAMES, "").split() if n.isidentifier()]
     directory = environ.get(AUTOSAVE_DIR, "")
@@ -46,7 +46,7 @@ def on_sigterm(names: list[str], directory: str, ns_getter, exit=os._exit):
         if done:  # srun forwards the signal too: save once
             return
         done.append(signum)
-        from .checkpoint_engine import engine_preempt_save
+        from gpu_magics.checkpoint_engine import engine_preempt_save
 
         try:
             result = engine_preempt_save(names, directory, ns_getter(), os.environ)

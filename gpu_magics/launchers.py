@@ -15,7 +15,7 @@ import sys
 
 from traitlets.config import Config
 
-from . import channels
+from gpu_magics import channels
 
 # ipyparallel's engine with SIGUSR1 blocked in every thread (a stuck rank is freed by it)
 ENGINE_CMD = [sys.executable, "-m", "gpu_magics.enginemain"]

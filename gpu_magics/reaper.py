@@ -15,7 +15,7 @@ import time
 
 import psutil
 
-from .procs import alive
+from gpu_magics.procs import alive
 
 
 def kill_trees(pids: list[int], grace: float = 3.0) -> None:

@@ -140,7 +140,7 @@ def replace_group(rendezvous: dict, env_update: dict, timeout_s: float, rebind: 
     from IPython import get_ipython
     from torch.nn.parallel import DistributedDataParallel
 
-    from .engine import _store
+    from gpu_magics.engine import _store
 
     os.environ.update(env_update)
     backend = _STATE["backend"] or dist.get_backend()

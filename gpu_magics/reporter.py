@@ -20,9 +20,9 @@ import threading
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 
-from .brokerclient import BrokerClient, BrokerError
-from .gpustats import NvmlUnavailable, make_source, parse_label
-from .session import server_gpus
+from gpu_magics.brokerclient import BrokerClient, BrokerError
+from gpu_magics.gpustats import NvmlUnavailable, make_source, parse_label
+from gpu_magics.session import server_gpus
 
 log = logging.getLogger("gpuhub.reporter")
 

@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from . import channels
-from .launchers import signal_pids
-from .ranks import RankSpec, Slot, make_rank_specs
+from gpu_magics import channels
+from gpu_magics.launchers import signal_pids
+from gpu_magics.ranks import RankSpec, Slot, make_rank_specs
 
 
 @dataclass(frozen=True)
@@ -423,7 +423,7 @@ def autosave_env(autosave: tuple[list[str], str] | None) -> dict[str, str]:
     """The engines' ``GPUHUB_AUTOSAVE_NAMES`` / ``GPUHUB_AUTOSAVE_DIR`` (pure): always both,
     empty without autosave (so a value inherited from the server's own environment never
     reaches the engines)."""
-    from .checkpoint_engine import AUTOSAVE_DIR, AUTOSAVE_NAMES
+    from gpu_magics.checkpoint_engine import AUTOSAVE_DIR, AUTOSAVE_NAMES
 
     names, directory = autosave if autosave and autosave[0] else ([], "")
     return {AUTOSAVE_NAMES: " ".join(names), AUTOSAVE_DIR: directory}
@@ -434,7 +434,7 @@ def preemption_report(directory: str, job_id: str) -> str | None:
     when they recorded nothing (not preempted, or no autosave)."""
     import json
 
-    from .checkpoint_engine import preempt_report_path
+    from gpu_magics.checkpoint_engine import preempt_report_path
 
     try:
         with open(preempt_report_path(directory, str(job_id))) as f:

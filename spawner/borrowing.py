@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from . import policy
+from spawner import policy
 
 
 @dataclass(frozen=True)

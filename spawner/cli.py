@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 # only what parsing the command line needs is imported here: the ledger's modules (SQLAlchemy,
 # alembic: most of a second) come in the commands that open a ledger, so --help, a refused
 # option or a missing config file answer at once
-from . import values
-from .policy import (
+from spawner import values
+from spawner.policy import (
     DEFAULT_WINDOW_HOURS,
     MAX_COUNT,
     MAX_GPU_HOURS,
@@ -41,8 +41,8 @@ from .policy import (
 )
 
 if TYPE_CHECKING:
-    from .ledger import Ledger
-    from .settings import GpuHub
+    from spawner.ledger import Ledger
+    from spawner.settings import GpuHub
 
 
 class UsageError(Exception):
@@ -205,7 +205,7 @@ def make_parser() -> argparse.ArgumentParser:
     sscript.add_argument("--partition", default="")
     command(slurm, "sync", help="write every known user's GPU limit and fair share to Slurm's accounting")
     command(slurm, "priority", help="slurm.conf lines: Slurm orders jobs by gpuhub's fair share")
-    from . import sampler
+    from spawner import sampler
 
     sampler.add_arguments(
         sub.add_parser(
@@ -240,7 +240,7 @@ def load_settings(args: argparse.Namespace) -> GpuHub:
             config = loader.load_config()
         except Exception as e:  # the admin's own Python: any error it raises is theirs to fix
             raise UsageError(f"cannot read {path}: {type(e).__name__}: {_first_line(e)}") from None
-    from .settings import GpuHub
+    from spawner.settings import GpuHub
 
     try:
         settings = GpuHub(config=config)
@@ -287,7 +287,7 @@ def open_ledger(settings: GpuHub) -> Ledger:
     """The ledger read-only of its inventory, or a one-line ``UsageError`` naming the URL."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from . import db
+    from spawner import db
 
     try:
         return settings.open_ledger(sync=False)  # the hub keeps the inventory; this only reads it
@@ -300,7 +300,7 @@ def open_ledger(settings: GpuHub) -> Ledger:
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.command == "sampler":
-        from . import sampler
+        from spawner import sampler
 
         try:
             return sampler.run(args)
@@ -321,7 +321,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.command == "db":
         from sqlalchemy.exc import SQLAlchemyError
 
-        from . import db
+        from spawner import db
 
         try:
             db.upgrade(settings.db_url)
@@ -332,7 +332,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         print(f"ledger {db.safe_url(settings.db_url)} is at schema {db.head_revision()}", file=out)
         return 0
     if args.command == "slurm" and args.action == "script":
-        from .slurm.spawner import preview_script
+        from spawner.slurm.spawner import preview_script
 
         parse_name(args.user, "--user")
         try:
@@ -342,7 +342,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         print(text, end="", file=out)
         return 0
     if args.command == "slurm" and args.action == "priority":
-        from .slurm.priority import render_priority_conf
+        from spawner.slurm.priority import render_priority_conf
 
         try:
             print(render_priority_conf(settings.queue_weights()), end="", file=out)
@@ -351,7 +351,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         return 0
     ledger = open_ledger(settings)
     if args.command == "slurm":
-        from .slurm.accounting import SlurmAccounting
+        from spawner.slurm.accounting import SlurmAccounting
 
         accounting = SlurmAccounting(config=settings.config)
         if not accounting.enabled:
@@ -372,7 +372,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             _sync_slurm_after(settings, ledger, args, out)
         return code
     if args.command == "queue":
-        from .cli_queue import run_queue
+        from spawner.cli_queue import run_queue
 
         return run_queue(
             args, ledger, out, print_json=_print_json, format_table=format_table, usage_error=UsageError
@@ -398,7 +398,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         print(format_table(("NODE", "GPU", "MODEL", "", "HOLDER", "SINCE (UTC)", "FOR"), rows), file=out)
         return 0
     if args.command == "usage":
-        from .ledger import utcnow
+        from spawner.ledger import utcnow
 
         now = utcnow()
         since = parse_when(args.since, now, "--since")
@@ -466,8 +466,8 @@ def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
 def _sync_slurm_after(settings: GpuHub, ledger: Ledger, args: argparse.Namespace, out) -> None:
     """With ``c.SlurmAccounting.enabled``, write the changed limits to Slurm's associations:
     the named user's, or every known user's after a default or group change."""
-    from .slurm.accounting import SlurmAccounting
-    from .slurm.jobs import SlurmError
+    from spawner.slurm.accounting import SlurmAccounting
+    from spawner.slurm.jobs import SlurmError
 
     accounting = SlurmAccounting(config=settings.config)
     if not accounting.enabled:
@@ -495,9 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # imported only now: whatever raised one of these had imported its module already
         from sqlalchemy.exc import SQLAlchemyError
 
-        from .db import SchemaError
-        from .inventory import InventoryError
-        from .slurm.jobs import SlurmError
+        from spawner.db import SchemaError
+        from spawner.inventory import InventoryError
+        from spawner.slurm.jobs import SlurmError
 
         if isinstance(e, (SchemaError, InventoryError, SlurmError)):
             print(f"gpuhub: error: {e}", file=sys.stderr)

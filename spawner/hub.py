@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from .singleuser import defer_import
+from spawner.singleuser import defer_import
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .policy import Gpu
+from spawner.policy import Gpu
 
 
 class InventoryError(RuntimeError):

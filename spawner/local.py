@@ -22,9 +22,8 @@ from datetime import UTC
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
 
 from gpu_magics.procs import alive as pid_alive
-
-from .ledger import AllocationInfo, Ledger
-from .mixin import GpuSpawnerMixin
+from spawner.ledger import AllocationInfo, Ledger
+from spawner.mixin import GpuSpawnerMixin
 
 PROCESS_STARTED = time.time()
 _reconciled: set[str] = set()

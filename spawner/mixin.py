@@ -24,10 +24,10 @@ from jupyterhub.spawner import SpawnException
 from traitlets import Any, Float, Instance, Int, List, default
 from traitlets.config import Configurable
 
-from . import form, policy, readiness
-from .ledger import AllocationInfo, Ledger, utcnow
-from .refusals import install_log_filter, make_refusal
-from .settings import GpuHub
+from spawner import form, policy, readiness
+from spawner.ledger import AllocationInfo, Ledger, utcnow
+from spawner.refusals import install_log_filter, make_refusal
+from spawner.settings import GpuHub
 
 STATE_KEY = "gpuhub_allocation_id"
 REPORTER = "gpu_magics.reporter"

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from html import escape
 
-from .ledger.lending_reads import PreemptionNotice
-from .reclaims import ReclaimInfo
+from spawner.ledger.lending_reads import PreemptionNotice
+from spawner.reclaims import ReclaimInfo
 
 
 def render_notices(notices: list[ReclaimInfo]) -> str:
@@ -95,7 +95,7 @@ class ReclaimNotice:
         base = self.fallback(user) if callable(self.fallback) else self.fallback
         if user is None:
             return base
-        from .settings import GpuHub
+        from spawner.settings import GpuHub
 
         cached = self._cache.get(user.name)
         if cached and time.monotonic() < cached[0]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import chain
 
-from .values import parse_count, parse_hours, parse_number, show
+from spawner.values import parse_count, parse_hours, parse_number, show
 
 DEFAULT_WINDOW_HOURS = 168.0
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from . import policy
+from spawner import policy
 
 SURENESS = ("now", "firm", "guess", "unknown")  # best to worst
 OVERDUE = timedelta(minutes=1)  # when a holding past its expected end is expected to end

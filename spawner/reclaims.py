@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
-from .idle import gpu_hours
-from .models import ACTIVE_STATES, Allocation, Reclaim
+from spawner.idle import gpu_hours
+from spawner.models import ACTIVE_STATES, Allocation, Reclaim
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import inspect
 
-from .broker.settings import GpuBroker, GpuReclaim
-from .mixin import GpuSpawnerMixin
-from .settings import GpuHub
-from .slurm.accounting import SlurmAccounting
-from .slurm.spawner import GpuSlurmSpawner
-from .slurm.watcher import SlurmWatcher
+from spawner.broker.settings import GpuBroker, GpuReclaim
+from spawner.mixin import GpuSpawnerMixin
+from spawner.settings import GpuHub
+from spawner.slurm.accounting import SlurmAccounting
+from spawner.slurm.spawner import GpuSlurmSpawner
+from spawner.slurm.watcher import SlurmWatcher
 
 SECTIONS = (
     (GpuHub, "GpuHub", "Ledger, inventory and limits. Read by the hub, its spawners and the `gpuhub` CLI."),

@@ -15,11 +15,11 @@ from typing import Any
 from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, Unicode, Union
 from traitlets.config import Configurable
 
-from . import inventory, values
-from .borrowing import BorrowRules, allowance_problem
-from .fairshare import Shares, Weights, share_problem
-from .ledger import BorrowSettings, Ledger, QueueSettings
-from .policy import DEFAULT_WINDOW_HOURS, Gpu, Limit, LimitRules, parse_limit_field
+from spawner import inventory, values
+from spawner.borrowing import BorrowRules, allowance_problem
+from spawner.fairshare import Shares, Weights, share_problem
+from spawner.ledger import BorrowSettings, Ledger, QueueSettings
+from spawner.policy import DEFAULT_WINDOW_HOURS, Gpu, Limit, LimitRules, parse_limit_field
 
 LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
 
@@ -415,7 +415,7 @@ class GpuHub(Configurable):
         if self.inventory == "simulated":
             return inventory.parse_simulated(self.simulated_gpus)
         if self.inventory == "slurm":
-            from .slurm.cluster import read_cluster
+            from spawner.slurm.cluster import read_cluster
 
             return tuple(read_cluster(max_age=0).inventory())
         return inventory.nvml_gpus(self.node_name or socket.gethostname())
@@ -425,7 +425,7 @@ class GpuHub(Configurable):
         if self.inventory == "simulated":
             return {g.node for g in inventory.parse_simulated(self.simulated_gpus)}
         if self.inventory == "slurm":
-            from .slurm.cluster import read_cluster
+            from spawner.slurm.cluster import read_cluster
 
             return {n.name for n in read_cluster().nodes}
         return {self.node_name or socket.gethostname()}

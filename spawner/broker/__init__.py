@@ -16,8 +16,8 @@ import json
 import os
 import sys
 
-from ..notices import ReclaimNotice
-from .access import ADMIN_SCOPE, OWN_SCOPE, SAMPLE_SCOPE
+from spawner.broker.access import ADMIN_SCOPE, OWN_SCOPE, SAMPLE_SCOPE
+from spawner.notices import ReclaimNotice
 
 SERVICE = "gpuhub"
 SAMPLER_SERVICE = "gpuhub-sampler"  # the nodes' samplers (gpuhub sampler), with sampler_token_file

@@ -2,6 +2,6 @@
 
 import asyncio
 
-from .app import main
+from spawner.broker.app import main
 
 asyncio.run(main())

@@ -13,10 +13,10 @@ from datetime import timedelta
 from tornado import web
 from tornado.escape import url_unescape
 
-from .. import policy, values
-from ..ledger import utcnow
-from . import access, schemas, views
-from .handlers import APIHandler
+from spawner import policy, values
+from spawner.broker import access, schemas, views
+from spawner.broker.handlers import APIHandler
+from spawner.ledger import utcnow
 
 
 class MeHandler(APIHandler):
@@ -182,8 +182,8 @@ class JobHandler(APIHandler):
             return self.fail(400, str(e), "bad_request")
         if not a.active:
             return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
-        from ..slurm.jobs import SlurmError, parse_squeue_json, squeue_json_argv
-        from ..slurm.watcher import run_command
+        from spawner.slurm.jobs import SlurmError, parse_squeue_json, squeue_json_argv
+        from spawner.slurm.watcher import run_command
 
         try:  # from Slurm's JSON, never from text a job's comment could imitate
             out = await run_command(squeue_json_argv(), 20)
@@ -304,7 +304,7 @@ class LimitHandler(AdminHandler):
             users = sorted({name, *ledger.effective_limits()}) if scope == "user" else None
             return accounting.sync(ledger, users)
 
-        from ..slurm.jobs import SlurmError
+        from spawner.slurm.jobs import SlurmError
 
         try:
             await self.broker.run(sync)
@@ -324,7 +324,7 @@ class ClusterHandler(AdminHandler):
 
 
 def api_handlers(prefix: str) -> list[tuple]:
-    from .queue_api import queue_handlers
+    from spawner.broker.queue_api import queue_handlers
 
     api = f"{prefix}api/v1"
     return [

@@ -21,18 +21,18 @@ from tornado import web
 from tornado.ioloop import PeriodicCallback
 from traitlets.config import Config
 
-from ..db import safe_url
-from ..settings import GpuHub
-from .api import api_handlers
-from .handlers import Broker
-from .metrics import Metrics, UtilizationCollector
-from .pages import AdminPage, MetricsHandler, UserPage
-from .preempter import Preempter
-from .reclaimer import Reclaimer
-from .sampling import OwnSampler, own_nodes
-from .settings import GpuBroker, GpuReclaim
-from .usage_api import usage_api_handlers
-from .utilization import Utilization
+from spawner.broker.api import api_handlers
+from spawner.broker.handlers import Broker
+from spawner.broker.metrics import Metrics, UtilizationCollector
+from spawner.broker.pages import AdminPage, MetricsHandler, UserPage
+from spawner.broker.preempter import Preempter
+from spawner.broker.reclaimer import Reclaimer
+from spawner.broker.sampling import OwnSampler, own_nodes
+from spawner.broker.settings import GpuBroker, GpuReclaim
+from spawner.broker.usage_api import usage_api_handlers
+from spawner.broker.utilization import Utilization
+from spawner.db import safe_url
+from spawner.settings import GpuHub
 
 log = logging.getLogger("gpuhub.broker")
 STATIC = Path(__file__).with_name("static")
@@ -104,7 +104,7 @@ async def main() -> None:
     broker.readings = reclaim.readings.lower()
     broker.metrics.registry.register(UtilizationCollector(broker))
     reclaimer = Reclaimer(broker, rules)
-    from ..slurm.accounting import SlurmAccounting
+    from spawner.slurm.accounting import SlurmAccounting
 
     broker.accounting = SlurmAccounting(config=hub_settings.config)
     url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101"))

@@ -32,10 +32,10 @@ from datetime import datetime, timedelta
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
-from ..idle import STATES
-from ..ledger import Ledger
-from ..reclaims import totals
-from .utilization import epoch
+from spawner.broker.utilization import epoch
+from spawner.idle import STATES
+from spawner.ledger import Ledger
+from spawner.reclaims import totals
 
 
 class LedgerCollector:

@@ -13,8 +13,8 @@ import jinja2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tornado import web
 
-from . import access, views
-from .handlers import BaseHandler
+from spawner.broker import access, views
+from spawner.broker.handlers import BaseHandler
 
 TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .reclaimer import stop_server
+from spawner.broker.reclaimer import stop_server
 
 log = logging.getLogger("gpuhub.broker")
 RETRY_SECONDS = 60.0

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from tornado import web
 
-from ..ledger import utcnow
-from . import access, views
-from .handlers import APIHandler
+from spawner.broker import access, views
+from spawner.broker.handlers import APIHandler
+from spawner.ledger import utcnow
 
 
 class _QueueHandler(APIHandler):

@@ -20,8 +20,8 @@ from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.web import HTTPError
 
-from ..idle import IdleRules, Verdict, is_exempt, judge
-from .utilization import epoch
+from spawner.broker.utilization import epoch
+from spawner.idle import IdleRules, Verdict, is_exempt, judge
 
 log = logging.getLogger("gpuhub.broker")
 

@@ -25,11 +25,11 @@ from collections.abc import Iterable, Mapping
 
 from tornado import web
 
-from ..ledger import AllocationInfo
-from . import schemas
-from .access import SAMPLE_SCOPE
-from .handlers import APIHandler
-from .utilization import Sample
+from spawner.broker import schemas
+from spawner.broker.access import SAMPLE_SCOPE
+from spawner.broker.handlers import APIHandler
+from spawner.broker.utilization import Sample
+from spawner.ledger import AllocationInfo
 
 log = logging.getLogger("gpuhub.broker")
 

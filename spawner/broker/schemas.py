@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .. import policy, values
+from spawner import policy, values
 
 MAX_BODY_BYTES = 16 * 1024
 MAX_COUNT = policy.MAX_COUNT
@@ -153,7 +153,7 @@ class SamplesReport:
 def parse_samples(body: dict) -> SamplesReport:
     """``{"gpus": [{"node", "index", "utilization", "memory_used_mib", "memory_total_mib"}],
     "idle_seconds": 12.5, "source": "nvml"}``: what a server or engine measured."""
-    from .utilization import Sample
+    from spawner.broker.utilization import Sample
 
     _only(body, ("gpus", "idle_seconds", "source"))
     gpus = body.get("gpus")

@@ -157,7 +157,7 @@ class GpuReclaim(Configurable):
     ).tag(config=True)
 
     def rules(self):
-        from ..idle import IdleRules
+        from spawner.idle import IdleRules
 
         try:
             return IdleRules(

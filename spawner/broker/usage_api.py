@@ -20,12 +20,12 @@ from datetime import timedelta
 
 from tornado import web
 
-from .. import values
-from ..ledger import utcnow
-from ..reclaims import totals
-from . import access, schemas, views
-from .handlers import APIHandler
-from .sampling import NodeSamplesHandler
+from spawner import values
+from spawner.broker import access, schemas, views
+from spawner.broker.handlers import APIHandler
+from spawner.broker.sampling import NodeSamplesHandler
+from spawner.ledger import utcnow
+from spawner.reclaims import totals
 
 
 class SamplesHandler(APIHandler):

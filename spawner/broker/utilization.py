@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from ..idle import Verdict, Watch, after_activity, after_samples
-from ..ledger import AllocationInfo
+from spawner.idle import Verdict, Watch, after_activity, after_samples
+from spawner.ledger import AllocationInfo
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ import io
 from datetime import UTC, datetime
 from typing import Any
 
-from ..idle import Verdict
-from ..ledger import AllocationInfo, Allowance, GpuStatus, LimitEntry, PreemptionNotice
-from ..policy import Limit
-from ..reclaims import ReclaimInfo
-from .utilization import Reading, Utilization, epoch
+from spawner.broker.utilization import Reading, Utilization, epoch
+from spawner.idle import Verdict
+from spawner.ledger import AllocationInfo, Allowance, GpuStatus, LimitEntry, PreemptionNotice
+from spawner.policy import Limit
+from spawner.reclaims import ReclaimInfo
 
 
 def iso(t: datetime | None) -> str | None:

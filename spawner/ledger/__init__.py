@@ -20,9 +20,8 @@ database and transactions), ``combine``, ``inventory``, ``limits``, ``allocation
 
 from __future__ import annotations
 
-from ..reclaims import ReclaimRecords
-from .allocations import AllocationRecords
-from .base import (
+from spawner.ledger.allocations import AllocationRecords
+from spawner.ledger.base import (
     AllocationInfo,
     Allowance,
     BorrowSettings,
@@ -32,13 +31,14 @@ from .base import (
     QueueSettings,
     utcnow,
 )
-from .inventory import InventoryRecords
-from .lending import LendingRecords, PreemptionInfo
-from .lending_reads import LendingReads, PreemptionNotice
-from .limits import LimitRecords
-from .queue import Admission, QueueInfo, QueueRecords
-from .takeback import Settled, TakeBackRecords
-from .usage import UsageRecords
+from spawner.ledger.inventory import InventoryRecords
+from spawner.ledger.lending import LendingRecords, PreemptionInfo
+from spawner.ledger.lending_reads import LendingReads, PreemptionNotice
+from spawner.ledger.limits import LimitRecords
+from spawner.ledger.queue import Admission, QueueInfo, QueueRecords
+from spawner.ledger.takeback import Settled, TakeBackRecords
+from spawner.ledger.usage import UsageRecords
+from spawner.reclaims import ReclaimRecords
 
 __all__ = [
     "Admission",

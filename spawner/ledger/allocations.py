@@ -9,9 +9,13 @@ from datetime import datetime, timedelta
 from sqlalchemy import bindparam, insert, or_, select
 from sqlalchemy.orm import Session, selectinload
 
-from .. import borrowing, policy
-from ..db import connection
-from ..models import (
+from spawner import borrowing, policy
+from spawner.db import connection
+from spawner.ledger.base import AllocationInfo, Allowance, _count, _info, gpus_of
+from spawner.ledger.freeset import CHANGES
+from spawner.ledger.queue import Admission
+from spawner.ledger.usage import INTERVAL_COLUMNS, usage_interval
+from spawner.models import (
     ACTIVE_STATES,
     PURPOSES,
     Allocation,
@@ -22,10 +26,6 @@ from ..models import (
     Reclaim,
     is_live,
 )
-from .base import AllocationInfo, Allowance, _count, _info, gpus_of
-from .freeset import CHANGES
-from .queue import Admission
-from .usage import INTERVAL_COLUMNS, usage_interval
 
 _A, _AG = Allocation.__table__, AllocationGpu.__table__
 NEW_ALLOCATION = insert(_A).returning(_A.c.id)

@@ -12,9 +12,11 @@ from sqlalchemy import Connection, Row, bindparam, event, exists, func, select, 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, selectinload
 
-from .. import borrowing, fairshare, policy
-from ..db import WriterTurns, connection, ensure_schema, make_engine, make_session_factory
-from ..models import (
+from spawner import borrowing, fairshare, policy
+from spawner.db import WriterTurns, connection, ensure_schema, make_engine, make_session_factory
+from spawner.ledger.combine import CombinedWrites
+from spawner.ledger.freeset import CHANGES, note_held, record_moves
+from spawner.models import (
     ACTIVE_STATES,
     Allocation,
     AllocationGpu,
@@ -25,8 +27,6 @@ from ..models import (
     QueueEntry,
     is_live,
 )
-from .combine import CombinedWrites
-from .freeset import CHANGES, note_held, record_moves
 
 log = logging.getLogger("gpuhub.ledger")
 

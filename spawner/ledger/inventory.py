@@ -9,9 +9,11 @@ from functools import cached_property
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, selectinload
 
-from .. import policy
-from ..db import connection
-from ..models import (
+from spawner import policy
+from spawner.db import connection
+from spawner.ledger.base import AllocationInfo, GpuStatus
+from spawner.ledger.freeset import CHANGES, FreeState, moves_since
+from spawner.models import (
     Allocation,
     AllocationGpu,
     Gpu,
@@ -19,8 +21,6 @@ from ..models import (
     Node,
     is_live,
 )
-from .base import AllocationInfo, GpuStatus
-from .freeset import CHANGES, FreeState, moves_since
 
 HELD_GPUS = select(AllocationGpu.__table__.c.gpu_id).where(AllocationGpu.__table__.c.held)
 

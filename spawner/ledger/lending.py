@@ -19,10 +19,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from .. import borrowing, policy
-from ..models import Allocation, Preemption, QueueEntry, has_borrowed, is_live
-from .base import _gpu
-from .queue import Admission, _nodes
+from spawner import borrowing, policy
+from spawner.ledger.base import _gpu
+from spawner.ledger.queue import Admission, _nodes
+from spawner.models import Allocation, Preemption, QueueEntry, has_borrowed, is_live
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,14 @@ from collections.abc import Iterable
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .. import policy
-from ..db import connection
-from ..models import (
+from spawner import policy
+from spawner.db import connection
+from spawner.ledger.base import LimitEntry, log
+from spawner.models import (
     SCOPES,
     KnownUser,
     LimitRow,
 )
-from .base import LimitEntry, log
 
 
 def _row_limit(row: LimitRow) -> policy.Limit:

@@ -27,9 +27,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from .. import fairshare, policy, queueplan, queueview
-from ..models import Allocation, KnownUser, Preemption, QueueEntry, Reclaim
-from .base import AllocationInfo, _gpu, _info
+from spawner import fairshare, policy, queueplan, queueview
+from spawner.ledger.base import AllocationInfo, _gpu, _info
+from spawner.models import Allocation, KnownUser, Preemption, QueueEntry, Reclaim
 
 NEW = 2**63 - 1  # the id a request not yet in the queue has in the plan (last on ties: it asked last)
 HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently

@@ -18,9 +18,9 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .. import borrowing
-from ..models import Allocation, Preemption, QueueEntry, is_live
-from .lending import PreemptionInfo, _preemption_info, select_due
+from spawner import borrowing
+from spawner.ledger.lending import PreemptionInfo, _preemption_info, select_due
+from spawner.models import Allocation, Preemption, QueueEntry, is_live
 
 
 @dataclass

@@ -7,12 +7,12 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .. import policy
-from ..db import connection
-from ..models import (
+from spawner import policy
+from spawner.db import connection
+from spawner.ledger.base import gpus_of
+from spawner.models import (
     Allocation,
 )
-from .base import gpus_of
 
 _A = Allocation.__table__
 # what one allocation's GPU-hours are read from: its start, creation, end, borrowed part, GPUs

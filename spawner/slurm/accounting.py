@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from traitlets import Bool, Float, Unicode
 from traitlets.config import LoggingConfigurable
 
-from ..fairshare import Shares, effective_share
-from ..policy import EffectiveLimit
-from ..values import BadValue, parse_name
-from .jobs import SlurmError
+from spawner.fairshare import Shares, effective_share
+from spawner.policy import EffectiveLimit
+from spawner.slurm.jobs import SlurmError
+from spawner.values import BadValue, parse_name
 
 UNLIMITED = -1
 
@@ -356,7 +356,7 @@ class SlurmAccounting(LoggingConfigurable):
     def shares(self) -> Shares:
         """``c.GpuHub``'s fair-share weights, checked: a bad one is a ``ValueError`` naming its
         trait (before anything reaches Slurm)."""
-        from ..settings import GpuHub
+        from spawner.settings import GpuHub
 
         return GpuHub(config=self.config).shares()
 
@@ -430,7 +430,7 @@ def _borrow_qos_inputs(self: SlurmAccounting, ledger) -> tuple | None:
     """What the borrow QOS must say, from the ledger and the hub's settings alone: ("borrow",
     name, preemptor, account, grace, per-user ceiling, GPUs); None when nobody may borrow
     (gpuhub then submits nothing under the QOS, and writes none)."""
-    from ..settings import GpuHub
+    from spawner.settings import GpuHub
 
     hub = GpuHub(config=self.config)
     settings = hub.borrow_settings()  # a bad allowance or grace is refused, trait named
@@ -464,7 +464,7 @@ def _borrow_qos_commands(self: SlurmAccounting, inputs: tuple) -> list[list[str]
 
 
 def _allowance(user, groups, settings) -> int:
-    from ..borrowing import effective_borrow
+    from spawner.borrowing import effective_borrow
 
     return effective_borrow(user, list(groups), settings.rules)[0]
 
@@ -473,7 +473,7 @@ def known_groups(ledger, users: Iterable[str]) -> dict[str, list[str]]:
     """The groups the ledger remembers for ``users`` (from each one's last spawn)."""
     from sqlalchemy import select
 
-    from ..models import KnownUser
+    from spawner.models import KnownUser
 
     wanted = set(users)
     reader = getattr(ledger, "known_groups", None)

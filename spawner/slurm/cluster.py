@@ -6,7 +6,7 @@ import subprocess
 import threading
 import time
 
-from . import jobs
+from spawner.slurm import jobs
 
 _cache: dict[str, tuple[float, jobs.Cluster]] = {}
 _lock = threading.Lock()

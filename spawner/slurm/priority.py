@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from ..fairshare import Weights
-from ..queueview import wait_line
-from .jobs import JobInfo
+from spawner.fairshare import Weights
+from spawner.queueview import wait_line
+from spawner.slurm.jobs import JobInfo
 
 
 def slurm_duration(hours: float) -> str:

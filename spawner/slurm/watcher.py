@@ -46,8 +46,8 @@ from datetime import datetime, timedelta
 from traitlets import Float, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from ..ledger import AllocationInfo
-from . import jobs
+from spawner.ledger import AllocationInfo
+from spawner.slurm import jobs
 
 JOB_NAMES = ("gpuhub-server", "gpuhub-engines")
 
