@@ -21,7 +21,7 @@ def main() -> None:
     cells = int(sys.argv[2]) if len(sys.argv) > 2 else 200
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 6
     shell, magic = magic_shell(ranks)
-    from gpu_magics.launchers import LocalLauncher
+    from gpu_magics.launch.local import LocalLauncher
 
     times: dict[bool, list[float]] = {True: [], False: []}
     paired = []

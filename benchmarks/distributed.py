@@ -128,7 +128,7 @@ for s in (sys.stdout, sys.stderr):
     if "_gpuhub_gate" in s.__dict__:
         del s._gpuhub_gate, s.flush, s._flush
 """
-GATE = "import sys; from gpu_magics.engine import gate_flushes; gate_flushes(sys.stdout, sys.stderr)"
+GATE = "import sys; from gpu_magics.engine.rank import gate_flushes; gate_flushes(sys.stdout, sys.stderr)"
 
 
 def main() -> None:

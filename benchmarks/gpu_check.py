@@ -8,7 +8,7 @@ Runs from the checkout (no install of gpuhub needed: the repository is put first
 
 0. Environment: versions, and whether every carried wheel's requirements are met.
 1. NVML inventory: ``spawner.inventory.nvml_gpus()`` against ``nvidia-smi`` and torch.
-2. NVML sampling through ``gpu_magics.gpustats.NvmlSource``: idle, then while a bf16 matmul
+2. NVML sampling through ``gpu_magics.report.gpustats.NvmlSource``: idle, then while a bf16 matmul
    loop runs in another process (utilization and memory must rise); 2b: NVML's CPU affinity
    for GPU 0 against this process's and dask-cuda's.
 3. ``%%distributed --gpus 1 --backend nccl`` in a real ipykernel (jupyter_client) with the
@@ -144,10 +144,10 @@ def run_helper(args: list[str], timeout: float, env: dict | None = None) -> dict
 
 
 def gpustats():
-    """gpu_magics.gpustats; loaded from its file when the package cannot be imported
+    """gpu_magics.report.gpustats; loaded from its file when the package cannot be imported
     (gpu_magics/__init__ needs IPython, which only the carried wheels bring)."""
     try:
-        from gpu_magics import gpustats as mod
+        from gpu_magics.report import gpustats as mod
 
         return mod
     except ImportError as e:
@@ -878,7 +878,7 @@ def check_dask_magic(tmp: Path, dry: bool) -> tuple[str, str, dict]:
         r = k.run(f"%load_ext gpu_magics\n{line}", 120)
         details["magic"] = {k2: r[k2] for k2 in ("stdout", "stderr", "error", "wall_s")}
         if r["error"] and "not found" in r["error"]:
-            r2 = k.run(f"%load_ext gpu_magics.daskmagic\n{line}", 120)
+            r2 = k.run(f"%load_ext gpu_magics.dask.magic\n{line}", 120)
             details["magic_via_daskmagic"] = {k2: r2[k2] for k2 in ("stdout", "stderr", "error", "wall_s")}
             if r2["error"]:
                 why = r2["error"].splitlines()[0][:200]

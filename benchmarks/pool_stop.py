@@ -19,7 +19,7 @@ def main() -> None:
     ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 6
     shell, magic = magic_shell(ranks)
-    from gpu_magics.pool import EnginePool
+    from gpu_magics.kernel.pool import EnginePool
 
     times: dict[bool, list[float]] = {True: [], False: []}
     for i in range(rounds):

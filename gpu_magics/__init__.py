@@ -9,11 +9,11 @@
 
 from IPython.core.magic import Magics, line_magic, magics_class
 
-from gpu_magics.brokerclient import BrokerClient, BrokerError
-from gpu_magics.daskmagic import DaskMagics
-from gpu_magics.magics import DistributedMagics, register
-from gpu_magics.session import describe, server_gpus
-from gpu_magics.usage import describe_use
+from gpu_magics.common.session import describe, server_gpus
+from gpu_magics.dask.magic import DaskMagics
+from gpu_magics.kernel.broker import BrokerClient, BrokerError
+from gpu_magics.kernel.distributed import DistributedMagics, register
+from gpu_magics.kernel.status import describe_use
 
 __all__ = ["load_ipython_extension", "server_gpus"]
 

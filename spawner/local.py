@@ -21,7 +21,7 @@ from datetime import UTC
 
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
 
-from gpu_magics.procs import alive as pid_alive
+from gpu_magics.common.procs import alive as pid_alive
 from spawner.ledger import AllocationInfo, Ledger
 from spawner.mixin import GpuSpawnerMixin
 

@@ -30,9 +30,9 @@ from spawner.refusals import install_log_filter, make_refusal
 from spawner.settings import GpuHub
 
 STATE_KEY = "gpuhub_allocation_id"
-REPORTER = "gpu_magics.reporter"
-# kernels on Unix sockets in the user's private runtime directory (gpu_magics.channels)
-CHANNELS = "gpu_magics.channels"
+REPORTER = "gpu_magics.report.reporter"
+# kernels on Unix sockets in the user's private runtime directory (gpu_magics.common.channels)
+CHANNELS = "gpu_magics.common.channels"
 KERNEL_ARGS = ("--KernelManager.transport=ipc", f"--ServerApp.jpserver_extensions={CHANNELS}=True")
 
 
@@ -185,7 +185,7 @@ class GpuSpawnerMixin(Configurable):
         return {**make_gpu_env(allocation), **self.gpuhub.report_env()}
 
     def get_args(self):
-        # the server reports its GPUs' use and its kernels' activity (gpu_magics.reporter); its
+        # the server reports its GPUs' use and its kernels' activity (gpu_magics.report.reporter); its
         # kernels listen on Unix sockets only their owner can reach, no TCP port (channels)
         return [*super().get_args(), f"--ServerApp.jpserver_extensions={REPORTER}=True", *KERNEL_ARGS]
 

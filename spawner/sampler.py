@@ -25,7 +25,7 @@ log = logging.getLogger("gpuhub.sampler")
 
 
 def make_report(samples) -> dict:
-    """The body of ``POST nodes/{node}/samples`` for ``gpu_magics.gpustats.GpuSample``s (pure)."""
+    """The body of ``POST nodes/{node}/samples`` for ``gpu_magics.report.gpustats.GpuSample``s (pure)."""
     return {
         "source": "gpuhub-sampler",
         "gpus": [
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _source(args):
-    from gpu_magics.gpustats import make_source
+    from gpu_magics.report.gpustats import make_source
 
     env = {"GPUHUB_GPU_SOURCE": args.source}
     if args.simulated_file:

@@ -309,7 +309,7 @@ class GpuHub(Configurable):
     ).tag(config=True)
 
     def report_env(self) -> dict[str, str]:
-        """What a server needs to report its GPUs' use (``gpu_magics.gpustats``)."""
+        """What a server needs to report its GPUs' use (``gpu_magics.report.gpustats``)."""
         source = self.utilization_source.lower()
         if source == "auto":
             source = "simulated" if self.inventory == "simulated" else "nvml"

@@ -31,13 +31,13 @@ a single-user server never uses. A port the hub refuses ends the launcher with t
 answer (batchspawner's would start a server the hub can never find).
 
 **Private temporary files.** The launcher gives the server a ``TMPDIR`` of the user's own
-(``gpu_magics.scratch.private_tmpdir``: an inherited one only if it is a 0700 directory of the
+(``gpu_magics.common.scratch.private_tmpdir``: an inherited one only if it is a 0700 directory of the
 user's, else a new one with a random name), which the server's kernels, their engines and Dask
 inherit, so no process of the user writes to a shared name under ``/tmp`` that another account
 could have made first.
 
 **No generic proxy.** jupyter-server-proxy is installed for the private Dask dashboard
-(``gpu_magics.dashproxy`` uses its handler class), and its own server extension would serve
+(``gpu_magics.dask.dashproxy`` uses its handler class), and its own server extension would serve
 ``/proxy/<port>/`` to any loopback port, another account's included, on the hub's origin with
 the user's cookies. The launcher turns that extension off (:data:`SERVER_ARGS`).
 
@@ -233,7 +233,7 @@ def server_argv(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    from gpu_magics.scratch import private_tmpdir
+    from gpu_magics.common.scratch import private_tmpdir
 
     private_tmpdir()
     defer_import()

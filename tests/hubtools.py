@@ -297,7 +297,7 @@ enable_broker(
 
         r = self.api_url_request("POST", f"/user/{user}/api/kernels", json={"name": "python3-gpus"})
         assert r.status_code == 201, r.text
-        # in the user's runtime directory, or a private one of the server's (gpu_magics.channels)
+        # in the user's runtime directory, or a private one of the server's (gpu_magics.common.channels)
         conn = kernel_connection_file(r.json()["id"])
         kc = BlockingKernelClient(connection_file=conn)
         kc.load_connection_file()

@@ -1,4 +1,4 @@
-"""Bursts and resizing for ``%%distributed``: the rules as tables (``gpu_magics.plan``), the
+"""Bursts and resizing for ``%%distributed``: the rules as tables (``gpu_magics.kernel.plan``), the
 ``Burst`` lifecycle and the magic's order of steps against a fake broker and fake engines
 (what is asked, what is stopped, and when). Real engines on a real hub: test_distributed_hub."""
 
@@ -9,11 +9,13 @@ from types import SimpleNamespace
 import pytest
 from IPython.core.error import UsageError
 
-from gpu_magics import burst as burstmod
-from gpu_magics import magics as magicsmod
-from gpu_magics.brokerclient import BrokerError
-from gpu_magics.burst import Burst, burst_size
-from gpu_magics.plan import (
+from gpu_magics.common.ranks import Slot
+from gpu_magics.engine.namespace import user_names
+from gpu_magics.kernel import burst as burstmod
+from gpu_magics.kernel import distributed as magicsmod
+from gpu_magics.kernel.broker import BrokerError
+from gpu_magics.kernel.burst import Burst, burst_size
+from gpu_magics.kernel.plan import (
     OTHER_SETTINGS,
     GpuPlan,
     may_retry_after_release,
@@ -21,8 +23,6 @@ from gpu_magics.plan import (
     refuse_discard,
     why_new_engines,
 )
-from gpu_magics.rankns import user_names
-from gpu_magics.ranks import Slot
 
 # ------------------------------------------------------------------------------ the plans
 
@@ -448,7 +448,7 @@ GONE = {"at": "2026-12-03T11:58:00Z", "reason": "withdrawn: the request it was f
     ],
 )
 def test_the_lease_keeper_passes_on_each_notice_and_withdrawal_once(answers, told):
-    from gpu_magics.brokerclient import LeaseKeeper
+    from gpu_magics.kernel.broker import LeaseKeeper
 
     seen = []
     keeper = LeaseKeeper(SimpleNamespace(), {"id": 7, "borrowed": 2}, 3600, on_notice=seen.append)

@@ -14,10 +14,10 @@ import sys
 import pytest
 from IPython.core.error import UsageError
 
-from gpu_magics import procs
-from gpu_magics.engine import lift_log_levels
-from gpu_magics.enginemain import with_log_level
-from gpu_magics.pool import EnginePool
+from gpu_magics.common import procs
+from gpu_magics.engine.main import with_log_level
+from gpu_magics.engine.rank import lift_log_levels
+from gpu_magics.kernel.pool import EnginePool
 
 from .kerneltools import own_gpus_env, run_notebook
 
@@ -119,7 +119,7 @@ def test_the_watch_follows_the_pools_engines_and_is_closed_with_the_pool(child):
 def magics():
     from IPython.core.interactiveshell import InteractiveShell
 
-    from gpu_magics.magics import DistributedMagics
+    from gpu_magics.kernel.distributed import DistributedMagics
 
     shell = InteractiveShell.instance()
     m = DistributedMagics(shell=shell)

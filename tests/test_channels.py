@@ -1,4 +1,4 @@
-"""gpu_magics.channels' pieces without a hub: where kernels' and pools' Unix sockets go, and the
+"""gpu_magics.common.channels' pieces without a hub: where kernels' and pools' Unix sockets go, and the
 GPU kernel's refusal of TCP in a gpuhub server (the attacks themselves:
 tests/test_isolation_channels.py)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_magics import channels
-from gpu_magics.controllermain import ipc_url
+from gpu_magics.common import channels
+from gpu_magics.launch.controller import ipc_url
 
 
 def test_socket_dirs_are_new_private_and_short_enough(tmp_path, monkeypatch):
@@ -98,6 +98,6 @@ def test_ipc_urls_are_the_ones_engines_and_clients_connect_to():
     ],
 )
 def test_the_debugger_is_off_in_a_gpuhub_server(environ, allowed):
-    from gpu_magics.kernel import debugger_allowed
+    from gpu_magics.kernel.launcher import debugger_allowed
 
     assert debugger_allowed(environ) is allowed

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from gpu_magics.procs import alive as _alive
+from gpu_magics.common.procs import alive as _alive
 
 from .hubtools import wait_for
 from .kerneltools import own_gpus_env, run_cell, run_notebook, started_kernel

@@ -11,9 +11,9 @@ import torch
 from IPython.core.error import UsageError
 from torch import nn
 
-from gpu_magics import checkpoint as cp
-from gpu_magics import checkpoint_engine as cpe
-from gpu_magics import checkpointer as cpk
+from gpu_magics.common import checkpoint as cp
+from gpu_magics.engine import checkpoints as cpe
+from gpu_magics.kernel import checkpoints as cpk
 
 
 @pytest.mark.parametrize(

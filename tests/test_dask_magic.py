@@ -17,13 +17,19 @@ import pytest
 from IPython.core.error import UsageError
 from jupyter_client import KernelManager
 
-from gpu_magics import burst as burstmod
-from gpu_magics import daskmagic
-from gpu_magics.brokerclient import BrokerError
-from gpu_magics.daskmagic import DaskMagics, DaskRequest, make_devices, parse_request, plan_dask
-from gpu_magics.gpustats import nvml_problem
-from gpu_magics.procs import alive as _alive
-from gpu_magics.ranks import Slot
+from gpu_magics.common.procs import alive as _alive
+from gpu_magics.common.ranks import Slot
+from gpu_magics.dask import magic as daskmagic
+from gpu_magics.dask.magic import (
+    DaskMagics,
+    DaskRequest,
+    make_devices,
+    parse_request,
+    plan_dask,
+)
+from gpu_magics.kernel import burst as burstmod
+from gpu_magics.kernel.broker import BrokerError
+from gpu_magics.report.gpustats import nvml_problem
 
 from .hubtools import wait_for
 from .kerneltools import run_notebook

@@ -12,7 +12,7 @@ import signal
 import pytest
 from jupyter_client import KernelManager
 
-from gpu_magics.procs import alive as _alive
+from gpu_magics.common.procs import alive as _alive
 
 from .hubtools import Hub, wait_for
 from .kerneltools import run_notebook

@@ -13,7 +13,7 @@ import zmq
 from ipykernel.iostream import IOPubThread, OutStream
 from jupyter_client.session import Session
 
-from gpu_magics.engine import gate_flushes
+from gpu_magics.engine.rank import gate_flushes
 
 from .kerneltools import own_gpus_env, run_notebook
 

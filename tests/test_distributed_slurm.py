@@ -81,7 +81,7 @@ def engines_of(user: str) -> list[int]:
         try:
             if proc.name.isdigit() and proc.stat().st_uid == uid:
                 argv = (proc / "cmdline").read_bytes().split(b"\0")
-                if b"gpu_magics.enginemain" in argv and b"python" in Path(argv[0].decode()).name.encode():
+                if b"gpu_magics.engine.main" in argv and b"python" in Path(argv[0].decode()).name.encode():
                     found.append(int(proc.name))  # an engine, not the srun that started it
         except OSError:
             continue

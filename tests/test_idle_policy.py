@@ -8,9 +8,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gpu_magics.gpustats import SimulatedSource, cpus_from_mask, parse_label
-from gpu_magics.reporter import kernel_idle_seconds
-from gpu_magics.usage import describe_use
+from gpu_magics.kernel.status import describe_use
+from gpu_magics.report.gpustats import SimulatedSource, cpus_from_mask, parse_label
+from gpu_magics.report.reporter import kernel_idle_seconds
 from spawner.broker import schemas
 from spawner.idle import IdleRules, Watch, after_activity, after_samples, judge
 from spawner.ledger import Ledger

@@ -4,7 +4,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from gpu_magics.session import describe, server_gpus
+from gpu_magics.common.session import describe, server_gpus
 
 
 def run_notebook(*sources: str) -> list[str]:

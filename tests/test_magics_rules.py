@@ -3,9 +3,9 @@
 import pytest
 from IPython.core.error import UsageError
 
-from gpu_magics.magics import parse_targets
-from gpu_magics.pool import _Streamer, keep_group, next_step
-from gpu_magics.ranks import Slot, choose_slots, make_rank_specs
+from gpu_magics.common.ranks import Slot, choose_slots, make_rank_specs
+from gpu_magics.kernel.distributed import parse_targets
+from gpu_magics.kernel.pool import _Streamer, keep_group, next_step
 
 
 def test_rank_specs_follow_torchrun():
@@ -122,8 +122,8 @@ def test_a_slurm_preemption_reaches_the_cells_report(tmp_path):
     import json
     from types import SimpleNamespace
 
-    from gpu_magics.checkpoint_engine import preempt_report_path
-    from gpu_magics.magics import slurm_preemption
+    from gpu_magics.engine.checkpoints import preempt_report_path
+    from gpu_magics.kernel.distributed import slurm_preemption
 
     line = "gpuhub: engine rank 0 preempted by Slurm (job 77): saved model to " + str(tmp_path)
     path = preempt_report_path(str(tmp_path), "77")

@@ -29,7 +29,7 @@ from openapi_core import OpenAPI
 from openapi_core.contrib.requests import RequestsOpenAPIRequest, RequestsOpenAPIResponse
 
 import spawner.broker
-from gpu_magics.brokerclient import BrokerClient, LeaseKeeper
+from gpu_magics.kernel.broker import BrokerClient, LeaseKeeper
 from spawner.ledger import Ledger, utcnow
 
 from .hubtools import Hub, tidy_ledger, user_tokens, wait_for

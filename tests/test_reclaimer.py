@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpu_magics.gpustats import NvmlSource
+from gpu_magics.report.gpustats import NvmlSource
 from spawner.broker.metrics import Metrics
 from spawner.broker.reclaimer import Reclaimer, server_url
 from spawner.broker.utilization import Sample, Utilization, epoch, rate_wait
@@ -177,17 +177,18 @@ def test_the_numbering_follows_the_backend(monkeypatch):
 
 
 def test_a_gpu_nvml_cannot_see_is_a_clear_error():
-    from gpu_magics.gpustats import NvmlUnavailable
+    from gpu_magics.report.gpustats import NvmlUnavailable
 
     with pytest.raises(NvmlUnavailable, match=r"GPU 3 is not visible to NVML here .*NVML sees 1 GPU"):
         NvmlSource(FakeNvml([0]), by_minor=True).handle(3)
 
 
 def test_an_engine_is_pinned_to_its_gpus_cpus_within_what_it_may_use(monkeypatch):
-    """gpu_magics.engine.pin_to_gpu with NVML's affinity faked (the real one is in gpu_check)."""
+    """gpu_magics.engine.rank.pin_to_gpu with NVML's affinity faked (the real one is in gpu_check)."""
     import os
 
-    from gpu_magics import engine, gpustats
+    from gpu_magics import engine
+    from gpu_magics.report import gpustats
 
     allowed = sorted(os.sched_getaffinity(0))
     calls = []
@@ -252,14 +253,14 @@ def test_the_idle_pass_undoes_a_reclaim_when_the_gpus_turn_busy(setup):
 
 
 def test_a_burst_reporter_posts_its_gpus_until_the_allocation_is_released(tmp_path):
-    """gpu_magics.reporter.start_burst_reporter (engines, and %dask_cuda's kernel) against a
+    """gpu_magics.report.reporter.start_burst_reporter (engines, and %dask_cuda's kernel) against a
     small HTTP server standing in for the broker: the body, the token, and the stop on 409."""
     import json
     import threading
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from gpu_magics.reporter import start_burst_reporter
+    from gpu_magics.report.reporter import start_burst_reporter
 
     posts = []
 

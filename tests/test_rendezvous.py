@@ -1,4 +1,4 @@
-"""The process group's rendezvous (`gpu_magics.engine.open_rendezvous`), both kinds, with real
+"""The process group's rendezvous (`gpu_magics.engine.rank.open_rendezvous`), both kinds, with real
 torch.distributed (gloo) in separate processes: a private FileStore for ranks on one node, and a
 TCPStore that picks its own port (which becomes MASTER_PORT) for ranks on several."""
 

@@ -1,4 +1,4 @@
-"""Private temporary places (gpu_magics.scratch): what counts as private, and the TMPDIR a
+"""Private temporary places (gpu_magics.common.scratch): what counts as private, and the TMPDIR a
 server, kernel or engine ends up with."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpu_magics import scratch
+from gpu_magics.common import scratch
 
 ME = 1000
 DIR = stat.S_IFDIR

@@ -118,7 +118,7 @@ app = ServerApp()
 app.initialize(argv=server_argv([
     "--allow-root", "--ServerApp.open_browser=False", "--ServerApp.ip=127.0.0.1",
     "--ServerApp.port={port}", "--IdentityProvider.token=", "--ServerApp.root_dir=" + tempfile.mkdtemp(),
-    "--ServerApp.jpserver_extensions=gpu_magics.reporter=True",
+    "--ServerApp.jpserver_extensions=gpu_magics.report.reporter=True",
 ]))
 
 def rejected(schema_id, data):
@@ -171,7 +171,7 @@ def test_a_server_started_through_the_launcher_loads_its_extensions_and_validate
         for path in ("server-proxy/servers-info", f"proxy/{port}/api", f"proxy/absolute/{port}/api"):
             assert requests.get(f"{base}/{path}", timeout=10).status_code == 404, path
         text = open(tmp_path / "server.log").read()
-        for name in ("jupyterlab", "gpu_magics.reporter", "ipyparallel"):
+        for name in ("jupyterlab", "gpu_magics.report.reporter", "ipyparallel"):
             assert f"{name} | extension was successfully loaded" in text, text[-3000:]
         assert "jupyter_server_proxy | extension was successfully loaded" not in text
         assert "extension failed" not in text

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from gpu_magics import slurmengines
-from gpu_magics.slurmengines import EngineFacts, SlurmLauncher, remote_signal_argv
+from gpu_magics.launch import slurm as slurmengines
+from gpu_magics.launch.slurm import EngineFacts, SlurmLauncher, remote_signal_argv
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ def test_engines_all_on_the_kernels_host_are_signalled_by_pid_only(monkeypatch):
     pool = _Pool([0, 1], remote=False)
     pool.infos = [{"pid": 31}, {"pid": 32}]
     killed = []
-    monkeypatch.setattr("gpu_magics.launchers.os.kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr("gpu_magics.launch.local.os.kill", lambda pid, sig: killed.append((pid, sig)))
     monkeypatch.setattr(slurmengines.subprocess, "run", lambda *a, **k: pytest.fail("no srun for these"))
     launcher.signal(pool, signal.SIGINT, [1])
     assert killed == [(32, signal.SIGINT)]
@@ -117,7 +117,7 @@ def test_engines_all_on_the_kernels_host_are_signalled_by_pid_only(monkeypatch):
 def test_a_pid_of_another_host_is_never_read_as_a_process_of_this_one():
     """A rank is lost here only when it runs here and its pid has ended; on another host its pid
     means nothing here (the controller's heartbeat tells whether it lives)."""
-    from gpu_magics.pool import EnginePool
+    from gpu_magics.kernel.pool import EnginePool
 
     dead = subprocess.Popen(["true"])
     dead.wait()

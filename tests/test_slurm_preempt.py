@@ -2,7 +2,7 @@
 
 gpuhub writes the borrow QOS through ``SlurmAccounting.sync`` (``borrow_qos_plan``); an
 over-limit job of a user runs under it, an in-limit job of another user preempts it, the grace
-signal (SIGTERM) reaches the engines' tasks, whose handler (``gpu_magics.enginemain``) saves the
+signal (SIGTERM) reaches the engines' tasks, whose handler (``gpu_magics.engine.main``) saves the
 autosave names before the job ends, and the in-limit job starts. The engines' job is gpuhub's
 own (``SlurmLauncher.job_script`` / ``job_environ``), its engines a stand-in program that
 installs the engines' SIGTERM handler on a namespace holding a model (no ipyparallel
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from traitlets.config import Config
 
-from gpu_magics.slurmengines import SlurmLauncher, preemption_report
+from gpu_magics.launch.slurm import SlurmLauncher, preemption_report
 from spawner.policy import EffectiveLimit, Limit
 from spawner.slurm import accounting
 
@@ -72,7 +72,7 @@ ENGINE = textwrap.dedent(
     import os, signal, sys, time
     sys.path.insert(0, {repo!r})
     import torch
-    from gpu_magics.enginemain import autosave_request, on_sigterm
+    from gpu_magics.engine.main import autosave_request, on_sigterm
     torch.manual_seed(0)
     ns = {{"model": torch.nn.Linear(3, 2), "step": 41 + int(os.environ["SLURM_PROCID"])}}
     names, directory = autosave_request(os.environ)

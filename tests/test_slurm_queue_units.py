@@ -242,11 +242,11 @@ def test_slurm_priority_conf_follows_gpuhubs_weights():
         priority.slurm_priority_conf(Weights(), 0)
 
 
-# the engines' job while it waits (gpu_magics.slurmengines) ---------------------------------
+# the engines' job while it waits (gpu_magics.launch.slurm) ---------------------------------
 
 
 def test_queue_line_of_the_engines_job():
-    from gpu_magics.slurmengines import queue_line
+    from gpu_magics.launch.slurm import queue_line
 
     got = listing(job(12, name="gpuhub-engines", start=1796134868), job(11, name="x", priority=900))
     line = queue_line(got, "12", 4, NOW)
@@ -274,13 +274,13 @@ def test_queue_line_of_the_engines_job():
     ],
 )
 def test_whether_slurm_hides_other_users_jobs(config, hidden):
-    from gpu_magics.slurmengines import jobs_hidden
+    from gpu_magics.launch.slurm import jobs_hidden
 
     assert jobs_hidden(config) is hidden
 
 
 def test_wait_in_queue_shows_each_new_line_once_and_returns_when_the_job_leaves(monkeypatch):
-    from gpu_magics import slurmengines
+    from gpu_magics.launch import slurm as slurmengines
 
     slept = []
     monkeypatch.setattr(slurmengines.time, "sleep", slept.append)
@@ -301,7 +301,7 @@ def test_wait_in_queue_shows_each_new_line_once_and_returns_when_the_job_leaves(
 
 
 def test_ctrl_c_while_waiting_leaves_through_the_caller():
-    from gpu_magics import slurmengines
+    from gpu_magics.launch import slurm as slurmengines
 
     def interrupted():
         raise KeyboardInterrupt

@@ -645,17 +645,17 @@ async def test_watcher_attaches_a_job_found_by_its_tag_and_cancels_one_over_its_
     assert led.gpu_table() and not any(st.holder for st in led.gpu_table())
 
 
-# gpu_magics/slurmengines.py: where Slurm put each engine -> ranks ------------------------
+# gpu_magics/launch/slurm.py: where Slurm put each engine -> ranks ------------------------
 
 
 def facts(eid, node, local, gpus, cuda, host=None):
-    from gpu_magics.slurmengines import EngineFacts
+    from gpu_magics.launch.slurm import EngineFacts
 
     return EngineFacts(eid, node, local, tuple(gpus), tuple(cuda), host or f"{node}.example", 100 + eid)
 
 
 def test_ranks_follow_nodes_then_gpus_and_pin_the_local_ids_gpu():
-    from gpu_magics.slurmengines import assign_ranks, cuda_device
+    from gpu_magics.launch.slurm import assign_ranks, cuda_device
 
     # engines registered in any order; node 2 uses cgroups (renumbered from 0), node 1 does not
     engines = [
@@ -684,7 +684,7 @@ def test_ranks_follow_nodes_then_gpus_and_pin_the_local_ids_gpu():
     ],
 )
 def test_ranks_refuse_impossible_placements(engines, error):
-    from gpu_magics.slurmengines import assign_ranks
+    from gpu_magics.launch.slurm import assign_ranks
 
     with pytest.raises(RuntimeError, match=error):
         assign_ranks(engines, 1, "r")
@@ -700,14 +700,14 @@ def test_ranks_refuse_impossible_placements(engines, error):
     (0, 6, 3, 2, ("job", 3, 2)),
 ])
 def test_plan_launch(own, wanted, nodes, per_node, plan):
-    from gpu_magics.slurmengines import plan_launch
+    from gpu_magics.launch.slurm import plan_launch
 
     assert plan_launch(own, wanted, nodes, per_node) == plan
 # fmt: on
 
 
 def test_plan_launch_refuses_an_uneven_split_and_the_engines_job_drops_the_servers_slurm_vars():
-    from gpu_magics.slurmengines import job_env, plan_launch
+    from gpu_magics.launch.slurm import job_env, plan_launch
 
     with pytest.raises(ValueError, match="does not split evenly over 2 nodes"):
         plan_launch(0, 7, 2, None)
@@ -888,13 +888,13 @@ def test_a_borrowed_server_is_submitted_under_the_borrow_qos():
     ({}, None),
 ])  # fmt: skip
 def test_autosave_request(env, want):
-    from gpu_magics.enginemain import autosave_request
+    from gpu_magics.engine.main import autosave_request
 
     assert autosave_request(env) == want
 
 
 def test_the_engines_job_carries_qos_and_autosave():
-    from gpu_magics.slurmengines import SlurmLauncher, autosave_env
+    from gpu_magics.launch.slurm import SlurmLauncher, autosave_env
 
     assert autosave_env(None) == {"GPUHUB_AUTOSAVE_NAMES": "", "GPUHUB_AUTOSAVE_DIR": ""}
     launcher = SlurmLauncher("job", 1, 2, "/home/alice", "gpu", "gpuhub")
@@ -912,7 +912,7 @@ def test_the_engines_job_carries_qos_and_autosave():
     ({}, (0, 1)),
 ])  # fmt: skip
 def test_preempt_rank(env, want):
-    from gpu_magics.checkpoint_engine import preempt_rank
+    from gpu_magics.engine.checkpoints import preempt_rank
 
     assert preempt_rank(env) == want
 
@@ -920,8 +920,8 @@ def test_preempt_rank(env, want):
 def test_the_sigterm_handler_saves_once_from_rank_0_and_ends(tmp_path):
     import torch
 
-    from gpu_magics.enginemain import on_sigterm
-    from gpu_magics.slurmengines import preemption_report
+    from gpu_magics.engine.main import on_sigterm
+    from gpu_magics.launch.slurm import preemption_report
 
     exits = []
     ns = {"w": torch.ones(2)}

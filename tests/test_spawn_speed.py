@@ -237,7 +237,7 @@ def test_a_slurm_spawn_through_the_launcher_answers_with_its_extensions(tmp_path
         # jupyter-server-proxy's generic routes are off (spawner.singleuser.SERVER_ARGS)
         assert hub.api_url_request("GET", "/user/alice/server-proxy/servers-info").status_code == 404
         text = Path(f"/home/alice/.gpuhub-server-{job}.log").read_text()
-        for name in ("jupyterlab", "gpu_magics.reporter", "ipyparallel", "jupyterhub"):
+        for name in ("jupyterlab", "gpu_magics.report.reporter", "ipyparallel", "jupyterhub"):
             assert f"{name} | extension was successfully loaded" in text, text[-3000:]
         assert "jupyter_server_proxy | extension was successfully loaded" not in text
         assert "extension failed" not in text

@@ -420,8 +420,8 @@ def test_json_examples_from_the_fuzz_are_refused_with_the_reason():
 def _magic(name):
     from IPython.core import magic_arguments
 
-    from gpu_magics.daskmagic import DaskMagics
-    from gpu_magics.magics import DistributedMagics
+    from gpu_magics.dask.magic import DaskMagics
+    from gpu_magics.kernel.distributed import DistributedMagics
 
     owner = DistributedMagics if name == "distributed" else DaskMagics
     return magic_arguments, getattr(owner, name)

@@ -1,6 +1,6 @@
 """gpuhub's own GPU readings: the ones that decide idle reclaims (``c.GpuReclaim.readings``).
 
-A user's server and engines report their GPUs' use (``gpu_magics.reporter``), but they run as
+A user's server and engines report their GPUs' use (``gpu_magics.report.reporter``), but they run as
 that user, who could report an idle GPU as busy and keep it from everyone who waits. With
 ``readings = "sampler"`` (the default) only readings taken by gpuhub itself, where the user
 cannot write, move the idle clocks; the owners' reports are kept for their own view:
@@ -8,7 +8,7 @@ cannot write, move the idle clocks; the owners' reports are kept for their own v
 - **The broker's own machine**: the broker (the hub's account) samples every GPU of the nodes
   its inventory has on this machine (a local backend's NVML inventory; every node of a
   simulated one) each ``c.GpuHub.report_seconds``, through the source a server would use
-  (``gpu_magics.gpustats``: NVML, or the simulated file).
+  (``gpu_magics.report.gpustats``: NVML, or the simulated file).
 - **Other machines** (Slurm nodes): ``gpuhub sampler`` on each node, run as root or the hub's
   account (:mod:`spawner.sampler`), posts its node's readings to ``POST nodes/{node}/samples``
   with a token that holds ``custom:gpuhub:sample`` (the ``gpuhub-sampler`` role), which no
@@ -79,7 +79,7 @@ class OwnSampler:
         self.failed = False
 
     def _sample(self, gpus: list[tuple[str, int]]) -> list[Sample]:
-        from gpu_magics.gpustats import make_source
+        from gpu_magics.report.gpustats import make_source
 
         if self.source is None:
             self.source = make_source(self.environ)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from IPython.core.error import UsageError
 
-from gpu_magics.checkpoint import (
+from gpu_magics.common.checkpoint import (
     CHECK_TIMEOUT,
     KINDS,
     SAVE_TIMEOUT,
@@ -26,7 +26,8 @@ from gpu_magics.checkpoint import (
     restore_problem_message,
     unsaveable_message,
 )
-from gpu_magics.checkpoint_engine import (
+from gpu_magics.common.procs import alive
+from gpu_magics.engine.checkpoints import (
     engine_apply_restore,
     engine_discard,
     engine_inspect,
@@ -34,7 +35,6 @@ from gpu_magics.checkpoint_engine import (
     engine_save,
     engine_stat,
 )
-from gpu_magics.procs import alive
 
 # kernel side -------------------------------------------------------------------------------
 

@@ -1,13 +1,13 @@
 """Where a user's kernels and pools listen: Unix sockets in directories only their owner can
 enter, never a TCP port another account can reach.
 
-- **Kernels** (a server extension, ``--ServerApp.jpserver_extensions=gpu_magics.channels=True``,
+- **Kernels** (a server extension, ``--ServerApp.jpserver_extensions=gpu_magics.common.channels=True``,
   which gpuhub's spawners pass with ``--KernelManager.transport=ipc``): every kernel the server
   starts uses ZeroMQ's ``ipc`` transport, its connection file and sockets in the user's Jupyter
   runtime directory (0700) or, where that is not private or its path is too long for a socket's
   name, in a new private directory (:func:`socket_dir`). The extension sets
   ``GPUHUB_KERNEL_TRANSPORT=ipc`` for the kernels, and the "Python 3 (GPUs)" kernel
-  (``gpu_magics.kernel``) refuses to start over TCP where it is set.
+  (``python -m gpu_magics.kernel``) refuses to start over TCP where it is set.
 - **Pools** (``launchers.LocalLauncher``): the ipyparallel controller of a ``%%distributed`` pool
   on one host binds Unix sockets in a private directory made by :func:`socket_dir`; every pool
   also runs with ipyparallel's CurveZMQ (:data:`CONTROLLER_ARGS`), so a socket without its
@@ -26,7 +26,7 @@ import shutil
 import stat
 import tempfile
 
-from gpu_magics.scratch import make_private, why_not_private
+from gpu_magics.common.scratch import make_private, why_not_private
 
 # the longest path a Unix socket can have on Linux (sun_path is 108 bytes with its NUL)
 SUN_PATH_MAX = 107
@@ -34,7 +34,7 @@ TRANSPORT_ENV = "GPUHUB_KERNEL_TRANSPORT"
 # a kernel's sockets: <dir>/kernel-<uuid>-ipc-<n>, n 1..5 (jupyter_client's ipc numbering),
 # and its IOPub pipe <dir>/kernel-<uuid>-ipc-pipe (private_iopub_pipe)
 KERNEL_SOCKET_NAME = len("/kernel-") + 36 + len("-ipc-pipe")
-# a pool controller's sockets: <dir>/c:<port> (gpu_magics.controllermain)
+# a pool controller's sockets: <dir>/c:<port> (gpu_magics.launch.controller)
 CONTROLLER_PREFIX = "c"
 CONTROLLER_SOCKET_NAME = len("/c:65535")
 # every pool's controller: CurveZMQ on all its sockets (ipyparallel then drops its HMAC key:
@@ -179,7 +179,7 @@ def tcp_refusal(argv: list[str], environ) -> str | None:
 
 
 def _jupyter_server_extension_points():
-    return [{"module": "gpu_magics.channels"}]
+    return [{"module": "gpu_magics.common.channels"}]
 
 
 def _load_jupyter_server_extension(serverapp) -> None:

@@ -31,12 +31,14 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display, update_display
 from traitlets import Float
 
-from gpu_magics.arguments import COUNT, SECONDS
-from gpu_magics.brokerclient import LeaseKeeper
-from gpu_magics.burst import Burst, SplitBurst, burst_size
-from gpu_magics.checkpoint import DEFAULT_DIR, check_names
-from gpu_magics.checkpointer import CheckpointCommands, Saved, say
-from gpu_magics.plan import (
+from gpu_magics.common.checkpoint import DEFAULT_DIR, check_names
+from gpu_magics.common.ranks import Slot, make_rank_specs
+from gpu_magics.common.session import server_gpus
+from gpu_magics.kernel.arguments import COUNT, SECONDS
+from gpu_magics.kernel.broker import LeaseKeeper
+from gpu_magics.kernel.burst import Burst, SplitBurst, burst_size
+from gpu_magics.kernel.checkpoints import CheckpointCommands, Saved, say
+from gpu_magics.kernel.plan import (
     OTHER_SETTINGS,
     describe_settings,
     may_retry_after_release,
@@ -44,9 +46,7 @@ from gpu_magics.plan import (
     refuse_discard,
     why_new_engines,
 )
-from gpu_magics.pool import CellOutcome, EnginePool
-from gpu_magics.ranks import Slot, make_rank_specs
-from gpu_magics.session import server_gpus
+from gpu_magics.kernel.pool import CellOutcome, EnginePool
 
 
 class DistributedError(Exception):
@@ -98,7 +98,7 @@ def slurm_preemption(pool: EnginePool) -> str | None:
     job, autosave = getattr(launcher, "job_id", ""), getattr(launcher, "autosave", None)
     if not job or not autosave or not autosave[0]:
         return None
-    from gpu_magics.slurmengines import preemption_report
+    from gpu_magics.launch.slurm import preemption_report
 
     return preemption_report(autosave[1], job)
 
@@ -305,7 +305,7 @@ class DistributedMagics(CheckpointCommands, Magics):
     def _room(self) -> int | None:
         """GPUs the user may still take within their limit, when they could borrow beyond it
         (None: no limit, nothing to borrow, or unknown: one allocation, refused as such)."""
-        from gpu_magics.brokerclient import BrokerClient
+        from gpu_magics.kernel.broker import BrokerClient
 
         client = BrokerClient.from_env()
         if client is None:
@@ -374,7 +374,7 @@ class DistributedMagics(CheckpointCommands, Magics):
         """(launcher, GPUs of a burst job or 0): a step of this server's job when it holds the
         GPUs, else a burst job of their own (admitted by the broker, placed by Slurm over
         ``--nodes``). Checked before anything is stopped."""
-        from gpu_magics.slurmengines import SlurmLauncher, plan_launch
+        from gpu_magics.launch.slurm import SlurmLauncher, plan_launch
 
         own = len([g for g in os.environ.get("SLURM_JOB_GPUS", "").split(",") if g.strip()])
         try:
@@ -419,7 +419,7 @@ class DistributedMagics(CheckpointCommands, Magics):
 
     def _user_names(self) -> list[str] | None:
         """The names the user's cells defined on any rank of the pool (None: no answer)."""
-        from gpu_magics.rankns import user_names
+        from gpu_magics.engine.namespace import user_names
 
         try:
             per_rank = self.pool.view.apply_async(user_names).get(timeout=15)

@@ -6,7 +6,7 @@
   submit work nor read results.
 - The scheduler's HTTP server (dashboard, metrics, JSON API) listens on no TCP port at all: it
   serves a Unix socket in a directory made for it with mode 0700. The owner's browser reaches it
-  through the owner's own Jupyter server (``gpu_magics.dashproxy``, behind JupyterHub's login) at
+  through the owner's own Jupyter server (``gpu_magics.dask.dashproxy``, behind JupyterHub's login) at
   ``{JUPYTERHUB_SERVICE_PREFIX}gpuhub/dask/<token>/status``; ``client.dashboard_link`` says so.
 - The workers' own HTTP servers (metrics only) serve no routes.
 - Scratch space (the scheduler's and every worker's ``local_directory``, which distributed puts
@@ -28,7 +28,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_magics.scratch import make_private
+from gpu_magics.common.scratch import make_private
 
 TOKEN = re.compile(r"[0-9a-f]{32}")
 
@@ -85,7 +85,7 @@ class Private:
 
         token = secrets.token_hex(16)
         # 0700, short (a socket path may hold about 100 bytes, which a home directory's runtime
-        # path can exceed), under the process's private TMPDIR (gpu_magics.scratch)
+        # path can exceed), under the process's private TMPDIR (gpu_magics.common.scratch)
         directory = make_private(prefix="gpuhub-dask-")
         scratch = make_private(directory, prefix="scratch-")
         pointer = pointer_dir() / f"{token}.sock-path"

@@ -2,7 +2,7 @@
 
 ``%%distributed`` and ``%dask_cuda`` take extra GPUs the same way: ask the broker (within the
 user's limit; a refusal becomes a ``UsageError`` with the broker's own message), renew the lease
-every third of it while the GPUs are used (:class:`~gpu_magics.brokerclient.LeaseKeeper`, which
+every third of it while the GPUs are used (:class:`~gpu_magics.kernel.broker.LeaseKeeper`, which
 also tells the broker how long the user's code has been idle), notice when the hub ended it
 (``lost`` and ``reason``), and give it back once (``release``, which says so when the broker
 could not be told). A Slurm burst holds no GPUs until its job runs: ``attach_job`` tells the
@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 
 from IPython.core.error import UsageError
 
-from gpu_magics.brokerclient import BrokerClient, BrokerError, LeaseKeeper
-from gpu_magics.ranks import Slot
+from gpu_magics.common.ranks import Slot
+from gpu_magics.kernel.broker import BrokerClient, BrokerError, LeaseKeeper
 
 
 def burst_size(allocation: Mapping) -> int:
@@ -84,7 +84,7 @@ class Burst:
 
         ``wait``: when the GPUs are all taken, wait in gpuhub's queue with the place shown
         (``show``, default a line of the cell's output updated in place); Ctrl-C leaves it
-        (:class:`~gpu_magics.queuewait.QueueInterrupt`), holding nothing.
+        (:class:`~gpu_magics.kernel.queuewait.QueueInterrupt`), holding nothing.
 
         ``check_seconds``/``on_notice``: for borrowed GPUs, how often to look for a preemption
         notice, and whom to tell (``on_notice(burst, {"due", "reason"})``, from the lease's
@@ -101,7 +101,7 @@ class Burst:
         try:
             alloc = client.request(gpus, nodes, gpus_per_node, lease_seconds, node=node, wait=wait)
             if "queued" in alloc:
-                from gpu_magics.queuewait import wait_for_turn
+                from gpu_magics.kernel.queuewait import wait_for_turn
 
                 alloc = wait_for_turn(
                     client, alloc["queued"], magic=magic, poll=queue_poll_seconds(), show=show
@@ -172,7 +172,7 @@ class Burst:
 
     def report_here(self, labels: list[str] | None = None) -> None:
         """Report this burst's GPUs' use from this process (their users run on this machine)."""
-        from gpu_magics.reporter import start_burst_reporter
+        from gpu_magics.report.reporter import start_burst_reporter
 
         if self._reporting:
             return

@@ -1,5 +1,5 @@
 """ipyparallel's controller, with its Unix-socket (``ipc``) addresses as its engines and clients
-read them. ``python -m gpu_magics.controllermain`` takes ``ipyparallel.controller``'s arguments.
+read them. ``python -m gpu_magics.launch.controller`` takes ``ipyparallel.controller``'s arguments.
 
 ipyparallel 9 names an ``ipc`` endpoint ``<path>-<port>`` where the controller binds it
 (``IPController.construct_url``) but ``<path>:<port>`` in its engines and clients (the

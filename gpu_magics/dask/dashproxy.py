@@ -1,4 +1,4 @@
-"""The owner's way to a private Dask dashboard (``gpu_magics.daskprivate``): a Jupyter server
+"""The owner's way to a private Dask dashboard (``gpu_magics.dask.private``): a Jupyter server
 handler at ``{base_url}gpuhub/dask/<token>/...`` that proxies HTTP and websockets to the
 dashboard's Unix socket, found through the owner's Jupyter runtime directory. The server runs
 as the owner and is behind JupyterHub's login, so nobody else gets through it; jupyter-server-proxy
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tornado import web
 
-from gpu_magics.daskprivate import socket_for
+from gpu_magics.dask.private import socket_for
 
 
 def _handler_class():
@@ -36,7 +36,7 @@ def _handler_class():
 
 
 def _jupyter_server_extension_points():
-    return [{"module": "gpu_magics.dashproxy"}]
+    return [{"module": "gpu_magics.dask.dashproxy"}]
 
 
 def _load_jupyter_server_extension(serverapp) -> None:

@@ -1,6 +1,6 @@
 """An ipyparallel engine whose every thread blocks SIGUSR1 from the start, so that the signal
-reaches only ``gpu_magics.recovery``'s waiting thread (which frees a rank stuck in a
-collective) and never ends the process. ``python -m gpu_magics.enginemain`` takes
+reaches only ``gpu_magics.engine.recovery``'s waiting thread (which frees a rank stuck in a
+collective) and never ends the process. ``python -m gpu_magics.engine.main`` takes
 ``ipyparallel.engine``'s arguments.
 
 Preemption: Slurm sends a preempted job's tasks SIGCONT and SIGTERM, and SIGKILL once the
@@ -8,7 +8,7 @@ borrow QOS's ``GraceTime`` is over. Where the engines' job carries ``GPUHUB_AUTO
 (space-separated names) and ``GPUHUB_AUTOSAVE_DIR`` (set by ``slurmengines.SlurmLauncher`` from
 the pool's ``--autosave``), SIGTERM first saves those names from the engine's namespace
 (rank 0 writes, as ``%distributed save`` does; the other ranks write nothing), records what it
-saved for the kernel (:func:`gpu_magics.checkpoint_engine.preempt_report_path`), says so on
+saved for the kernel (:func:`gpu_magics.engine.checkpoints.preempt_report_path`), says so on
 the job's output, and ends the engine at once.
 
 Logging: the engine logs at WARNING unless its arguments say otherwise (``--log-level``).
@@ -28,7 +28,7 @@ signal.signal(signal.SIGUSR1, lambda signum, frame: None)
 
 def autosave_request(environ) -> tuple[list[str], str] | None:
     """(names, directory) the engines save at SIGTERM, or None (pure)."""
-    from gpu_magics.checkpoint_engine import AUTOSAVE_DIR, AUTOSAVE_NAMES
+    from gpu_magics.engine.checkpoints import AUTOSAVE_DIR, AUTOSAVE_NAMES
 
     names = [n for n in environ.get(AUTOSAVE_NAMES, "").split() if n.isidentifier()]
     directory = environ.get(AUTOSAVE_DIR, "")
@@ -46,7 +46,7 @@ def on_sigterm(names: list[str], directory: str, ns_getter, exit=os._exit):
         if done:  # srun forwards the signal too: save once
             return
         done.append(signum)
-        from gpu_magics.checkpoint_engine import engine_preempt_save
+        from gpu_magics.engine.checkpoints import engine_preempt_save
 
         try:
             result = engine_preempt_save(names, directory, ns_getter(), os.environ)
@@ -92,7 +92,7 @@ def with_log_level(argv: list[str], level: str = "WARN") -> list[str]:
 if __name__ == "__main__":
     from ipyparallel.engine.app import main
 
-    from gpu_magics.scratch import private_tmpdir
+    from gpu_magics.common.scratch import private_tmpdir
 
     # the engine's temporary files: its kernel's private TMPDIR where that is on this node,
     # else one of its own (an engine on another Slurm node)

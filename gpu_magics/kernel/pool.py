@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpu_magics.launchers import LocalLauncher
-from gpu_magics.procs import ExitWatch, alive
-from gpu_magics.ranks import RankSpec
-from gpu_magics.reaper import kill_trees
-from gpu_magics.recovery import FREE_SIGNAL
+from gpu_magics.common.procs import ExitWatch, alive
+from gpu_magics.common.ranks import RankSpec
+from gpu_magics.engine.recovery import FREE_SIGNAL
+from gpu_magics.launch.local import LocalLauncher
+from gpu_magics.launch.reaper import kill_trees
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 HEARTBEAT_MS = 500
@@ -161,7 +161,7 @@ class EnginePool:
     def start(self, progress: Callable[[int, int], None], timeout: float = 120) -> None:
         import ipyparallel as ipp
 
-        from gpu_magics.engine import setup_rank
+        from gpu_magics.engine.rank import setup_rank
 
         n = self.size
         self.cluster = ipp.Cluster(n=0, log=_quiet_log(), **self.launcher.cluster_options())
@@ -223,7 +223,7 @@ class EnginePool:
         """The process group's meeting place, made by rank 0's engine (``engine.open_rendezvous``):
         a private FileStore when every rank is on one node, else a TCPStore whose own port
         becomes MASTER_PORT (as torchrun's agent store is)."""
-        from gpu_magics.engine import open_rendezvous
+        from gpu_magics.engine.rank import open_rendezvous
 
         kind = "tcp" if self.multi_host else "file"
         first = next(eid for eid, env in zip(self.engine_ids, envs, strict=True) if env["RANK"] == "0")
@@ -246,7 +246,7 @@ class EnginePool:
             [
                 sys.executable,
                 "-m",
-                "gpu_magics.reaper",
+                "gpu_magics.launch.reaper",
                 str(os.getpid()),
                 *map(str, pids),
                 *([f"--remove={sockets}"] if sockets else []),
@@ -390,7 +390,7 @@ class EnginePool:
         """After a failed or interrupted cell: keep the process group where every rank has run
         the same collectives and none was freed from one, else replace it in the same processes
         (a fresh rendezvous) and re-bind the DDP modules to it. Notes for the cell."""
-        from gpu_magics.recovery import ddp_names, group_state, replace_group
+        from gpu_magics.engine.recovery import ddp_names, group_state, replace_group
 
         try:
             states = [self.client[eid].apply_async(group_state).get(timeout) for eid in self.engine_ids]

@@ -1,4 +1,4 @@
-"""``python -m gpu_magics.reaper KERNEL_PID PID...``: end a pool's processes when its kernel dies.
+"""``python -m gpu_magics.launch.reaper KERNEL_PID PID...``: end a pool's processes when its kernel dies.
 
 Started by the pool in a session of its own, so it outlives a kernel killed outright. Every
 second it checks the kernel; when the kernel is gone (or a zombie) it stops each PID and its
@@ -15,7 +15,7 @@ import time
 
 import psutil
 
-from gpu_magics.procs import alive
+from gpu_magics.common.procs import alive
 
 
 def kill_trees(pids: list[int], grace: float = 3.0) -> None:

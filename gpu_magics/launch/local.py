@@ -15,12 +15,12 @@ import sys
 
 from traitlets.config import Config
 
-from gpu_magics import channels
+from gpu_magics.common import channels
 
 # ipyparallel's engine with SIGUSR1 blocked in every thread (a stuck rank is freed by it)
-ENGINE_CMD = [sys.executable, "-m", "gpu_magics.enginemain"]
+ENGINE_CMD = [sys.executable, "-m", "gpu_magics.engine.main"]
 # ipyparallel's controller, binding Unix sockets where its engines and clients look for them
-CONTROLLER_CMD = [sys.executable, "-m", "gpu_magics.controllermain"]
+CONTROLLER_CMD = [sys.executable, "-m", "gpu_magics.launch.controller"]
 
 
 def signal_pids(pool, sig: int, ranks: list[int] | None) -> None:

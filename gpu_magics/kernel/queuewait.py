@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gpu_magics.brokerclient import BrokerClient, BrokerError
+from gpu_magics.kernel.broker import BrokerClient, BrokerError
 
 
 class QueueInterrupt(KeyboardInterrupt):

@@ -20,12 +20,13 @@ def debugger_allowed(environ) -> bool:
     return environ.get("GPUHUB_KERNEL_TRANSPORT", "") != "ipc"
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Start the kernel (``python -m gpu_magics.kernel``, the kernelspec's argv)."""
     # as ipykernel_launcher: the working directory off sys.path while ipykernel loads
     # (InteractiveShellApp.init_path puts it back)
     if sys.path[0] == "":
         del sys.path[0]
-    from gpu_magics.channels import kernel_connection, private_iopub_pipe, tcp_refusal
+    from gpu_magics.common.channels import kernel_connection, private_iopub_pipe, tcp_refusal
 
     refusal = tcp_refusal(sys.argv, os.environ)
     if refusal:
@@ -40,3 +41,7 @@ if __name__ == "__main__":
     from ipykernel import kernelapp as app
 
     app.launch_new_instance()
+
+
+if __name__ == "__main__":
+    main()

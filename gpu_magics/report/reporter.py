@@ -20,9 +20,9 @@ import threading
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 
-from gpu_magics.brokerclient import BrokerClient, BrokerError
-from gpu_magics.gpustats import NvmlUnavailable, make_source, parse_label
-from gpu_magics.session import server_gpus
+from gpu_magics.common.session import server_gpus
+from gpu_magics.kernel.broker import BrokerClient, BrokerError
+from gpu_magics.report.gpustats import NvmlUnavailable, make_source, parse_label
 
 log = logging.getLogger("gpuhub.reporter")
 
@@ -151,8 +151,8 @@ def start_burst_reporter(
 
 
 def _jupyter_server_extension_points():
-    # the private Dask dashboards' proxy comes with it (gpu_magics.dashproxy)
-    return [{"module": "gpu_magics.reporter"}, {"module": "gpu_magics.dashproxy"}]
+    # the private Dask dashboards' proxy comes with it (gpu_magics.dask.dashproxy)
+    return [{"module": "gpu_magics.report.reporter"}, {"module": "gpu_magics.dask.dashproxy"}]
 
 
 def _load_jupyter_server_extension(serverapp) -> None:

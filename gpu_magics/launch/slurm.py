@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from gpu_magics import channels
-from gpu_magics.launchers import signal_pids
-from gpu_magics.ranks import RankSpec, Slot, make_rank_specs
+from gpu_magics.common import channels
+from gpu_magics.common.ranks import RankSpec, Slot, make_rank_specs
+from gpu_magics.launch.local import signal_pids
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ class SlurmLauncher:
 
     def job_environ(self, environ) -> dict[str, str]:
         """sbatch's environment (:func:`job_env`), with the pool's autosave names and
-        directory, which the engines save at Slurm's SIGTERM (``gpu_magics.enginemain``)."""
+        directory, which the engines save at Slurm's SIGTERM (``gpu_magics.engine.main``)."""
         return job_env(environ) | autosave_env(self.autosave)
 
     @property
@@ -224,7 +224,7 @@ class SlurmLauncher:
         return f"{self.job_id}.{self.step}" if self.mode == "steps" and self.step else self.job_id
 
     # engines on other nodes connect over TCP: CurveZMQ on every socket of the controller (and
-    # of each engine), the key in the owner's connection files only (gpu_magics.channels)
+    # of each engine), the key in the owner's connection files only (gpu_magics.common.channels)
     controller_args = channels.CONTROLLER_ARGS
 
     def cluster_options(self) -> dict:
@@ -423,7 +423,7 @@ def autosave_env(autosave: tuple[list[str], str] | None) -> dict[str, str]:
     """The engines' ``GPUHUB_AUTOSAVE_NAMES`` / ``GPUHUB_AUTOSAVE_DIR`` (pure): always both,
     empty without autosave (so a value inherited from the server's own environment never
     reaches the engines)."""
-    from gpu_magics.checkpoint_engine import AUTOSAVE_DIR, AUTOSAVE_NAMES
+    from gpu_magics.engine.checkpoints import AUTOSAVE_DIR, AUTOSAVE_NAMES
 
     names, directory = autosave if autosave and autosave[0] else ([], "")
     return {AUTOSAVE_NAMES: " ".join(names), AUTOSAVE_DIR: directory}
@@ -434,7 +434,7 @@ def preemption_report(directory: str, job_id: str) -> str | None:
     when they recorded nothing (not preempted, or no autosave)."""
     import json
 
-    from gpu_magics.checkpoint_engine import preempt_report_path
+    from gpu_magics.engine.checkpoints import preempt_report_path
 
     try:
         with open(preempt_report_path(directory, str(job_id))) as f:
@@ -471,7 +471,7 @@ def engine_argv(cluster) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "gpu_magics.enginemain",  # ipyparallel's engine, SIGUSR1 kept for freeing a stuck rank
+        "gpu_magics.engine.main",  # ipyparallel's engine, SIGUSR1 kept for freeing a stuck rank
         f"--profile-dir={cluster.profile_dir}",
         f"--cluster-id={cluster.cluster_id}",
     ]

@@ -61,7 +61,7 @@ class BrokerClient:
     ) -> dict:
         """A burst; ``node``: every GPU on that node (beside the server's own GPUs there).
         ``wait``: when the GPUs are all taken, join the queue: the answer is then
-        ``{"queued": entry}`` (see :mod:`gpu_magics.queuewait`)."""
+        ``{"queued": entry}`` (see :mod:`gpu_magics.kernel.queuewait`)."""
         body = {
             "gpus": gpus,
             "nodes": nodes,

@@ -10,7 +10,7 @@ import os
 import socket
 import tempfile
 
-from gpu_magics.checkpoint import (
+from gpu_magics.common.checkpoint import (
     _MISSING,
     FORMAT,
     KINDS,
@@ -24,7 +24,7 @@ from gpu_magics.checkpoint import (
     state_of,
     type_name,
 )
-from gpu_magics.procs import alive
+from gpu_magics.common.procs import alive
 
 # engine side -------------------------------------------------------------------------------
 
@@ -287,7 +287,7 @@ def engine_discard(token: str) -> None:
     _PENDING.pop(token, None)
 
 
-# preemption: the engine's own save at Slurm's SIGTERM (gpu_magics.enginemain) ---------------
+# preemption: the engine's own save at Slurm's SIGTERM (gpu_magics.engine.main) ---------------
 
 
 AUTOSAVE_NAMES = "GPUHUB_AUTOSAVE_NAMES"  # the engines' job: names saved at Slurm's SIGTERM

@@ -28,12 +28,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from traitlets import Float
 
-from gpu_magics.arguments import COUNT
-from gpu_magics.burst import Burst
-from gpu_magics.daskprivate import Private
-from gpu_magics.gpustats import nvml_problem
-from gpu_magics.ranks import Slot, choose_slots
-from gpu_magics.session import server_gpus
+from gpu_magics.common.ranks import Slot, choose_slots
+from gpu_magics.common.session import server_gpus
+from gpu_magics.dask.private import Private
+from gpu_magics.kernel.arguments import COUNT
+from gpu_magics.kernel.burst import Burst
+from gpu_magics.report.gpustats import nvml_problem
 
 USAGE = (
     "usage: %dask_cuda --gpus N [--name client] | %dask_cuda --cpu [--workers N] [--name client] "

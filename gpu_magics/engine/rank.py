@@ -19,8 +19,8 @@ import threading
 import time
 from datetime import timedelta
 
-from gpu_magics.procs import alive
-from gpu_magics.recovery import init_group, start_freer
+from gpu_magics.common.procs import alive
+from gpu_magics.engine.recovery import init_group, start_freer
 
 
 def _watch(kernel_pid: int, interval: float = 1.0) -> None:
@@ -34,7 +34,7 @@ def pin_to_gpu(label: str) -> bool:
     within the CPUs it may use. False where NVML cannot tell (no GPU, simulated GPUs)."""
     if not label or os.environ.get("GPUHUB_GPU_SOURCE") == "simulated":
         return False
-    from gpu_magics.gpustats import NvmlSource, NvmlUnavailable, parse_label
+    from gpu_magics.report.gpustats import NvmlSource, NvmlUnavailable, parse_label
 
     try:
         source = NvmlSource()
@@ -188,7 +188,7 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
     pinned = pin_to_gpu(env.get("GPUHUB_RANK_GPU", ""))  # before torch starts its threads
     burst = int(env.get("GPUHUB_REPORT_ALLOCATION") or 0)
     if burst:
-        from gpu_magics.reporter import start_burst_reporter
+        from gpu_magics.report.reporter import start_burst_reporter
 
         start_burst_reporter(burst, env.get("GPUHUB_RANK_GPU", ""))
     if int(env.get("LOCAL_WORLD_SIZE", "1")) > 1:

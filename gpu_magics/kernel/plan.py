@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpu_magics.ranks import Slot
+from gpu_magics.common.ranks import Slot
 
 OTHER_SETTINGS = "the pool had other settings"
 

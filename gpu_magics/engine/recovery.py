@@ -3,7 +3,7 @@ the same process, so an interrupt or an error never costs the rank's variables.
 
 - **Freeing a stuck rank.** A rank blocked in a gloo collective (its peers were interrupted
   before they joined it) ignores SIGINT until the collective's timeout: the call waits in C++.
-  Engines start with SIGUSR1 blocked in every thread (``gpu_magics.enginemain``), and a thread
+  Engines start with SIGUSR1 blocked in every thread (``gpu_magics.engine.main``), and a thread
   here waits for it; on SIGUSR1 it shuts down the group's connected sockets (gloo has no working
   abort: measured with torch 2.13, ``abort()`` returns and the collective goes on waiting), so
   the collective fails at once with "Connection closed by peer" and the rank returns to Python.
@@ -77,7 +77,7 @@ def free_collectives() -> None:
 
 def start_freer() -> bool:
     """Start the thread that waits for SIGUSR1; False when SIGUSR1 is not blocked in this
-    process (an engine not started by ``gpu_magics.enginemain``: the signal would end it)."""
+    process (an engine not started by ``gpu_magics.engine.main``: the signal would end it)."""
     global _FREER
     if FREE_SIGNAL not in signal.pthread_sigmask(signal.SIG_BLOCK, []):
         return False
@@ -140,7 +140,7 @@ def replace_group(rendezvous: dict, env_update: dict, timeout_s: float, rebind: 
     from IPython import get_ipython
     from torch.nn.parallel import DistributedDataParallel
 
-    from gpu_magics.engine import _store
+    from gpu_magics.engine.rank import _store
 
     os.environ.update(env_update)
     backend = _STATE["backend"] or dist.get_backend()
