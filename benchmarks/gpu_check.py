@@ -7,7 +7,7 @@
 Runs from the checkout (no install of gpuhub needed: the repository is put first on the path).
 
 0. Environment: versions, and whether every carried wheel's requirements are met.
-1. NVML inventory: ``spawner.inventory.nvml_gpus()`` against ``nvidia-smi`` and torch.
+1. NVML inventory: ``spawner.spawners.inventory.nvml_gpus()`` against ``nvidia-smi`` and torch.
 2. NVML sampling through ``gpu_magics.report.gpustats.NvmlSource``: idle, then while a bf16 matmul
    loop runs in another process (utilization and memory must rise); 2b: NVML's CPU affinity
    for GPU 0 against this process's and dask-cuda's.
@@ -309,7 +309,7 @@ def carried_requirements(site: Path) -> tuple[list[str], list[str], dict]:
 
 def check_inventory() -> tuple[str, str, dict]:
     require_nvml()
-    from spawner.inventory import nvml_gpus
+    from spawner.spawners.inventory import nvml_gpus
 
     gpus = nvml_gpus()
     inv = [

@@ -19,9 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spawner.broker.reclaimer import Reclaimer
 from spawner.broker.utilization import Sample, Utilization
-from spawner.idle import IdleRules
 from spawner.ledger import Ledger
-from spawner.policy import Gpu, Limit, LimitRules
+from spawner.policy.idle import IdleRules
+from spawner.policy.limits import Limit, LimitRules
+from spawner.policy.placement import Gpu
 
 
 class Broker:

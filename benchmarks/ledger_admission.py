@@ -17,7 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spawner.ledger import Ledger
-from spawner.policy import Gpu, Limit, LimitRules
+from spawner.policy.limits import Limit, LimitRules
+from spawner.policy.placement import Gpu
 
 
 def bench_gpuhub(path: Path, cycles: int) -> list[float]:

@@ -39,9 +39,9 @@ from sqlalchemy import create_engine, insert, text
 from sqlalchemy.engine import make_url
 
 from spawner.ledger import Ledger, utcnow
-from spawner.models import Allocation, AllocationGpu, KnownUser
-from spawner.policy import Gpu as PGpu
-from spawner.policy import Limit, LimitRules
+from spawner.ledger.models import Allocation, AllocationGpu, KnownUser
+from spawner.policy.limits import Limit, LimitRules
+from spawner.policy.placement import Gpu as PGpu
 
 SIZES = {"small": (100, 50), "large": (10_000, 5_000)}
 GPUS_PER_NODE = 8

@@ -52,10 +52,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from spawner.borrowing import BorrowRules
-from spawner.fairshare import Weights
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
-from spawner.policy import Gpu, Limit, LimitRules, Refusal
+from spawner.policy.borrowing import BorrowRules
+from spawner.policy.fairshare import Weights
+from spawner.policy.limits import Limit, LimitRules, Refusal
+from spawner.policy.placement import Gpu
 
 DAY = datetime(2026, 12, 2)  # midnight: minute 0 of the simulated day
 NODE = "node0"

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from spawner.broker import enable_broker
-from spawner.local import GpuLocalProcessSpawner
+from spawner.spawners.local import GpuLocalProcessSpawner
 
 c = get_config()  # noqa: F821 - provided by JupyterHub when it loads this file
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import inspect
 
 from spawner.broker.settings import GpuBroker, GpuReclaim
-from spawner.mixin import GpuSpawnerMixin
 from spawner.settings import GpuHub
 from spawner.slurm.accounting import SlurmAccounting
 from spawner.slurm.spawner import GpuSlurmSpawner
 from spawner.slurm.watcher import SlurmWatcher
+from spawner.spawners.base import GpuSpawnerMixin
 
 SECTIONS = (
     (GpuHub, "GpuHub", "Ledger, inventory and limits. Read by the hub, its spawners and the `gpuhub` CLI."),

@@ -15,11 +15,13 @@ from typing import Any
 from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, Unicode, Union
 from traitlets.config import Configurable
 
-from spawner import inventory, values
-from spawner.borrowing import BorrowRules, allowance_problem
-from spawner.fairshare import Shares, Weights, share_problem
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
-from spawner.policy import DEFAULT_WINDOW_HOURS, Gpu, Limit, LimitRules, parse_limit_field
+from spawner.policy import values
+from spawner.policy.borrowing import BorrowRules, allowance_problem
+from spawner.policy.fairshare import Shares, Weights, share_problem
+from spawner.policy.limits import DEFAULT_WINDOW_HOURS, Limit, LimitRules, parse_limit_field
+from spawner.policy.placement import Gpu
+from spawner.spawners import inventory
 
 LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
 

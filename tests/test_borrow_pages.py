@@ -21,9 +21,9 @@ from openapi_core.contrib.requests import RequestsOpenAPIRequest, RequestsOpenAP
 from playwright.sync_api import expect
 
 import spawner.broker
-from spawner.form import in_words
 from spawner.ledger import PreemptionInfo, PreemptionNotice
-from spawner.notices import render_preemptions
+from spawner.spawners.form import in_words
+from spawner.spawners.notices import render_preemptions
 
 from .hubtools import ADMIN_PASSWORD, DEMO_PASSWORD, Hub, tidy_ledger, user_tokens, wait_for
 

@@ -1,7 +1,7 @@
 """Borrowing beyond the limit and taking it back.
 
-The pure decisions (spawner/borrowing.py) in tables; the traits (GpuHub.borrow_settings);
-then the ledger (spawner/ledger/lending.py and the borrowing path of allocations.py) on a
+The pure decisions (spawner/policy/borrowing.py) in tables; the traits (GpuHub.borrow_settings);
+then the ledger (spawner/ledger/borrowing.py and the borrowing path of allocations.py) on a
 real SQLite file and a real PostgreSQL database, with a clock the test moves: 4 simulated
 GPUs, a limit of 2 each and a borrowing allowance of 2 each, users alice, bob, carol, dave."""
 
@@ -10,7 +10,9 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import create_engine, text
 
-from spawner.borrowing import (
+from spawner.broker.responses import allocation_json
+from spawner.ledger import BorrowSettings, Ledger, QueueSettings
+from spawner.policy.borrowing import (
     Borrowed,
     BorrowRules,
     Split,
@@ -23,9 +25,8 @@ from spawner.borrowing import (
     victims,
     withdrawal,
 )
-from spawner.broker.views import allocation_json
-from spawner.ledger import BorrowSettings, Ledger, QueueSettings
-from spawner.policy import Gpu, Limit, LimitRules, Refusal, Request
+from spawner.policy.limits import Limit, LimitRules, Refusal
+from spawner.policy.placement import Gpu, Request
 from spawner.settings import GpuHub
 
 from .ledgertools import Clock

@@ -3,7 +3,7 @@
 import pytest
 
 from spawner.broker.access import Caller, has_scope, is_admin, may_manage_own, may_read_metrics, may_see
-from spawner.broker.schemas import (
+from spawner.broker.requests import (
     BadRequest,
     BurstRequest,
     parse_burst_request,

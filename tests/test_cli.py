@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from spawner import db
 from spawner.cli import format_table, parse_when
-from spawner.inventory import parse_simulated
-from spawner.ledger import Ledger
-from spawner.policy import Limit
+from spawner.ledger import Ledger, db
+from spawner.policy.limits import Limit
+from spawner.spawners.inventory import parse_simulated
 
 GPUHUB = str(Path(sys.executable).with_name("gpuhub"))
 CONFIG = """
@@ -241,7 +240,7 @@ def test_queue_show_cancel_and_front(hubdir):
     from spawner.ledger import QueueSettings
 
     url = f"sqlite:///{hubdir / 'gpuhub.sqlite'}"
-    from spawner.policy import LimitRules
+    from spawner.policy.limits import LimitRules
 
     ledger = Ledger(
         url, config_rules=LimitRules(default=Limit(2)), queue=QueueSettings(keepalive_seconds=3600)

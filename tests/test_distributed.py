@@ -155,7 +155,7 @@ envs
 def _last_burst(ledger, user):
     from sqlalchemy import select
 
-    from spawner.models import Allocation
+    from spawner.ledger.models import Allocation
 
     with ledger._read() as s:
         last = s.scalars(

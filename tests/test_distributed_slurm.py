@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from spawner.ledger import Ledger
-from spawner.policy import Limit
+from spawner.policy.limits import Limit
 
 from . import slurmtools, wskernel
 from .hubtools import wait_for

@@ -1,10 +1,16 @@
-"""The spawn form's parsing and rendering (spawner/form.py)."""
+"""The spawn form's parsing and rendering (spawner/spawners/form.py)."""
 
 import pytest
 
-from spawner.form import GpuOptions, options_from_form, parse_count, parse_gpu_options, render_form
 from spawner.ledger import Allowance
-from spawner.policy import EffectiveLimit, Limit, Refusal
+from spawner.policy.limits import EffectiveLimit, Limit, Refusal
+from spawner.spawners.form import (
+    GpuOptions,
+    options_from_form,
+    parse_count,
+    parse_gpu_options,
+    render_form,
+)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from spawner.ledger import Ledger
-from spawner.policy import effective_limit
+from spawner.policy.limits import effective_limit
 
 from .hubtools import Hub, wait_for, xsrf_from
 

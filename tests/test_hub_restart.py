@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from spawner.ledger import Ledger
-from spawner.local import pid_alive
+from spawner.spawners.local import pid_alive
 
 from .hubtools import Hub, wait_for
 

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from spawner.ledger import Ledger
-from spawner.policy import Limit
+from spawner.policy.limits import Limit
 
 from . import slurmtools
 from .hubtools import wait_for, xsrf_from

@@ -1,4 +1,4 @@
-"""The idle-reclaim rule as tables, with the clock passed in (spawner/idle.py), and the
+"""The idle-reclaim rule as tables, with the clock passed in (spawner/policy/idle.py), and the
 pure pieces around it: sample parsing, reclaim records, notices, the reporter's view of
 kernel activity, simulated NVML, CPU masks, and %gpus' text."""
 
@@ -11,11 +11,12 @@ import pytest
 from gpu_magics.kernel.status import describe_use
 from gpu_magics.report.gpustats import SimulatedSource, cpus_from_mask, parse_label
 from gpu_magics.report.reporter import kernel_idle_seconds
-from spawner.broker import schemas
-from spawner.idle import IdleRules, Watch, after_activity, after_samples, judge
+from spawner.broker import requests as schemas
 from spawner.ledger import Ledger
-from spawner.notices import render_notices
-from spawner.policy import Gpu, Limit, LimitRules
+from spawner.policy.idle import IdleRules, Watch, after_activity, after_samples, judge
+from spawner.policy.limits import Limit, LimitRules
+from spawner.policy.placement import Gpu
+from spawner.spawners.notices import render_notices
 
 RULES = IdleRules(threshold=5, warn_after=900, reclaim_after=3600, stale_after=180)
 T0 = 1_000_000.0

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from spawner.inventory import InventoryError, nvml_gpus, parse_simulated
-from spawner.policy import Gpu
+from spawner.policy.placement import Gpu
+from spawner.spawners.inventory import InventoryError, nvml_gpus, parse_simulated
 
 
 def test_parse_simulated():

@@ -14,7 +14,7 @@ def run_notebook(*sources: str) -> list[str]:
 
 
 def test_gpu_kernel_loads_the_magics_and_sees_the_servers_gpus(monkeypatch):
-    # the variables the GPU spawner gives a server (spawner.mixin.make_gpu_env)
+    # the variables the GPU spawner gives a server (spawner.spawners.base.make_gpu_env)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     monkeypatch.setenv("GPUHUB_ALLOCATION_ID", "12")
     monkeypatch.setenv("GPUHUB_GPUS", "n1:2,n1:3")

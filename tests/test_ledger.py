@@ -12,10 +12,11 @@ from sqlalchemy import create_engine, func, insert, inspect, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
-from spawner import cli, db
-from spawner.ledger import Ledger
-from spawner.models import Allocation, AllocationGpu, Base
-from spawner.policy import Gpu, Limit, LimitRules, Refusal
+from spawner import cli
+from spawner.ledger import Ledger, db
+from spawner.ledger.models import Allocation, AllocationGpu, Base
+from spawner.policy.limits import Limit, LimitRules, Refusal
+from spawner.policy.placement import Gpu
 
 from . import dbtools
 from .hubtools import wait_for

@@ -12,8 +12,9 @@ import pytest
 from sqlalchemy import select
 
 from spawner.ledger import Ledger, combine
-from spawner.models import LedgerLock
-from spawner.policy import Gpu, Limit, LimitRules, Refusal
+from spawner.ledger.models import LedgerLock
+from spawner.policy.limits import Limit, LimitRules, Refusal
+from spawner.policy.placement import Gpu
 
 RULES = LimitRules(default=Limit(max_gpus=4))
 INVENTORY = [Gpu(f"n{n}", i, "A100") for n in range(2) for i in range(4)]

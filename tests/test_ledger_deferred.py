@@ -4,7 +4,8 @@ on SQLite and on PostgreSQL."""
 import pytest
 
 from spawner.ledger import Ledger
-from spawner.policy import Gpu, Limit, LimitRules, Refusal
+from spawner.policy.limits import Limit, LimitRules, Refusal
+from spawner.policy.placement import Gpu
 
 INV = [Gpu("n1", i, "A100") for i in range(4)] + [Gpu("n2", i, "A100") for i in range(2)]
 

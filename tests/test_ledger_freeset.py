@@ -7,8 +7,9 @@ from datetime import datetime
 from sqlalchemy import select
 
 from spawner.ledger import Ledger, freeset
-from spawner.models import AllocationGpu, LedgerLock
-from spawner.policy import Gpu, Limit, LimitRules
+from spawner.ledger.models import AllocationGpu, LedgerLock
+from spawner.policy.limits import Limit, LimitRules
+from spawner.policy.placement import Gpu
 
 from .ledgertools import Clock
 

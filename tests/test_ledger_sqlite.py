@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import text
 
 from spawner.ledger import Ledger
-from spawner.policy import Gpu
+from spawner.policy.placement import Gpu
 from spawner.settings import GpuHub
 
 

@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 import pytest
 
 from spawner.ledger import AllocationInfo
-from spawner.local import pid_alive, stale_local_allocations
-from spawner.mixin import make_gpu_env
-from spawner.policy import Gpu
+from spawner.policy.placement import Gpu
+from spawner.spawners.base import make_gpu_env
+from spawner.spawners.local import pid_alive, stale_local_allocations
 
 T = datetime(2026, 11, 1, 12, 0)  # the ledger keeps naive UTC
 

@@ -8,8 +8,8 @@ import pytest
 from jupyterhub.spawner import Spawner
 from traitlets.config import Config
 
-from spawner.local import LocalGpuMixin
-from spawner.mixin import STATE_KEY
+from spawner.spawners.base import STATE_KEY
+from spawner.spawners.local import LocalGpuMixin
 
 
 class StubBackend(Spawner):

@@ -1,23 +1,25 @@
-"""Table tests of every allocation decision (spawner/policy.py)."""
+"""Table tests of every allocation decision (spawner/policy/limits.py)."""
 
 import random
 from datetime import datetime, timedelta
 
 import pytest
 
-from spawner.policy import (
+from spawner.policy.limits import (
     EffectiveLimit,
-    Gpu,
-    GpuSet,
-    GroupedGpus,
     Holdings,
     Limit,
     LimitRules,
     Refusal,
-    Request,
     check_request,
     effective_limit,
     gpu_hours_used,
+)
+from spawner.policy.placement import (
+    Gpu,
+    GpuSet,
+    GroupedGpus,
+    Request,
     largest_placeable,
     make_fit_index,
     place,

@@ -1,12 +1,20 @@
-"""EASY against conservative backfill (spawner.queueplan.plan's ``reservations``): the head's
+"""EASY against conservative backfill (spawner.policy.schedule.plan's ``reservations``): the head's
 expected start is never delayed either way; only conservative backfill protects the second."""
 
 from datetime import datetime, timedelta
 
 import pytest
 
-from spawner.policy import Gpu, Request
-from spawner.queueplan import Expected, Held, Run, Waiting, counts, plan, typical_run_hours
+from spawner.policy.placement import Gpu, Request
+from spawner.policy.schedule import (
+    Expected,
+    Held,
+    Run,
+    Waiting,
+    counts,
+    plan,
+    typical_run_hours,
+)
 
 T = datetime(2026, 12, 1, 9, 0)
 N1 = [Gpu("n1", i, "A100") for i in range(4)]
@@ -67,7 +75,7 @@ def test_the_heads_gpus_are_never_granted_whatever_the_reservations():
 
 
 # a grant ahead of a reservation names it: there are no time limits yet, so such a grant may be
-# taken back for that reservation at its turn (spawner/ledger/lending.py)
+# taken back for that reservation at its turn (spawner/ledger/borrowing.py)
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ def end_servers_left(ledger) -> None:
 def give_history(url: str, user: str, gpus: int, hours_ago: float, hours: float) -> None:
     """``user`` held ``gpus`` GPUs for ``hours``, ending ``hours_ago`` (their recent use): a
     released allocation in the ledger, as one from earlier today would be."""
-    from spawner.models import Allocation
+    from spawner.ledger.models import Allocation
 
     end = utcnow() - timedelta(hours=hours_ago)
     start = end - timedelta(hours=hours)

@@ -7,9 +7,10 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import create_engine, text
 
-from spawner.fairshare import Shares
 from spawner.ledger import Ledger, QueueSettings
-from spawner.policy import Gpu, Limit, LimitRules, Refusal
+from spawner.policy.fairshare import Shares
+from spawner.policy.limits import Limit, LimitRules, Refusal
+from spawner.policy.placement import Gpu
 
 from .ledgertools import Clock
 

@@ -423,7 +423,7 @@ def test_the_openapi_file_documents_the_queue():
     assert "202" in paths["/allocations"]["post"]["responses"]
     assert spec["components"]["schemas"]["BurstRequest"]["properties"]["wait"]["type"] == "boolean"
     # every field of views.queue_json is in the schema, and nothing else
-    from spawner.broker import views
+    from spawner.broker import responses as views
 
     info = FakeLedger(datetime(2026, 1, 1))
     info.end(1, "left", 3)

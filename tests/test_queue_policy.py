@@ -1,6 +1,6 @@
-"""Table tests of the queue's pure parts: fair-share priority (spawner/fairshare.py), the
-schedule with conservative backfill (spawner/queueplan.py), the wait line
-(spawner/queueview.py), and the queue's traits (GpuHub.shares, GpuHub.queue_weights)."""
+"""Table tests of the queue's pure parts: fair-share priority (spawner/policy/fairshare.py), the
+schedule with conservative backfill (spawner/policy/schedule.py), the wait line
+(spawner/policy/waitline.py), and the queue's traits (GpuHub.shares, GpuHub.queue_weights)."""
 
 import math
 import time
@@ -8,8 +8,9 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from spawner import fairshare, queueview
-from spawner.fairshare import (
+from spawner.policy import fairshare
+from spawner.policy import waitline as queueview
+from spawner.policy.fairshare import (
     Candidate,
     Factors,
     Shares,
@@ -21,8 +22,8 @@ from spawner.fairshare import (
     fairshare_factor,
     order,
 )
-from spawner.policy import Gpu, Request
-from spawner.queueplan import Expected, Held, Plan, Waiting, plan
+from spawner.policy.placement import Gpu, Request
+from spawner.policy.schedule import Expected, Held, Plan, Waiting, plan
 from spawner.settings import GpuHub
 
 T = datetime(2026, 11, 2, 9, 0)

@@ -18,9 +18,10 @@ from gpu_magics.report.gpustats import NvmlSource
 from spawner.broker.metrics import Metrics
 from spawner.broker.reclaimer import Reclaimer, server_url
 from spawner.broker.utilization import Sample, Utilization, epoch, rate_wait
-from spawner.idle import IdleRules
 from spawner.ledger import Ledger
-from spawner.policy import Gpu, Limit, LimitRules
+from spawner.policy.idle import IdleRules
+from spawner.policy.limits import Limit, LimitRules
+from spawner.policy.placement import Gpu
 
 RULES = IdleRules(threshold=5, warn_after=60, reclaim_after=120, stale_after=30)
 

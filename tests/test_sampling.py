@@ -1,4 +1,4 @@
-"""gpuhub's own GPU readings (spawner/broker/sampling.py, spawner/sampler.py): which nodes the
+"""gpuhub's own GPU readings (spawner/broker/sampling.py, spawner/cli/sampler.py): which nodes the
 broker samples itself, how readings reach allocations, and the node samplers' API on a real hub,
 with `gpuhub sampler` run as a real process and a user's token refused."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from spawner.broker.sampling import by_holder, own_nodes
 from spawner.broker.utilization import Sample, Utilization
-from spawner.sampler import make_report
+from spawner.cli.sampler import make_report
 
 from .hubtools import Hub, wait_for
 
@@ -132,7 +132,7 @@ def test_a_node_sampler_reports_and_nobody_else_may(sampled_hub, tmp_path):
     token_file = tmp_path / "sampler.token"
     token_file.write_text(token)
     command = [
-        sys.executable, "-m", "spawner.sampler", "--broker-url", f"http://127.0.0.1:{hub.broker_port}"
+        sys.executable, "-m", "spawner.cli.sampler", "--broker-url", f"http://127.0.0.1:{hub.broker_port}"
         "/services/gpuhub/api/v1/", "--token-file", str(token_file), "--node", "far-node", "--gpus", "2",
         "--source", "simulated", "--simulated-file", str(stats), "--once",
     ]  # fmt: skip

@@ -3,7 +3,7 @@
 - ``spawner.singleuser`` (the server's launcher) defers ``rfc3987_syntax``: a real Jupyter
   server started through it loads its extensions, its event logger still rejects invalid
   events, and an ``iri`` format check gives the same answers as without the launcher;
-- the spawner's own wait for the server (``spawner.readiness``) follows JupyterHub's rule,
+- the spawner's own wait for the server (``spawner.spawners.readiness``) follows JupyterHub's rule,
   and a server that dies before it answers fails the spawn at once, its GPUs released;
 - the Slurm watcher's pause after a submit (``next_interval``), as a table;
 - a real hub's servers are started by the launcher and answer with their extensions.
@@ -24,9 +24,9 @@ from jupyterhub.httpclient import JupyterHubHTTPClient, fetch
 from tornado import web
 from tornado.httpserver import HTTPServer
 
-from spawner import readiness
 from spawner.ledger import Ledger
 from spawner.slurm.watcher import next_interval
+from spawner.spawners import readiness
 
 from . import slurmtools
 from .hubtools import REPO, Hub, free_port, wait_for

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from spawner.ledger import Ledger
-from spawner.policy import Gpu, Limit, LimitRules
+from spawner.policy.limits import Limit, LimitRules
+from spawner.policy.placement import Gpu
 from spawner.slurm import jobs
 from spawner.slurm.watcher import SlurmWatcher
 

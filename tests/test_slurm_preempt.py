@@ -21,7 +21,7 @@ import pytest
 from traitlets.config import Config
 
 from gpu_magics.launch.slurm import SlurmLauncher, preemption_report
-from spawner.policy import EffectiveLimit, Limit
+from spawner.policy.limits import EffectiveLimit, Limit
 from spawner.slurm import accounting
 
 from . import slurmtools

@@ -13,10 +13,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from spawner.fairshare import Weights
 from spawner.ledger import Ledger
-from spawner.policy import Limit
-from spawner.queueview import local_clock
+from spawner.policy.fairshare import Weights
+from spawner.policy.limits import Limit
+from spawner.policy.waitline import local_clock
 from spawner.settings import GpuHub
 from spawner.slurm import jobs, priority
 

@@ -9,8 +9,8 @@ from datetime import UTC, datetime
 import pytest
 from traitlets.config import Config
 
-from spawner.fairshare import Shares, Weights
-from spawner.policy import EffectiveLimit, Limit
+from spawner.policy.fairshare import Shares, Weights
+from spawner.policy.limits import EffectiveLimit, Limit
 from spawner.slurm import accounting, jobs, priority
 from spawner.slurm.jobs import JobInfo
 

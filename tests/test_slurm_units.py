@@ -12,7 +12,8 @@ import pytest
 from traitlets.config import Config
 
 from spawner.ledger import AllocationInfo, Ledger
-from spawner.policy import EffectiveLimit, Gpu, Limit, LimitRules
+from spawner.policy.limits import EffectiveLimit, Limit, LimitRules
+from spawner.policy.placement import Gpu
 from spawner.slurm import accounting, jobs, script
 from spawner.slurm.jobs import GresEntry, JobInfo, SlurmError
 from spawner.slurm.watcher import SlurmWatcher, orphans, reconcile
@@ -863,8 +864,8 @@ def test_sync_writes_the_borrow_qos_only_when_someone_may_borrow(monkeypatch):
 
 
 def test_a_borrowed_server_is_submitted_under_the_borrow_qos():
-    from spawner import form
     from spawner.slurm.spawner import GpuSlurmSpawner, submitted_message
+    from spawner.spawners import form
 
     sp = GpuSlurmSpawner(config=Config())
     opts = form.GpuOptions(count=2, model=None, partition="gpu")

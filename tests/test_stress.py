@@ -23,13 +23,14 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import create_engine, delete, insert, select, update
 
-from spawner.borrowing import BorrowRules, backfill_ids, effective_borrow
-from spawner.db import make_engine
-from spawner.fairshare import Shares
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
-from spawner.models import Allocation, AllocationGpu, Node, Preemption, QueueEntry
-from spawner.models import Gpu as GpuRow
-from spawner.policy import Gpu, Limit, LimitRules, Refusal, effective_limit
+from spawner.ledger.db import make_engine
+from spawner.ledger.models import Allocation, AllocationGpu, Node, Preemption, QueueEntry
+from spawner.ledger.models import Gpu as GpuRow
+from spawner.policy.borrowing import BorrowRules, backfill_ids, effective_borrow
+from spawner.policy.fairshare import Shares
+from spawner.policy.limits import Limit, LimitRules, Refusal, effective_limit
+from spawner.policy.placement import Gpu
 
 INV = [Gpu(f"n{n}", i, "A100") for n in range(3) for i in range(4)]
 RULES = LimitRules(default=Limit(max_gpus=3), groups={"big": Limit(max_gpus=6)})

@@ -18,11 +18,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from spawner import cli, form, policy, values
-from spawner.broker import schemas
+from spawner import cli, policy
+from spawner.broker import requests as schemas
 from spawner.ledger import Ledger
-from spawner.policy import Gpu, Holdings, Limit, Refusal, Request
+from spawner.policy import values
+from spawner.policy.limits import Holdings, Limit, Refusal
+from spawner.policy.placement import Gpu, Request
 from spawner.settings import parse_limit
+from spawner.spawners import form
 
 FUZZ = settings(
     max_examples=150,

@@ -70,7 +70,7 @@ def test_the_wheel_holds_two_packages_and_the_kernel_spec_as_data(wheel):
     assert top == {"spawner", "gpu_magics", *(t for t in top if t.startswith("jupyterhub_gpuhub-0"))}
     assert not [n for n in names if n.startswith(("kernels/", "tests/", "hub_config/"))]
     assert [n.split(".data/data/", 1)[1] for n in data] == [SPEC]
-    assert "spawner/broker/openapi.yaml" in names and "spawner/migrations/env.py" in names
+    assert "spawner/broker/openapi.yaml" in names and "spawner/ledger/migrations/env.py" in names
     assert f"{VENDOR}/chart.umd.min.js" in names and f"{VENDOR}/chart.js.LICENSE.md" in names
 
 

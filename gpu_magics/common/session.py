@@ -1,6 +1,6 @@
 """What the notebook server was given: read from the variables the GPU spawner sets.
 
-The spawner (spawner/mixin.py ``make_gpu_env``) sets ``CUDA_VISIBLE_DEVICES`` (PCI bus
+The spawner (spawner/spawners/base.py ``make_gpu_env``) sets ``CUDA_VISIBLE_DEVICES`` (PCI bus
 order), ``GPUHUB_ALLOCATION_ID``, ``GPUHUB_GPUS`` (``node:index`` labels), ``GPUHUB_NODE``
 and ``GPUHUB_GPU_MODEL``. Outside gpuhub none of them is set.
 """

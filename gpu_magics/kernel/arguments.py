@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from spawner import values
-from spawner.policy import MAX_COUNT
+from spawner.policy import values
+from spawner.policy.limits import MAX_COUNT
 
 MAX_TIMEOUT_SECONDS = 7 * 86400.0
 

@@ -17,7 +17,7 @@ import os
 import sys
 
 from spawner.broker.access import ADMIN_SCOPE, OWN_SCOPE, SAMPLE_SCOPE
-from spawner.notices import ReclaimNotice
+from spawner.spawners.notices import ReclaimNotice
 
 SERVICE = "gpuhub"
 SAMPLER_SERVICE = "gpuhub-sampler"  # the nodes' samplers (gpuhub sampler), with sampler_token_file

@@ -13,10 +13,13 @@ from datetime import timedelta
 from tornado import web
 from tornado.escape import url_unescape
 
-from spawner import policy, values
-from spawner.broker import access, schemas, views
+from spawner import policy
+from spawner.broker import access
+from spawner.broker import requests as schemas
+from spawner.broker import responses as views
 from spawner.broker.handlers import APIHandler
 from spawner.ledger import utcnow
+from spawner.policy import values
 
 
 class MeHandler(APIHandler):

@@ -29,9 +29,9 @@ from spawner.broker.preempter import Preempter
 from spawner.broker.reclaimer import Reclaimer
 from spawner.broker.sampling import OwnSampler, own_nodes
 from spawner.broker.settings import GpuBroker, GpuReclaim
-from spawner.broker.usage_api import usage_api_handlers
 from spawner.broker.utilization import Utilization
-from spawner.db import safe_url
+from spawner.broker.utilization_api import usage_api_handlers
+from spawner.ledger.db import safe_url
 from spawner.settings import GpuHub
 
 log = logging.getLogger("gpuhub.broker")

@@ -18,11 +18,11 @@ from tornado import web
 from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
-from spawner import values
 from spawner.broker import access
 from spawner.broker.access import Caller
 from spawner.broker.utilization import Utilization
-from spawner.idle import IdleRules
+from spawner.policy import values
+from spawner.policy.idle import IdleRules
 
 
 class Broker:

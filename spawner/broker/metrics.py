@@ -33,9 +33,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from spawner.broker.utilization import epoch
-from spawner.idle import STATES
 from spawner.ledger import Ledger
-from spawner.reclaims import totals
+from spawner.ledger.reclaims import totals
+from spawner.policy.idle import STATES
 
 
 class LedgerCollector:

@@ -13,7 +13,8 @@ import jinja2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tornado import web
 
-from spawner.broker import access, views
+from spawner.broker import access
+from spawner.broker import responses as views
 from spawner.broker.handlers import BaseHandler
 
 TEMPLATES = jinja2.Environment(

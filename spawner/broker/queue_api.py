@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from tornado import web
 
-from spawner.broker import access, views
+from spawner.broker import access
+from spawner.broker import responses as views
 from spawner.broker.handlers import APIHandler
 from spawner.ledger import utcnow
 

@@ -1,5 +1,5 @@
 """The broker's idle check: every ``c.GpuReclaim.check_seconds`` it judges each live GPU
-allocation (``spawner.idle.judge``), warns owners, and reclaims.
+allocation (``spawner.policy.idle.judge``), warns owners, and reclaims.
 
 Reclaiming records the reclaim in the ledger; the GPUs stay held until what uses them has
 stopped. A burst's lease renewals are refused from then on, so its kernel stops the engines
@@ -21,7 +21,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.web import HTTPError
 
 from spawner.broker.utilization import epoch
-from spawner.idle import IdleRules, Verdict, is_exempt, judge
+from spawner.policy.idle import IdleRules, Verdict, is_exempt, judge
 
 log = logging.getLogger("gpuhub.broker")
 

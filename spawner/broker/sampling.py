@@ -10,7 +10,7 @@ cannot write, move the idle clocks; the owners' reports are kept for their own v
   simulated one) each ``c.GpuHub.report_seconds``, through the source a server would use
   (``gpu_magics.report.gpustats``: NVML, or the simulated file).
 - **Other machines** (Slurm nodes): ``gpuhub sampler`` on each node, run as root or the hub's
-  account (:mod:`spawner.sampler`), posts its node's readings to ``POST nodes/{node}/samples``
+  account (:mod:`spawner.cli.sampler`), posts its node's readings to ``POST nodes/{node}/samples``
   with a token that holds ``custom:gpuhub:sample`` (the ``gpuhub-sampler`` role), which no
   user's token has.
 
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 
 from tornado import web
 
-from spawner.broker import schemas
+from spawner.broker import requests as schemas
 from spawner.broker.access import SAMPLE_SCOPE
 from spawner.broker.handlers import APIHandler
 from spawner.broker.utilization import Sample

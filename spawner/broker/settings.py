@@ -52,7 +52,7 @@ class GpuBroker(Configurable):
 
 class GpuReclaim(Configurable):
     """Idle GPU reclaim: the broker warns the owner of an allocation whose GPUs sit idle,
-    then takes it back (``spawner/idle.py`` states the rule exactly)."""
+    then takes it back (``spawner/policy/idle.py`` states the rule exactly)."""
 
     enabled = Bool(
         True,
@@ -157,7 +157,7 @@ class GpuReclaim(Configurable):
     ).tag(config=True)
 
     def rules(self):
-        from spawner.idle import IdleRules
+        from spawner.policy.idle import IdleRules
 
         try:
             return IdleRules(

@@ -1,5 +1,5 @@
 """What the broker has heard about GPU use: a short per-GPU history and one
-:class:`spawner.idle.Watch` per live allocation. In memory: a restarted broker starts every
+:class:`spawner.policy.idle.Watch` per live allocation. In memory: a restarted broker starts every
 idle clock again, which can only delay a reclaim, never hasten one.
 
 Readings are *decisive* (they move the idle clocks, and the grid shows them) or the owner's
@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from spawner.idle import Verdict, Watch, after_activity, after_samples
 from spawner.ledger import AllocationInfo
+from spawner.policy.idle import Verdict, Watch, after_activity, after_samples
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Every method is one short transaction (admissions and releases of one process's threads that
 wait for the writer's turn at once share one: ``combine``). Admission (``allocate``) reads
-what exists, what is free and what the user holds, asks :mod:`spawner.policy`, and writes
+what exists, what is free and what the user holds, asks :mod:`spawner.policy.limits`, and writes
 the answer, all under the database's write lock (``BEGIN IMMEDIATE`` on SQLite, the
 ``ledger_lock`` row elsewhere), so several processes can allocate against one database without exceeding a
 limit; the partial unique index on held GPUs makes double-booking impossible even if
@@ -15,13 +15,20 @@ key (default, one group, one user); ``gpuhub limits unset`` returns that key to 
 The ledger is one class, :class:`Ledger`, made of parts, one module each: ``base`` (the
 database and transactions), ``combine``, ``inventory``, ``limits``, ``allocations`` (admission),
 ``queue`` (waiting for GPUs), ``lending`` and ``takeback`` (borrowing, notices), ``usage`` and
-``spawner.reclaims``.
+``spawner.ledger.reclaims``.
 """
 
 from __future__ import annotations
 
 from spawner.ledger.allocations import AllocationRecords
-from spawner.ledger.base import (
+from spawner.ledger.borrowing import LendingRecords, PreemptionInfo
+from spawner.ledger.borrowing_reads import LendingReads, PreemptionNotice
+from spawner.ledger.gpus import InventoryRecords
+from spawner.ledger.limits import LimitRecords
+from spawner.ledger.queue import Admission, QueueInfo, QueueRecords
+from spawner.ledger.reclaims import ReclaimRecords
+from spawner.ledger.takeback import Settled, TakeBackRecords
+from spawner.ledger.transactions import (
     AllocationInfo,
     Allowance,
     BorrowSettings,
@@ -31,14 +38,7 @@ from spawner.ledger.base import (
     QueueSettings,
     utcnow,
 )
-from spawner.ledger.inventory import InventoryRecords
-from spawner.ledger.lending import LendingRecords, PreemptionInfo
-from spawner.ledger.lending_reads import LendingReads, PreemptionNotice
-from spawner.ledger.limits import LimitRecords
-from spawner.ledger.queue import Admission, QueueInfo, QueueRecords
-from spawner.ledger.takeback import Settled, TakeBackRecords
 from spawner.ledger.usage import UsageRecords
-from spawner.reclaims import ReclaimRecords
 
 __all__ = [
     "Admission",

@@ -9,13 +9,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import bindparam, insert, or_, select
 from sqlalchemy.orm import Session, selectinload
 
-from spawner import borrowing, policy
-from spawner.db import connection
-from spawner.ledger.base import AllocationInfo, Allowance, _count, _info, gpus_of
+from spawner import policy
+from spawner.ledger.db import connection
 from spawner.ledger.freeset import CHANGES
-from spawner.ledger.queue import Admission
-from spawner.ledger.usage import INTERVAL_COLUMNS, usage_interval
-from spawner.models import (
+from spawner.ledger.models import (
     ACTIVE_STATES,
     PURPOSES,
     Allocation,
@@ -26,6 +23,10 @@ from spawner.models import (
     Reclaim,
     is_live,
 )
+from spawner.ledger.queue import Admission
+from spawner.ledger.transactions import AllocationInfo, Allowance, _count, _info, gpus_of
+from spawner.ledger.usage import INTERVAL_COLUMNS, usage_interval
+from spawner.policy import borrowing
 
 _A, _AG = Allocation.__table__, AllocationGpu.__table__
 NEW_ALLOCATION = insert(_A).returning(_A.c.id)

@@ -19,8 +19,8 @@ from sqlalchemy import Connection, bindparam, delete, inspect, select, update
 from sqlalchemy.orm import Session
 
 from spawner import policy
-from spawner.db import connection
-from spawner.models import AllocationGpu, GpuMove, LedgerLock
+from spawner.ledger.db import connection
+from spawner.ledger.models import AllocationGpu, GpuMove, LedgerLock
 
 CHANGES = "held_changes"  # session.info key: [(gpu_id, held now)] in flush order
 KEEP_GENERATIONS = 4096  # gpu_moves keeps the moves of this many of the newest generations

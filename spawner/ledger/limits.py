@@ -8,13 +8,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from spawner import policy
-from spawner.db import connection
-from spawner.ledger.base import LimitEntry, log
-from spawner.models import (
-    SCOPES,
-    KnownUser,
-    LimitRow,
-)
+from spawner.ledger.db import connection
+from spawner.ledger.models import SCOPES, KnownUser, LimitRow
+from spawner.ledger.transactions import LimitEntry, log
 
 
 def _row_limit(row: LimitRow) -> policy.Limit:

@@ -3,7 +3,7 @@
 A request that fits its user's limit but not the free GPUs becomes a ``queue_entries`` row.
 Its waiter (the hub's spawn, a notebook's magic through the broker) asks :meth:`wait_turn`
 every ``c.GpuHub.queue_poll_seconds``; each ask computes the queue's order
-(:mod:`spawner.fairshare`) and schedule (:mod:`spawner.queueplan`) from the ledger as it is
+(:mod:`spawner.policy.fairshare`) and schedule (:mod:`spawner.policy.schedule`) from the ledger as it is
 and, when the schedule starts this entry now, books its GPUs in the same transaction. So
 only a live waiter is ever given GPUs (nothing is booked for a spawn that is gone), the
 head starts within one poll of its GPUs freeing, and no entry is granted out of the
@@ -27,9 +27,12 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from spawner import fairshare, policy, queueplan, queueview
-from spawner.ledger.base import AllocationInfo, _gpu, _info
-from spawner.models import Allocation, KnownUser, Preemption, QueueEntry, Reclaim
+from spawner import policy
+from spawner.ledger.models import Allocation, KnownUser, Preemption, QueueEntry, Reclaim
+from spawner.ledger.transactions import AllocationInfo, _gpu, _info
+from spawner.policy import fairshare
+from spawner.policy import schedule as queueplan
+from spawner.policy import waitline as queueview
 
 NEW = 2**63 - 1  # the id a request not yet in the queue has in the plan (last on ties: it asked last)
 HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently
@@ -297,7 +300,7 @@ class QueueRecords:
         if waiting and room is not None and request.count > room:
             raise policy.Refusal(
                 f"You asked for {request.count} GPU(s), but you hold {held} and already wait for "
-                f"{waiting} of {policy._describe_limit(eff)}. Leave the other wait, or ask for "
+                f"{waiting} of {policy.describe_limit(eff)}. Leave the other wait, or ask for "
                 f"{room} or fewer.",
                 reason="over_limit",
                 fits=room,
@@ -375,7 +378,7 @@ class QueueRecords:
                 self._leave(
                     e,
                     f"your limit no longer allows it: you hold {holdings.held} "
-                    f"of {policy._describe_limit(eff)}",
+                    f"of {policy.describe_limit(eff)}",
                 )
                 return Admission(entry=_entry_info(e))
             allocation = self._grant(s, e, gpus, now, scene.plan.ahead_of.get(e.id, ()))

@@ -7,7 +7,7 @@ the reason, and its allocation lives on; an allocation that started ahead of res
 (backfill) stops being preemptible once none of them waits; and a notice that is due and still
 stands ends a burst there and then (its GPUs go to the waiter; its kernel learns it from the
 broker: the allocation is released), or names a server for the broker to stop. The decisions
-are :mod:`spawner.borrowing`'s.
+are :mod:`spawner.policy.borrowing`'s.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from spawner import borrowing
-from spawner.ledger.lending import PreemptionInfo, _preemption_info, select_due
-from spawner.models import Allocation, Preemption, QueueEntry, is_live
+from spawner.ledger.borrowing import PreemptionInfo, _preemption_info, select_due
+from spawner.ledger.models import Allocation, Preemption, QueueEntry, is_live
+from spawner.policy import borrowing
 
 
 @dataclass

@@ -8,11 +8,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from spawner import policy
-from spawner.db import connection
-from spawner.ledger.base import gpus_of
-from spawner.models import (
-    Allocation,
-)
+from spawner.ledger.db import connection
+from spawner.ledger.models import Allocation
+from spawner.ledger.transactions import gpus_of
 
 _A = Allocation.__table__
 # what one allocation's GPU-hours are read from: its start, creation, end, borrowed part, GPUs

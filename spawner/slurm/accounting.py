@@ -2,7 +2,7 @@
 
 Each known user's effective ``max_gpus`` becomes their association's
 ``GrpTRES=gres/gpu=N`` (``-1``: no limit) in ``c.SlurmAccounting.account``, and their
-effective fair share (:func:`spawner.fairshare.effective_share` of ``c.GpuHub.default_share``,
+effective fair share (:func:`spawner.policy.fairshare.effective_share` of ``c.GpuHub.default_share``,
 ``group_shares``, ``user_shares`` with their last known groups) its ``Fairshare=S``, which
 Slurm's ``priority/multifactor`` weighs their recent use against; a user Slurm
 does not know yet is added first (``sacctmgr add user``). Needs slurmdbd with
@@ -22,7 +22,7 @@ as ``AssocGrpGRES``; measured, Slurm 22.05.8: its ``MaxTRESPerUser`` alone does 
 
 Names reach ``sacctmgr`` as arguments (no shell), where ``,`` separates a list, ``=`` sets a
 field and a leading ``-`` reads as an option: a user or account name with such a character
-(or a space, a quote, a control character; :func:`spawner.values.parse_name`) is refused
+(or a space, a quote, a control character; :func:`spawner.policy.values.parse_name`) is refused
 with :class:`~.jobs.SlurmError` naming it, and never reaches ``sacctmgr``.
 """
 
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from traitlets import Bool, Float, Unicode
 from traitlets.config import LoggingConfigurable
 
-from spawner.fairshare import Shares, effective_share
-from spawner.policy import EffectiveLimit
+from spawner.policy.fairshare import Shares, effective_share
+from spawner.policy.limits import EffectiveLimit
+from spawner.policy.values import BadValue, parse_name
 from spawner.slurm.jobs import SlurmError
-from spawner.values import BadValue, parse_name
 
 UNLIMITED = -1
 
@@ -464,7 +464,7 @@ def _borrow_qos_commands(self: SlurmAccounting, inputs: tuple) -> list[list[str]
 
 
 def _allowance(user, groups, settings) -> int:
-    from spawner.borrowing import effective_borrow
+    from spawner.policy.borrowing import effective_borrow
 
     return effective_borrow(user, list(groups), settings.rules)[0]
 
@@ -473,7 +473,7 @@ def known_groups(ledger, users: Iterable[str]) -> dict[str, list[str]]:
     """The groups the ledger remembers for ``users`` (from each one's last spawn)."""
     from sqlalchemy import select
 
-    from spawner.models import KnownUser
+    from spawner.ledger.models import KnownUser
 
     wanted = set(users)
     reader = getattr(ledger, "known_groups", None)

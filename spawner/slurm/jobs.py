@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from spawner.policy import Gpu
+from spawner.policy.placement import Gpu
 
 SINFO_FORMAT = "%N|%G|%P|%T"
 # waiting for resources (or held): no GPUs yet

@@ -1,7 +1,7 @@
 """Slurm's own queue, configured from gpuhub's fair share and shown as gpuhub's wait line.
 
 On the Slurm backend gpuhub runs no queue of its own: Slurm's ``priority/multifactor``
-orders the waiting jobs. The same model as the local queue (:mod:`spawner.fairshare`):
+orders the waiting jobs. The same model as the local queue (:mod:`spawner.policy.fairshare`):
 
 - each user association's ``Fairshare`` is their gpuhub share (``c.GpuHub.default_share``,
   ``group_shares``, ``user_shares``; written by :mod:`.accounting`);
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from spawner.fairshare import Weights
-from spawner.queueview import wait_line
+from spawner.policy.fairshare import Weights
+from spawner.policy.waitline import wait_line
 from spawner.slurm.jobs import JobInfo
 
 

@@ -27,14 +27,14 @@ from batchspawner import JobStatus, SlurmSpawner
 from jupyterhub.spawner import SpawnException
 from traitlets import Float, Int, List, Unicode, default
 
-from spawner import form
 from spawner.ledger import AllocationInfo
-from spawner.mixin import GpuSpawnerMixin
-from spawner.refusals import make_refusal
 from spawner.slurm import callback, jobs, priority, script
 from spawner.slurm.accounting import SlurmAccounting, job_qos
 from spawner.slurm.cluster import read_cluster
 from spawner.slurm.watcher import get_watcher, run_command
+from spawner.spawners import form
+from spawner.spawners.base import GpuSpawnerMixin
+from spawner.spawners.refusals import make_refusal
 
 callback.install()
 

@@ -23,7 +23,7 @@ from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
 
 from gpu_magics.common.procs import alive as pid_alive
 from spawner.ledger import AllocationInfo, Ledger
-from spawner.mixin import GpuSpawnerMixin
+from spawner.spawners.base import GpuSpawnerMixin
 
 PROCESS_STARTED = time.time()
 _reconciled: set[str] = set()

@@ -10,17 +10,10 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from spawner import policy
-from spawner.db import connection
-from spawner.ledger.base import AllocationInfo, GpuStatus
+from spawner.ledger.db import connection
 from spawner.ledger.freeset import CHANGES, FreeState, moves_since
-from spawner.models import (
-    Allocation,
-    AllocationGpu,
-    Gpu,
-    LedgerLock,
-    Node,
-    is_live,
-)
+from spawner.ledger.models import Allocation, AllocationGpu, Gpu, LedgerLock, Node, is_live
+from spawner.ledger.transactions import AllocationInfo, GpuStatus
 
 HELD_GPUS = select(AllocationGpu.__table__.c.gpu_id).where(AllocationGpu.__table__.c.held)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from spawner.ledger import Ledger, utcnow
-from spawner.queueview import in_words, local_clock
+from spawner.policy.waitline import in_words, local_clock
 
 
 def run_queue(args, ledger: Ledger, out, *, print_json, format_table, usage_error) -> int:
@@ -11,7 +11,7 @@ def run_queue(args, ledger: Ledger, out, *, print_json, format_table, usage_erro
         now = utcnow()
         entries = ledger.queue()
         if args.json:
-            from spawner.broker.views import queue_json
+            from spawner.broker.responses import queue_json
 
             return print_json([queue_json(q, now) for q in entries], out)
         rows = []

@@ -1,9 +1,9 @@
-"""Alembic environment for the gpuhub ledger (configured from code, see spawner/db.py)."""
+"""Alembic environment for the gpuhub ledger (configured from code, see spawner/ledger/db.py)."""
 
 from alembic import context
 from sqlalchemy import inspect
 
-from spawner.models import Base
+from spawner.ledger.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -44,7 +44,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         migrate(connection)
         return
-    from spawner.db import make_engine
+    from spawner.ledger.db import make_engine
 
     engine = make_engine(config.get_main_option("sqlalchemy.url"))
     with engine.begin() as conn:

@@ -24,10 +24,11 @@ from jupyterhub.spawner import SpawnException
 from traitlets import Any, Float, Instance, Int, List, default
 from traitlets.config import Configurable
 
-from spawner import form, policy, readiness
+from spawner import policy
 from spawner.ledger import AllocationInfo, Ledger, utcnow
-from spawner.refusals import install_log_filter, make_refusal
 from spawner.settings import GpuHub
+from spawner.spawners import form, readiness
+from spawner.spawners.refusals import install_log_filter, make_refusal
 
 STATE_KEY = "gpuhub_allocation_id"
 REPORTER = "gpu_magics.report.reporter"

@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from spawner import policy, values
+from spawner import policy
+from spawner.policy import values
 
 MAX_BODY_BYTES = 16 * 1024
 MAX_COUNT = policy.MAX_COUNT

@@ -1,6 +1,6 @@
 """Borrowing beyond the limit and taking it back (a part of :class:`spawner.ledger.Ledger`).
 
-The decisions are :mod:`spawner.borrowing`'s. Here: a request beyond the limit but within the
+The decisions are :mod:`spawner.policy.borrowing`'s. Here: a request beyond the limit but within the
 allowance is booked only on GPUs free now and only while nobody waits (it never queues); the
 broker's pass calls :meth:`preempt_for_queue`, which gives the owners of borrowed allocations
 (and of allocations that started ahead of the head's reservation: backfill) that stand between
@@ -19,10 +19,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from spawner import borrowing, policy
-from spawner.ledger.base import _gpu
+from spawner import policy
+from spawner.ledger.models import Allocation, Preemption, QueueEntry, has_borrowed, is_live
 from spawner.ledger.queue import Admission, _nodes
-from spawner.models import Allocation, Preemption, QueueEntry, has_borrowed, is_live
+from spawner.ledger.transactions import _gpu
+from spawner.policy import borrowing
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class LendingRecords:
             also = f" and {held_borrowed} borrowed" if held_borrowed else ""
             raise policy.Refusal(
                 f"You asked for {count} GPU(s), but you hold {holdings.held}{also} of "
-                f"{policy._describe_limit(eff)} and may borrow at most {allowance} beyond it "
+                f"{policy.describe_limit(eff)} and may borrow at most {allowance} beyond it "
                 f"({source}): at most {most} more.",
                 reason="over_limit",
                 fits=most,

@@ -12,8 +12,8 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
-from spawner.ledger.lending import PreemptionInfo, _preemption_info
-from spawner.models import ACTIVE_STATES, Allocation, Preemption
+from spawner.ledger.borrowing import PreemptionInfo, _preemption_info
+from spawner.ledger.models import ACTIVE_STATES, Allocation, Preemption
 
 
 @dataclass(frozen=True)

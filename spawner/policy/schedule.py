@@ -1,6 +1,6 @@
 """Who among the waiting starts now, and when the others may: the queue's schedule (pure).
 
-Input: the waiting requests in the queue's order (:func:`spawner.fairshare.order`), the
+Input: the waiting requests in the queue's order (:func:`spawner.policy.fairshare.order`), the
 GPUs free now, and what is held with when it is expected to end. The plan walks the order
 and gives each request the earliest time its GPUs are free, reserving them from then on
 for as long as it is expected to run (conservative backfill, as Slurm's backfill
@@ -58,7 +58,7 @@ class Plan:
     expected: dict[int, Expected] = field(default_factory=dict)  # every entry, granted or not
     backfilled: set[int] = field(default_factory=set)  # granted while someone ahead still waits
     # granted ahead of these protected (reserved) entries: with no time limits to end it in
-    # time, such a grant may be taken back for them at their turn (spawner/borrowing.py)
+    # time, such a grant may be taken back for them at their turn (spawner/policy/borrowing.py)
     ahead_of: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def position(self, order: Sequence[int], entry_id: int) -> tuple[int, int]:

@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
-from spawner.idle import gpu_hours
-from spawner.models import ACTIVE_STATES, Allocation, Reclaim
+from spawner.ledger.models import ACTIVE_STATES, Allocation, Reclaim
+from spawner.policy.idle import gpu_hours
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,17 @@ from sqlalchemy import Connection, Row, bindparam, event, exists, func, select, 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, selectinload
 
-from spawner import borrowing, fairshare, policy
-from spawner.db import WriterTurns, connection, ensure_schema, make_engine, make_session_factory
+from spawner import policy
 from spawner.ledger.combine import CombinedWrites
+from spawner.ledger.db import (
+    WriterTurns,
+    connection,
+    ensure_schema,
+    make_engine,
+    make_session_factory,
+)
 from spawner.ledger.freeset import CHANGES, note_held, record_moves
-from spawner.models import (
+from spawner.ledger.models import (
     ACTIVE_STATES,
     Allocation,
     AllocationGpu,
@@ -27,6 +33,7 @@ from spawner.models import (
     QueueEntry,
     is_live,
 )
+from spawner.policy import borrowing, fairshare
 
 log = logging.getLogger("gpuhub.ledger")
 

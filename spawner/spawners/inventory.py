@@ -1,6 +1,6 @@
 """Where the GPUs come from: NVML on a real GPU server, or a simulated list.
 
-``simulated_gpus`` and ``nvml_gpus`` return :class:`spawner.policy.Gpu` tuples; the ledger
+``simulated_gpus`` and ``nvml_gpus`` return :class:`spawner.policy.limits.Gpu` tuples; the ledger
 is synced from them when the hub starts (``Ledger.sync_inventory``), which keeps every
 existing allocation.
 """
@@ -11,7 +11,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from spawner.policy import Gpu
+from spawner.policy.placement import Gpu
 
 
 class InventoryError(RuntimeError):

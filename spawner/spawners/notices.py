@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from html import escape
 
-from spawner.ledger.lending_reads import PreemptionNotice
-from spawner.reclaims import ReclaimInfo
+from spawner.ledger.borrowing_reads import PreemptionNotice
+from spawner.ledger.reclaims import ReclaimInfo
 
 
 def render_notices(notices: list[ReclaimInfo]) -> str:

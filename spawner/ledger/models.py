@@ -3,7 +3,7 @@
 The schema is what makes double-booking impossible: ``allocation_gpus`` has a partial
 unique index on ``gpu_id`` over the rows still ``held``, so two live allocations can never
 name the same GPU, whichever process writes them. Changes to this file need an Alembic
-revision in ``spawner/migrations/versions``; ``tests/test_ledger.py`` checks that the
+revision in ``spawner/ledger/migrations/versions``; ``tests/test_ledger.py`` checks that the
 migrations and these models agree.
 
 Times are naive UTC.

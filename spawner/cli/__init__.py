@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 # only what parsing the command line needs is imported here: the ledger's modules (SQLAlchemy,
 # alembic: most of a second) come in the commands that open a ledger, so --help, a refused
 # option or a missing config file answer at once
-from spawner import values
-from spawner.policy import (
+from spawner.policy import values
+from spawner.policy.limits import (
     DEFAULT_WINDOW_HOURS,
     MAX_COUNT,
     MAX_GPU_HOURS,
@@ -205,7 +205,7 @@ def make_parser() -> argparse.ArgumentParser:
     sscript.add_argument("--partition", default="")
     command(slurm, "sync", help="write every known user's GPU limit and fair share to Slurm's accounting")
     command(slurm, "priority", help="slurm.conf lines: Slurm orders jobs by gpuhub's fair share")
-    from spawner import sampler
+    from spawner.cli import sampler
 
     sampler.add_arguments(
         sub.add_parser(
@@ -287,7 +287,7 @@ def open_ledger(settings: GpuHub) -> Ledger:
     """The ledger read-only of its inventory, or a one-line ``UsageError`` naming the URL."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from spawner import db
+    from spawner.ledger import db
 
     try:
         return settings.open_ledger(sync=False)  # the hub keeps the inventory; this only reads it
@@ -300,7 +300,7 @@ def open_ledger(settings: GpuHub) -> Ledger:
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.command == "sampler":
-        from spawner import sampler
+        from spawner.cli import sampler
 
         try:
             return sampler.run(args)
@@ -321,7 +321,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.command == "db":
         from sqlalchemy.exc import SQLAlchemyError
 
-        from spawner import db
+        from spawner.ledger import db
 
         try:
             db.upgrade(settings.db_url)
@@ -372,7 +372,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             _sync_slurm_after(settings, ledger, args, out)
         return code
     if args.command == "queue":
-        from spawner.cli_queue import run_queue
+        from spawner.cli.queue import run_queue
 
         return run_queue(
             args, ledger, out, print_json=_print_json, format_table=format_table, usage_error=UsageError
@@ -495,9 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # imported only now: whatever raised one of these had imported its module already
         from sqlalchemy.exc import SQLAlchemyError
 
-        from spawner.db import SchemaError
-        from spawner.inventory import InventoryError
+        from spawner.ledger.db import SchemaError
         from spawner.slurm.jobs import SlurmError
+        from spawner.spawners.inventory import InventoryError
 
         if isinstance(e, (SchemaError, InventoryError, SlurmError)):
             print(f"gpuhub: error: {e}", file=sys.stderr)

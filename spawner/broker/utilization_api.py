@@ -20,12 +20,14 @@ from datetime import timedelta
 
 from tornado import web
 
-from spawner import values
-from spawner.broker import access, schemas, views
+from spawner.broker import access
+from spawner.broker import requests as schemas
+from spawner.broker import responses as views
 from spawner.broker.handlers import APIHandler
 from spawner.broker.sampling import NodeSamplesHandler
 from spawner.ledger import utcnow
-from spawner.reclaims import totals
+from spawner.ledger.reclaims import totals
+from spawner.policy import values
 
 
 class SamplesHandler(APIHandler):

@@ -8,10 +8,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spawner.broker.utilization import Reading, Utilization, epoch
-from spawner.idle import Verdict
 from spawner.ledger import AllocationInfo, Allowance, GpuStatus, LimitEntry, PreemptionNotice
-from spawner.policy import Limit
-from spawner.reclaims import ReclaimInfo
+from spawner.ledger.reclaims import ReclaimInfo
+from spawner.policy.idle import Verdict
+from spawner.policy.limits import Limit
 
 
 def iso(t: datetime | None) -> str | None:
