@@ -21,10 +21,17 @@ class ServerGpus:
     model: str | None
 
 
+def backend(environ: Mapping[str, str] | None = None) -> str:
+    """Which backend started this server: ``"slurm"`` or ``"local"``. The one reader of
+    ``GPUHUB_BACKEND`` (set by the Slurm spawner in the server's environment)."""
+    env = os.environ if environ is None else environ
+    return "slurm" if env.get("GPUHUB_BACKEND") == "slurm" else "local"
+
+
 def _slurm_gpus(env: Mapping[str, str]) -> tuple[str, ...]:
     """A Slurm server's GPUs as node:index, from what Slurm sets inside the job (the
     node's own indices, whatever CUDA_VISIBLE_DEVICES numbering the cluster uses)."""
-    if env.get("GPUHUB_BACKEND") != "slurm":
+    if backend(env) != "slurm":
         return ()
     node = env.get("SLURMD_NODENAME", "")
     return tuple(f"{node}:{i}" for i in env.get("SLURM_JOB_GPUS", "").split(",") if i.strip())
