@@ -1,8 +1,14 @@
-"""What ``%gpus`` says about the use of the user's GPUs: the latest reading of each and
-any idle warning, which allocations hold borrowed GPUs and any notice that they are taken
-back, from the broker's ``me`` and ``utilization`` answers (pure)."""
+"""``%gpus`` (:class:`GpuMagics`): what this session holds, and the use of the user's GPUs
+(:func:`describe_use`, pure): the latest reading of each and any idle warning, which
+allocations hold borrowed GPUs and any notice that they are taken back, from the broker's
+``me`` and ``utilization`` answers."""
 
 from __future__ import annotations
+
+from IPython.core.magic import Magics, line_magic, magics_class
+
+from gpu_magics.common.session import describe, server_gpus
+from gpu_magics.kernel.broker import BrokerClient, BrokerError
 
 
 def _minutes(seconds: float | None) -> str:
@@ -44,3 +50,28 @@ def describe_use(me: dict, grid: dict) -> str:
         name = f" {r['server_name']!r}" if r.get("server_name") else ""
         lines.append(f"  Your server{name} was reclaimed at {r['created']}: {r['reason']}.")
     return "\n".join(["GPU use (latest reports):", *lines]) if lines else ""
+
+
+@magics_class
+class GpuMagics(Magics):
+    def __init__(self, shell, distributed):
+        super().__init__(shell=shell)
+        self.distributed = distributed
+
+    @line_magic
+    def gpus(self, line: str = ""):
+        """Show the GPUs this session holds: the server's, and the %%distributed pool's."""
+        print(describe(server_gpus()))
+        d = self.distributed
+        if d.pool is not None or d.burst is not None:
+            print()
+            print(d.describe().split("\n", 1)[1])
+        client = BrokerClient.from_env()
+        if client is not None:  # how busy the user's GPUs are, and any idle warning
+            try:
+                use = describe_use(client.me(), client.utilization())
+            except BrokerError as e:
+                use = f"(GPU use unknown: {e.message})"
+            if use:
+                print()
+                print(use)
