@@ -21,13 +21,13 @@ from gpu_magics.kernel import checkpoints as cpk
     [(["model"], ["model"]), (["model", "opt", "model"], ["model", "opt"]), (["_x1"], ["_x1"])],
 )
 def test_check_names(names, expected):
-    assert cp.check_names(names, "save") == expected
+    assert cpk.check_names(names, "save") == expected
 
 
 @pytest.mark.parametrize("names", [[], ["../x"], ["a/b"], ["class"], ["1a"], [""], ["model", "a.b"]])
 def test_check_names_refuses(names):
     with pytest.raises(UsageError, match="save"):
-        cp.check_names(names, "save")
+        cpk.check_names(names, "save")
 
 
 def test_files_and_directories(monkeypatch, tmp_path):

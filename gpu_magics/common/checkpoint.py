@@ -20,10 +20,7 @@ directory fsynced; any failure removes every temporary file of that save.
 from __future__ import annotations
 
 import errno
-import keyword
 import os
-
-from IPython.core.error import UsageError
 
 FORMAT = "gpuhub-checkpoint"
 VERSION = 1
@@ -45,20 +42,6 @@ STATEFUL = ("ddp", "module", "optimizer", "scheduler")  # restored by load_state
 
 
 # pure parts ------------------------------------------------------------------------------
-
-
-def check_names(names: list[str], what: str) -> list[str]:
-    """The names as given, once each; each must be a Python identifier (so it is also a safe
-    file name: no ``/``, no ``..``)."""
-    if not names:
-        raise UsageError(f"{what}: name the objects, e.g. %distributed {what} model opt")
-    bad = [n for n in names if not n.isidentifier() or keyword.iskeyword(n)]
-    if bad:
-        raise UsageError(
-            f"{what}: {', '.join(map(repr, bad))} {'is not a name' if len(bad) == 1 else 'are not names'}"
-            " of the ranks' variables (Python identifiers, like model or opt)"
-        )
-    return list(dict.fromkeys(names))
 
 
 def resolve_dir(directory: str | None) -> str:

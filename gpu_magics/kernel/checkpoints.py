@@ -4,6 +4,7 @@ or nothing) and ``CheckpointCommands``, the magic's part (``DistributedMagics`` 
 
 from __future__ import annotations
 
+import keyword
 import os
 import sys
 import time
@@ -17,7 +18,6 @@ from gpu_magics.common.checkpoint import (
     KINDS,
     SAVE_TIMEOUT,
     SUFFIX,
-    check_names,
     human_size,
     missing_message,
     os_error_message,
@@ -406,3 +406,17 @@ class CheckpointCommands:
                 self.lock.release()
         except BaseException as e:
             say(f"gpuhub: autosave at kernel shutdown failed: {e}", err=True)
+
+
+def check_names(names: list[str], what: str) -> list[str]:
+    """The names as given, once each; each must be a Python identifier (so it is also a safe
+    file name: no ``/``, no ``..``)."""
+    if not names:
+        raise UsageError(f"{what}: name the objects, e.g. %distributed {what} model opt")
+    bad = [n for n in names if not n.isidentifier() or keyword.iskeyword(n)]
+    if bad:
+        raise UsageError(
+            f"{what}: {', '.join(map(repr, bad))} {'is not a name' if len(bad) == 1 else 'are not names'}"
+            " of the ranks' variables (Python identifiers, like model or opt)"
+        )
+    return list(dict.fromkeys(names))

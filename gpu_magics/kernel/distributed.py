@@ -31,13 +31,13 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display, update_display
 from traitlets import Float
 
-from gpu_magics.common.checkpoint import DEFAULT_DIR, check_names
+from gpu_magics.common.checkpoint import DEFAULT_DIR
 from gpu_magics.common.ranks import Slot, make_rank_specs
 from gpu_magics.common.session import server_gpus
 from gpu_magics.kernel.arguments import COUNT, SECONDS
 from gpu_magics.kernel.broker import LeaseKeeper
 from gpu_magics.kernel.burst import Burst, SplitBurst, burst_size
-from gpu_magics.kernel.checkpoints import CheckpointCommands, Saved, say
+from gpu_magics.kernel.checkpoints import CheckpointCommands, Saved, check_names, say
 from gpu_magics.kernel.plan import (
     OTHER_SETTINGS,
     describe_settings,
