@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, Unicode, Union
 from traitlets.config import Configurable
@@ -21,9 +21,12 @@ from spawner.policy.borrowing import BorrowRules, allowance_problem
 from spawner.policy.fairshare import Shares, Weights, share_problem
 from spawner.policy.limits import DEFAULT_WINDOW_HOURS, Limit, LimitRules, parse_limit_field
 from spawner.policy.placement import Gpu
+from spawner.policy.scoped import Scoped, checked
 from spawner.spawners import inventory
 
 LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
+
+S = TypeVar("S", bound=Scoped)
 
 
 def parse_limit(value: Any, where: str) -> Limit:
@@ -324,31 +327,19 @@ class GpuHub(Configurable):
             env["GPUHUB_SIMULATED_GPU_STATS"] = os.path.abspath(self.simulated_utilization_file)
         return env
 
-    def limit_rules(self) -> LimitRules:
-        return LimitRules(
-            default=parse_limit(self.default_limit, "c.GpuHub.default_limit"),
-            groups={
-                str(k): parse_limit(v, f"c.GpuHub.group_limits[{k!r}]") for k, v in self.group_limits.items()
-            },
-            users={
-                str(k): parse_limit(v, f"c.GpuHub.user_limits[{k!r}]") for k, v in self.user_limits.items()
-            },
+    def _scoped(self, kind: type[S], traits: tuple[str, str, str], value: Callable[[Any, str], Any]) -> S:
+        """The ``default_X``, ``group_X`` and ``user_X`` traits read into ``kind``, checked (a bad
+        value raises ``ValueError`` naming its trait)."""
+        return kind.read(
+            *(getattr(self, t) for t in traits), names=tuple(f"c.GpuHub.{t}" for t in traits), value=value
         )
+
+    def limit_rules(self) -> LimitRules:
+        return self._scoped(LimitRules, ("default_limit", "group_limits", "user_limits"), parse_limit)
 
     def shares(self) -> Shares:
         """The fair-share weights, checked (a bad one raises ``ValueError`` naming its trait)."""
-        checks = [(self.default_share, "c.GpuHub.default_share")]
-        checks += [(v, f"c.GpuHub.group_shares[{k!r}]") for k, v in self.group_shares.items()]
-        checks += [(v, f"c.GpuHub.user_shares[{k!r}]") for k, v in self.user_shares.items()]
-        for value, where in checks:
-            problem = share_problem(value, where)
-            if problem:
-                raise ValueError(problem)
-        return Shares(
-            default=self.default_share,
-            groups={str(k): v for k, v in self.group_shares.items()},
-            users={str(k): v for k, v in self.user_shares.items()},
-        )
+        return self._scoped(Shares, ("default_share", "group_shares", "user_shares"), checked(share_problem))
 
     def queue_settings(self) -> QueueSettings:
         return QueueSettings(
@@ -363,22 +354,14 @@ class GpuHub(Configurable):
 
     def borrow_settings(self) -> BorrowSettings:
         """The borrowing settings, checked (a bad one raises ``ValueError`` naming its trait)."""
-        checks = [(self.default_borrow, "c.GpuHub.default_borrow")]
-        checks += [(v, f"c.GpuHub.group_borrow[{k!r}]") for k, v in self.group_borrow.items()]
-        checks += [(v, f"c.GpuHub.user_borrow[{k!r}]") for k, v in self.user_borrow.items()]
-        for value, where in checks:
-            problem = allowance_problem(value, where)
-            if problem:
-                raise ValueError(problem)
+        rules = self._scoped(
+            BorrowRules, ("default_borrow", "group_borrow", "user_borrow"), checked(allowance_problem)
+        )
         grace = self.preempt_grace_seconds
         if not grace >= 0 or grace == float("inf"):
             raise ValueError(f"c.GpuHub.preempt_grace_seconds must be 0 or more seconds; got {grace!r}")
         return BorrowSettings(
-            rules=BorrowRules(
-                default=self.default_borrow,
-                groups={str(k): v for k, v in self.group_borrow.items()},
-                users={str(k): v for k, v in self.user_borrow.items()},
-            ),
+            rules=rules,
             grace_seconds=grace,
             count_borrowed_hours=self.borrowed_hours_count,
         )

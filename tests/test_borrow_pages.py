@@ -22,7 +22,7 @@ from playwright.sync_api import expect
 
 import spawner.broker
 from spawner.ledger import PreemptionInfo, PreemptionNotice
-from spawner.spawners.form import in_words
+from spawner.policy.values import period_in_words
 from spawner.spawners.notices import render_preemptions
 
 from .hubtools import ADMIN_PASSWORD, DEMO_PASSWORD, Hub, tidy_ledger, user_tokens, wait_for
@@ -134,7 +134,9 @@ def test_a_borrowed_server_is_marked_then_preempted_with_the_reason_shown(
     expect(alice.locator('[data-gpuhub="borrow"]')).to_have_attribute("data-why", "free")
     expect(alice.locator('[data-gpuhub="may-borrow"]')).to_have_text("2")
     expect(alice.locator('[data-gpuhub="most"]')).to_have_text("3")
-    expect(alice.locator('[data-gpuhub="preempt-notice"]')).to_have_text(f"with {in_words(GRACE)}' notice")
+    expect(alice.locator('[data-gpuhub="preempt-notice"]')).to_have_text(
+        f"with {period_in_words(GRACE)}' notice"
+    )
     expect(alice.locator("#gpuhub-gpus-help")).to_contain_text(
         "You may also borrow 2 GPUs beyond your limit right now, up to 3 for this server"
     )

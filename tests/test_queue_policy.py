@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from spawner.policy import fairshare
+from spawner.policy import fairshare, values
 from spawner.policy import waitline as queueview
 from spawner.policy.fairshare import (
     Candidate,
@@ -506,7 +506,7 @@ def test_wait_line_shows_local_time(monkeypatch):
     ],
 )
 def test_in_words(seconds, words):
-    assert queueview.in_words(seconds) == words
+    assert values.minutes_in_words(seconds) == words
 
 
 # the traits --------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from spawner.ledger import Ledger, utcnow
-from spawner.policy.waitline import in_words, local_clock
+from spawner.policy.values import minutes_in_words
+from spawner.policy.waitline import local_clock
 
 
 def run_queue(args, ledger: Ledger, out, *, print_json, format_table, usage_error) -> int:
@@ -25,7 +26,7 @@ def run_queue(args, ledger: Ledger, out, *, print_json, format_table, usage_erro
                     q.user + (" *front" if q.front else ""),
                     f"{q.gpu_count}" + (f" {q.model}" if q.model else ""),
                     q.purpose + (f" {q.server_name}" if q.server_name else ""),
-                    in_words((now - q.created).total_seconds()),
+                    minutes_in_words((now - q.created).total_seconds()),
                     expected,
                     "" if f is None else f"{f.priority:.0f}",
                     "" if f is None else f"{f.fairshare:.3f}",

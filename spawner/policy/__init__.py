@@ -4,6 +4,8 @@ gathers the facts, asks these functions, and records the answer.
 
 - :mod:`~spawner.policy.values`: parsing and showing what people type (counts, hours, sizes).
 - :mod:`~spawner.policy.records`: the frozen records the ledger answers with.
+- :mod:`~spawner.policy.scoped`: settings given by default, per group and per user, and how
+  a user's value is found (limits, fair-share weights, borrowing allowances).
 - :mod:`~spawner.policy.limits`: what a user may hold; whether a request fits.
 - :mod:`~spawner.policy.placement`: which GPUs a request takes.
 - :mod:`~spawner.policy.borrowing`: lending idle GPUs beyond a limit, and taking them back.

@@ -16,18 +16,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 from spawner import policy
+from spawner.policy.scoped import Scoped, resolve
 
 
 @dataclass(frozen=True)
-class BorrowRules:
+class BorrowRules(Scoped[int]):
+    """The borrowing allowances: by default (0, no borrowing), per group and per user."""
+
     default: int = 0
-    groups: Mapping[str, int] = field(default_factory=dict)
-    users: Mapping[str, int] = field(default_factory=dict)
 
 
 def allowance_problem(value, where: str) -> str | None:
@@ -37,15 +38,9 @@ def allowance_problem(value, where: str) -> str | None:
 
 
 def effective_borrow(user: str, groups: Iterable[str], rules: BorrowRules) -> tuple[int, str]:
-    """A user's borrowing allowance and where it comes from (as limits: the user's entry wins,
-    then their groups' most generous, then the default)."""
-    if user in rules.users:
-        return rules.users[user], f"user {user}"
-    found = [(rules.groups[g], g) for g in set(groups) if g in rules.groups]
-    if found:
-        value, group = max(found)
-        return value, f"group {group}"
-    return rules.default, "default"
+    """A user's borrowing allowance and where it comes from: their own, else their groups'
+    largest, else the default (:func:`spawner.policy.scoped.resolve`)."""
+    return resolve(user, groups, rules)
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,17 @@ the local queue and a Slurm cluster order users the same way:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
+
+from spawner.policy.scoped import Scoped, resolve
 
 
 @dataclass(frozen=True)
-class Shares:
+class Shares(Scoped[int]):
+    """The fair-share weights: by default (1), per group and per user."""
+
     default: int = 1
-    groups: Mapping[str, int] = field(default_factory=dict)
-    users: Mapping[str, int] = field(default_factory=dict)
 
 
 def share_problem(value, where: str) -> str | None:
@@ -41,14 +43,8 @@ def share_problem(value, where: str) -> str | None:
 
 def effective_share(user: str, groups: Iterable[str], shares: Shares) -> tuple[int, str]:
     """A user's share and where it comes from: their own, else their groups' largest, else
-    the default (as limits: the user's entry wins; among groups the most generous)."""
-    if user in shares.users:
-        return shares.users[user], f"user {user}"
-    found = [(shares.groups[g], g) for g in groups if g in shares.groups]
-    if found:
-        value, group = max(found, key=lambda t: (t[0], t[1]))
-        return value, f"group {group}"
-    return shares.default, "default"
+    the default (:func:`spawner.policy.scoped.resolve`)."""
+    return resolve(user, groups, shares)
 
 
 def decayed_usage(

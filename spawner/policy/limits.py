@@ -6,9 +6,10 @@ asks these functions, and records the answer.
 
 Contract:
 
-- ``effective_limit(user, groups, rules)``: a user's own rule wins over their groups',
-  their groups' over the default. Among several groups the most generous value of each
-  field wins (``None`` means unlimited, which is the most generous of all).
+- ``effective_limit(user, groups, rules)``: found as every scoped setting is
+  (:func:`spawner.policy.scoped.resolve`: the user's own rule, else their groups', else the
+  default); among several groups the most generous value of each field wins (``None`` means
+  unlimited, which is the most generous of all).
 - ``check_request(...)``: whether a request fits; raises :class:`Refusal` whose message
   says what the user holds, their limit and what would fit.
 - ``gpu_hours_used(...)``: GPU-hours inside a rolling window.
@@ -16,11 +17,12 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from spawner.policy.placement import Gpu, Request, largest_placeable, models_in
+from spawner.policy.scoped import Scoped, resolve
 from spawner.policy.values import parse_count, parse_hours, parse_number, show
 
 DEFAULT_WINDOW_HOURS = 168.0
@@ -82,16 +84,16 @@ def limit_problem(limit: Limit) -> str | None:
 
 
 @dataclass(frozen=True)
-class LimitRules:
+class LimitRules(Scoped[Limit]):
+    """The limits: by default (1 GPU), per group and per user."""
+
     default: Limit = Limit(max_gpus=1)
-    groups: Mapping[str, Limit] = field(default_factory=dict)
-    users: Mapping[str, Limit] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class EffectiveLimit:
     limit: Limit
-    source: str  # "user alice", "group students", "default"
+    source: str  # "user alice", "group students", "groups staff, students", "default"
 
 
 def _most_generous(values: Iterable[float | None]) -> float | None:
@@ -101,24 +103,24 @@ def _most_generous(values: Iterable[float | None]) -> float | None:
     return max(values)  # type: ignore[type-var]
 
 
-def effective_limit(user: str, groups: Iterable[str], rules: LimitRules) -> EffectiveLimit:
-    if user in rules.users:
-        return EffectiveLimit(rules.users[user], f"user {user}")
-    matched = sorted(g for g in set(groups) if g in rules.groups)
-    if not matched:
-        return EffectiveLimit(rules.default, "default")
-    limits = [rules.groups[g] for g in matched]
+def most_generous(found: Sequence[tuple[str, Limit]]) -> tuple[Limit, Sequence[str]]:
+    """Several groups' limits as one: the most generous value of each field, from every group.
+    The window travels with the GPU-hours quota it belongs to (of equal quotas, the window of
+    the group whose name sorts last, as :func:`spawner.policy.scoped.largest` breaks ties)."""
+    limits = [lim for _, lim in found]
     max_gpus = _most_generous(lim.max_gpus for lim in limits)
     hours = _most_generous(lim.gpu_hours for lim in limits)
-    # the window travels with the quota it belongs to
     window = next(
-        (lim.window_hours for lim in limits if hours is not None and lim.gpu_hours == hours),
+        (lim.window_hours for lim in reversed(limits) if hours is not None and lim.gpu_hours == hours),
         DEFAULT_WINDOW_HOURS,
     )
     merged = Limit(max_gpus=None if max_gpus is None else int(max_gpus), gpu_hours=hours, window_hours=window)
-    if len(matched) == 1:
-        return EffectiveLimit(merged, f"group {matched[0]}")
-    return EffectiveLimit(merged, "groups " + ", ".join(matched))
+    return merged, [name for name, _ in found]
+
+
+def effective_limit(user: str, groups: Iterable[str], rules: LimitRules) -> EffectiveLimit:
+    """A user's limit and where it comes from."""
+    return EffectiveLimit(*resolve(user, groups, rules, combine=most_generous))
 
 
 class Refusal(Exception):

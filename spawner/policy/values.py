@@ -11,6 +11,9 @@ reads its values through these, so a value is taken or refused the same way ever
 - ``parse_name``: a user or group name as an admin types it.
 - ``parse_label``: a short free name (a GPU model, a partition).
 
+And the other way, for people to read: ``show`` (any value, cut short), ``fmt`` (a number),
+``minutes_in_words`` (a wait: ``12 min``) and ``period_in_words`` (a notice: ``5 seconds``).
+
 Each raises :class:`BadValue` (a ``ValueError``) whose message names the field and says what
 it takes. Nothing else escapes: not ``OverflowError`` (``1e400``, ``10**400``, a date past
 year 9999), not a float that is not finite (``inf``, ``nan``), not a digit outside ASCII
@@ -66,6 +69,33 @@ def show(value: Any, width: int = 40) -> str:
 def fmt(x: float) -> str:
     """A range bound for a message: ``4096``, ``0.01``, ``1e+09``."""
     return f"{x:g}"
+
+
+def minutes_in_words(seconds: float) -> str:
+    """A wait to the minute, short for a line or a column: ``under a minute``, ``12 min``,
+    ``2 h 5 min``."""
+    minutes = max(0, round(seconds / 60))
+    if minutes < 1:
+        return "under a minute"
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, rest = divmod(minutes, 60)
+    return f"{hours} h" if rest == 0 else f"{hours} h {rest} min"
+
+
+def period_in_words(seconds: float) -> str:
+    """A period in one unit, spelled out for a sentence: ``5 seconds``, ``1 minute``,
+    ``2.5 hours``."""
+
+    def unit(n: float, name: str) -> str:
+        shown = f"{n:.1f}".rstrip("0").rstrip(".")
+        return f"{shown} {name}{'' if shown == '1' else 's'}"
+
+    if seconds < 120:
+        return unit(seconds, "second")
+    if seconds < 2 * 3600:
+        return unit(seconds / 60, "minute")
+    return unit(seconds / 3600, "hour")
 
 
 def parse_count(raw: Any, field: str, *, lo: int = 0, hi: int, text: bool = True) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from spawner.policy.values import minutes_in_words
+
 SURE_WORDS = {
     "now": "GPUs are free for it now",
     "firm": "when a lease or an idle reclaim ends",
@@ -33,17 +35,6 @@ def local_clock(at: datetime) -> str:
     return at.replace(tzinfo=UTC).astimezone().strftime("%H:%M %Z").strip()
 
 
-def in_words(seconds: float) -> str:
-    """``under a minute``, ``12 min``, ``2 h 5 min``."""
-    minutes = max(0, round(seconds / 60))
-    if minutes < 1:
-        return "under a minute"
-    if minutes < 60:
-        return f"{minutes} min"
-    hours, rest = divmod(minutes, 60)
-    return f"{hours} h" if rest == 0 else f"{hours} h {rest} min"
-
-
 def wait_line(
     position: int | None,
     waiting: int,
@@ -64,4 +55,5 @@ def wait_line(
         return f"{head}; no expected start yet (nothing now running has an end in sight)"
     left = (expected - now).total_seconds()
     when = f"about {local_clock(expected)}" if left > 60 else "any moment"
-    return f"{head}, expected start {when} (in {in_words(left)}; {SURE_WORDS.get(sure, sure)}, not a promise)"
+    words = minutes_in_words(left)
+    return f"{head}, expected start {when} (in {words}; {SURE_WORDS.get(sure, sure)}, not a promise)"

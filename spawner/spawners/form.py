@@ -119,20 +119,6 @@ def _allowance_text(a: Allowance) -> str:
     )
 
 
-def in_words(seconds: float) -> str:
-    """A notice period in words: "5 seconds", "1 minute", "2.5 hours"."""
-
-    def unit(n: float, name: str) -> str:
-        shown = f"{n:.1f}".rstrip("0").rstrip(".")
-        return f"{shown} {name}{'' if shown == '1' else 's'}"
-
-    if seconds < 120:
-        return unit(seconds, "second")
-    if seconds < 2 * 3600:
-        return unit(seconds / 60, "minute")
-    return unit(seconds / 3600, "hour")
-
-
 def _gpus(n: int) -> str:
     return f"{n} GPU{'' if n == 1 else 's'}"
 
@@ -146,7 +132,7 @@ def borrow_text(a: Allowance, grace_seconds: float | None) -> str:
     elif grace_seconds <= 0:
         notice = "without notice"
     else:
-        words = in_words(grace_seconds)
+        words = values.period_in_words(grace_seconds)
         notice = f"with {words}{chr(39) if words.endswith('s') else chr(39) + 's'} notice"
     taken_back = (
         " Borrowed GPUs can be taken back when a request within its limit needs them, "
