@@ -21,7 +21,7 @@ from openapi_core.contrib.requests import RequestsOpenAPIRequest, RequestsOpenAP
 from playwright.sync_api import expect
 
 import spawner.broker
-from spawner.ledger import PreemptionInfo, PreemptionNotice
+from spawner.policy.records import PreemptionInfo, PreemptionNotice
 from spawner.policy.values import period_in_words
 from spawner.spawners.notices import render_preemptions
 

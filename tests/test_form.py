@@ -2,8 +2,8 @@
 
 import pytest
 
-from spawner.ledger import Allowance
 from spawner.policy.limits import EffectiveLimit, Limit, Refusal
+from spawner.policy.records import Allowance
 from spawner.spawners.form import (
     GpuOptions,
     options_from_form,

@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from spawner.ledger import AllocationInfo
 from spawner.policy.placement import Gpu
+from spawner.policy.records import AllocationInfo
 from spawner.spawners.base import make_gpu_env
 from spawner.spawners.local import pid_alive, stale_local_allocations
 

@@ -21,7 +21,7 @@ from playwright.sync_api import expect
 
 import spawner.broker
 from spawner.broker.metrics import WAIT_BUCKETS, QueueWaitCollector
-from spawner.ledger import QueueInfo
+from spawner.policy.records import QueueInfo
 
 from .hubtools import ADMIN_PASSWORD, DEMO_PASSWORD, Hub, tidy_ledger, user_tokens, wait_for
 

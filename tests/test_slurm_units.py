@@ -9,13 +9,14 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+from spawner.slurm.jobs import GresEntry, JobInfo, SlurmError
 from traitlets.config import Config
 
-from spawner.ledger import AllocationInfo, Ledger
+from spawner.ledger import Ledger
 from spawner.policy.limits import EffectiveLimit, Limit, LimitRules
 from spawner.policy.placement import Gpu
+from spawner.policy.records import AllocationInfo
 from spawner.slurm import accounting, jobs, script
-from spawner.slurm.jobs import GresEntry, JobInfo, SlurmError
 from spawner.slurm.watcher import SlurmWatcher, orphans, reconcile
 
 GOLDEN = Path(__file__).parent / "golden"

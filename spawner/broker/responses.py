@@ -8,10 +8,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spawner.broker.utilization import Reading, Utilization, epoch
-from spawner.ledger import AllocationInfo, Allowance, GpuStatus, LimitEntry, PreemptionNotice
-from spawner.ledger.reclaims import ReclaimInfo
 from spawner.policy.idle import Verdict
 from spawner.policy.limits import Limit
+from spawner.policy.records import (
+    AllocationInfo,
+    Allowance,
+    GpuStatus,
+    LimitEntry,
+    PreemptionNotice,
+    ReclaimInfo,
+)
 
 
 def iso(t: datetime | None) -> str | None:
@@ -54,7 +60,7 @@ def allocation_json(a: AllocationInfo) -> dict[str, Any]:
 
 
 def queue_json(q, now) -> dict[str, Any]:
-    """A queue entry (``spawner.ledger.QueueInfo``) with its place and the line its user sees."""
+    """A queue entry (``spawner.policy.records.QueueInfo``) with its place and the line its user sees."""
     f = q.factors
     return {
         "id": q.id,

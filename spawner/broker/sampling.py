@@ -29,7 +29,7 @@ from spawner.broker import requests as schemas
 from spawner.broker.access import SAMPLE_SCOPE
 from spawner.broker.handlers import APIHandler
 from spawner.broker.utilization import Sample
-from spawner.ledger import AllocationInfo
+from spawner.policy.records import AllocationInfo
 
 log = logging.getLogger("gpuhub.broker")
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from spawner.ledger import AllocationInfo
 from spawner.policy.idle import Verdict, Watch, after_activity, after_samples
+from spawner.policy.records import AllocationInfo
 
 
 @dataclass(frozen=True)

@@ -21,40 +21,17 @@ database and transactions), ``combine``, ``inventory``, ``limits``, ``allocation
 from __future__ import annotations
 
 from spawner.ledger.allocations import AllocationRecords
-from spawner.ledger.borrowing import LendingRecords, PreemptionInfo
-from spawner.ledger.borrowing_reads import LendingReads, PreemptionNotice
+from spawner.ledger.borrowing import LendingRecords
+from spawner.ledger.borrowing_reads import LendingReads
 from spawner.ledger.gpus import InventoryRecords
 from spawner.ledger.limits import LimitRecords
-from spawner.ledger.queue import Admission, QueueInfo, QueueRecords
+from spawner.ledger.queue import QueueRecords
 from spawner.ledger.reclaims import ReclaimRecords
-from spawner.ledger.takeback import Settled, TakeBackRecords
-from spawner.ledger.transactions import (
-    AllocationInfo,
-    Allowance,
-    BorrowSettings,
-    GpuStatus,
-    LedgerBase,
-    LimitEntry,
-    QueueSettings,
-    utcnow,
-)
+from spawner.ledger.takeback import TakeBackRecords
+from spawner.ledger.transactions import BorrowSettings, LedgerBase, QueueSettings, utcnow
 from spawner.ledger.usage import UsageRecords
 
-__all__ = [
-    "Admission",
-    "AllocationInfo",
-    "Allowance",
-    "BorrowSettings",
-    "GpuStatus",
-    "Ledger",
-    "LimitEntry",
-    "PreemptionInfo",
-    "PreemptionNotice",
-    "QueueInfo",
-    "QueueSettings",
-    "Settled",
-    "utcnow",
-]
+__all__ = ["BorrowSettings", "Ledger", "QueueSettings", "utcnow"]
 
 
 class Ledger(

@@ -13,7 +13,6 @@ from spawner import policy
 from spawner.ledger.db import connection
 from spawner.ledger.freeset import CHANGES
 from spawner.ledger.models import (
-    ACTIVE_STATES,
     PURPOSES,
     Allocation,
     AllocationGpu,
@@ -23,10 +22,10 @@ from spawner.ledger.models import (
     Reclaim,
     is_live,
 )
-from spawner.ledger.queue import Admission
-from spawner.ledger.transactions import AllocationInfo, Allowance, _count, _info, gpus_of
+from spawner.ledger.transactions import _count, _info, gpus_of
 from spawner.ledger.usage import INTERVAL_COLUMNS, usage_interval
 from spawner.policy import borrowing
+from spawner.policy.records import ACTIVE_STATES, Admission, AllocationInfo, Allowance
 
 _A, _AG = Allocation.__table__, AllocationGpu.__table__
 NEW_ALLOCATION = insert(_A).returning(_A.c.id)

@@ -13,7 +13,6 @@ preemption's reason. A notice whose request no longer waits is withdrawn instead
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import or_, select
@@ -21,27 +20,10 @@ from sqlalchemy.orm import Session
 
 from spawner import policy
 from spawner.ledger.models import Allocation, Preemption, QueueEntry, has_borrowed, is_live
-from spawner.ledger.queue import Admission, _nodes
+from spawner.ledger.queue import _nodes
 from spawner.ledger.transactions import _gpu
 from spawner.policy import borrowing
-
-
-@dataclass(frozen=True)
-class PreemptionInfo:
-    id: int
-    allocation_id: int
-    user: str
-    purpose: str
-    server_name: str
-    gpus: int
-    borrowed: int
-    for_user: str
-    entry_id: int | None
-    reason: str
-    created: datetime
-    due: datetime
-    withdrawn: datetime | None = None  # the notice was withdrawn then: nobody waits for it now
-    withdrawn_reason: str | None = None
+from spawner.policy.records import Admission, PreemptionInfo
 
 
 def select_due(now: datetime):

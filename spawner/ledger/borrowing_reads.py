@@ -7,32 +7,13 @@ the accounting per user (borrowed GPU-hours and preemptions: the admin page, ``G
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
-from spawner.ledger.borrowing import PreemptionInfo, _preemption_info
-from spawner.ledger.models import ACTIVE_STATES, Allocation, Preemption
-
-
-@dataclass(frozen=True)
-class PreemptionNotice:
-    """A preemption its owner is told about: pending (its allocation still lives; it ends at
-    ``preemption.due``) or done (``ended``: when the allocation ended)."""
-
-    preemption: PreemptionInfo
-    ended: datetime | None  # None: the allocation still lives (the notice's grace runs)
-    end_reason: str | None = None
-
-    @property
-    def pending(self) -> bool:
-        return self.ended is None and self.preemption.withdrawn is None
-
-    @property
-    def withdrawn(self) -> bool:
-        """The notice was withdrawn (the request it was for no longer waits): nothing is taken."""
-        return self.preemption.withdrawn is not None
+from spawner.ledger.borrowing import _preemption_info
+from spawner.ledger.models import Allocation, Preemption
+from spawner.policy.records import ACTIVE_STATES, PreemptionNotice
 
 
 class LendingReads:

@@ -13,7 +13,7 @@ from spawner import policy
 from spawner.ledger.db import connection
 from spawner.ledger.freeset import CHANGES, FreeState, moves_since
 from spawner.ledger.models import Allocation, AllocationGpu, Gpu, LedgerLock, Node, is_live
-from spawner.ledger.transactions import AllocationInfo, GpuStatus
+from spawner.policy.records import AllocationInfo, GpuStatus
 
 HELD_GPUS = select(AllocationGpu.__table__.c.gpu_id).where(AllocationGpu.__table__.c.held)
 

@@ -10,7 +10,8 @@ from sqlalchemy.orm import Session
 from spawner import policy
 from spawner.ledger.db import connection
 from spawner.ledger.models import SCOPES, KnownUser, LimitRow
-from spawner.ledger.transactions import LimitEntry, log
+from spawner.ledger.transactions import log
+from spawner.policy.records import LimitEntry
 
 
 def _row_limit(row: LimitRow) -> policy.Limit:

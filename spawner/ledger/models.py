@@ -31,6 +31,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from spawner.policy.records import ACTIVE_STATES
+
 NAMING = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -39,8 +41,7 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-ACTIVE_STATES = ("starting", "running")
-STATES = (*ACTIVE_STATES, "released")
+ALLOCATION_STATES = (*ACTIVE_STATES, "released")
 PURPOSES = ("server", "distributed")
 SCOPES = ("default", "group", "user")
 QUEUE_STATES = ("waiting", "granted", "left")

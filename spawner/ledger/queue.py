@@ -29,51 +29,16 @@ from sqlalchemy.orm import Session
 
 from spawner import policy
 from spawner.ledger.models import Allocation, KnownUser, Preemption, QueueEntry, Reclaim
-from spawner.ledger.transactions import AllocationInfo, _gpu, _info
+from spawner.ledger.transactions import _gpu, _info
 from spawner.policy import fairshare
 from spawner.policy import schedule as queueplan
-from spawner.policy import waitline as queueview
+from spawner.policy.records import Admission, AllocationInfo, QueueInfo
 
 NEW = 2**63 - 1  # the id a request not yet in the queue has in the plan (last on ties: it asked last)
 HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently
 RUNS_PER_USER = 20
 OVERDUE_MIN = timedelta(minutes=5)
 SCENE_SECONDS = timedelta(seconds=1)  # how long a read-only answer may reuse a computed scene
-
-
-@dataclass(frozen=True)
-class QueueInfo:
-    """One queue entry as its user and the admins see it."""
-
-    id: int
-    user: str
-    purpose: str
-    server_name: str
-    gpu_count: int
-    model: str | None
-    state: str
-    created: datetime
-    seen: datetime
-    front: datetime | None
-    ended: datetime | None
-    end_reason: str | None
-    allocation_id: int | None
-    position: int = 0  # 1-based among those waiting; 0 once it no longer waits
-    waiting: int = 0  # how many wait in all
-    expected: datetime | None = None
-    sure: str = "unknown"
-    factors: fairshare.Factors | None = None
-
-    def line(self, now: datetime) -> str:
-        return queueview.wait_line(self.position, self.waiting, self.gpu_count, self.expected, self.sure, now)
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What a request got: an allocation now, or a place in the queue (exactly one)."""
-
-    allocation: AllocationInfo | None = None
-    entry: QueueInfo | None = None
 
 
 def _nodes(text: str | None) -> frozenset[str] | None:

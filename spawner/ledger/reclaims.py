@@ -9,27 +9,13 @@ it, or until its lease runs out. Either way the allocation ends with the reclaim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
-from spawner.ledger.models import ACTIVE_STATES, Allocation, Reclaim
+from spawner.ledger.models import Allocation, Reclaim
 from spawner.policy.idle import gpu_hours
-
-
-@dataclass(frozen=True)
-class ReclaimInfo:
-    id: int
-    allocation_id: int
-    user: str
-    purpose: str
-    server_name: str
-    gpus: int
-    idle_seconds: float
-    gpu_hours: float
-    reason: str
-    created: datetime
+from spawner.policy.records import ACTIVE_STATES, ReclaimInfo
 
 
 def _reclaim_info(r: Reclaim) -> ReclaimInfo:

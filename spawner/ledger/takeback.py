@@ -12,24 +12,15 @@ are :mod:`spawner.policy.borrowing`'s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from spawner.ledger.borrowing import PreemptionInfo, _preemption_info, select_due
+from spawner.ledger.borrowing import _preemption_info, select_due
 from spawner.ledger.models import Allocation, Preemption, QueueEntry, is_live
 from spawner.policy import borrowing
-
-
-@dataclass
-class Settled:
-    """What one pass did: notices withdrawn, bursts ended at their due time, servers due."""
-
-    withdrawn: list[PreemptionInfo] = field(default_factory=list)
-    ended: list[PreemptionInfo] = field(default_factory=list)  # released in the ledger
-    servers: list[PreemptionInfo] = field(default_factory=list)  # due: the broker stops them
+from spawner.policy.records import Settled
 
 
 class TakeBackRecords:

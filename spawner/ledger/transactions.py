@@ -1,4 +1,5 @@
-"""The ledger's core: its database, transactions, and the records it hands out."""
+"""The ledger's core: its database and transactions, and the rows read back as records
+(:mod:`spawner.policy.records`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from spawner.ledger.db import (
 )
 from spawner.ledger.freeset import CHANGES, note_held, record_moves
 from spawner.ledger.models import (
-    ACTIVE_STATES,
     Allocation,
     AllocationGpu,
     Gpu,
@@ -34,6 +34,7 @@ from spawner.ledger.models import (
     is_live,
 )
 from spawner.policy import borrowing, fairshare
+from spawner.policy.records import AllocationInfo
 
 log = logging.getLogger("gpuhub.ledger")
 
@@ -138,76 +139,6 @@ class BorrowSettings:
 
 def utcnow() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)
-
-
-@dataclass(frozen=True)
-class AllocationInfo:
-    id: int
-    user: str
-    purpose: str
-    server_name: str
-    state: str
-    created: datetime
-    started: datetime | None
-    ended: datetime | None
-    backend: str
-    backend_job_id: str | None
-    end_reason: str | None
-    gpus: tuple[policy.Gpu, ...]
-    lease_expires: datetime | None = None
-    gpu_count: int = 0  # GPUs asked for (a queued Slurm job holds its count, not yet GPUs)
-    idle_deadline: datetime | None = None  # reclaimed then unless used (its owner was warned)
-    borrowed: int = 0  # GPUs of it beyond the limit (lent while idle; may be taken back)
-    preempt_due: datetime | None = None  # taken back then (the owner was given notice)
-    preempt_reason: str | None = None
-    withdrawn: datetime | None = None  # a notice it had was withdrawn then (nobody waits for it)
-    withdrawn_reason: str | None = None
-    backfill: bool = False  # it started ahead of a reservation that still waits: may be taken back
-
-    @property
-    def active(self) -> bool:
-        return self.state in ACTIVE_STATES
-
-    @property
-    def nodes(self) -> tuple[str, ...]:
-        return tuple(sorted({g.node for g in self.gpus}))
-
-    @property
-    def cuda_visible_devices(self) -> str:
-        return ",".join(str(g.index) for g in self.gpus)
-
-
-@dataclass(frozen=True)
-class Allowance:
-    """What a user holds, may take, and what is free: the facts behind the spawn form."""
-
-    effective: policy.EffectiveLimit
-    held: int
-    gpu_hours: float
-    may_take: int | None  # more GPUs the limit allows; None = unlimited
-    total: int
-    free: int
-    free_by_model: dict[str, int] = field(default_factory=dict)
-    fits: int = 0  # what one request on one server could get now
-    borrow_allowance: int = 0  # GPUs the user may hold beyond the limit (c.GpuHub.*_borrow)
-    borrowed: int = 0  # of those held, how many are borrowed
-    waiting: int = 0  # requests waiting in the queue now (borrowing needs none)
-    may_borrow_now: int = 0  # more GPUs a request could borrow right now (free, nobody waits)
-
-
-@dataclass(frozen=True)
-class GpuStatus:
-    gpu: policy.Gpu
-    present: bool
-    holder: AllocationInfo | None
-
-
-@dataclass(frozen=True)
-class LimitEntry:
-    scope: str
-    name: str
-    limit: policy.Limit
-    origin: str  # "config" or "ledger"
 
 
 def _info(a: Allocation, booked: Iterable[policy.Gpu] | None = None) -> AllocationInfo:

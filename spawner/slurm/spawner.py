@@ -27,7 +27,7 @@ from batchspawner import JobStatus, SlurmSpawner
 from jupyterhub.spawner import SpawnException
 from traitlets import Float, Int, List, Unicode, default
 
-from spawner.ledger import AllocationInfo
+from spawner.policy.records import AllocationInfo
 from spawner.slurm import callback, jobs, priority, script
 from spawner.slurm.accounting import SlurmAccounting, job_qos
 from spawner.slurm.cluster import read_cluster

@@ -46,7 +46,7 @@ from datetime import datetime, timedelta
 from traitlets import Float, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from spawner.ledger import AllocationInfo
+from spawner.policy.records import AllocationInfo
 from spawner.slurm import jobs
 
 JOB_NAMES = ("gpuhub-server", "gpuhub-engines")

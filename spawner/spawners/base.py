@@ -25,7 +25,8 @@ from traitlets import Any, Float, Instance, Int, List, default
 from traitlets.config import Configurable
 
 from spawner import policy
-from spawner.ledger import AllocationInfo, Ledger, utcnow
+from spawner.ledger import Ledger, utcnow
+from spawner.policy.records import AllocationInfo
 from spawner.settings import GpuHub
 from spawner.spawners import form, readiness
 from spawner.spawners.refusals import install_log_filter, make_refusal

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from spawner.ledger import Allowance
 from spawner.policy import values
 from spawner.policy.limits import MAX_COUNT, Refusal
+from spawner.policy.records import Allowance
 
 OPTION_KEYS = ("gpus", "gpu_model")
 USAGE = 'gpuhub servers take "gpus" (a whole number, 0 for none) and optionally "gpu_model".'

@@ -22,7 +22,8 @@ from datetime import UTC
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
 
 from gpu_magics.common.procs import alive as pid_alive
-from spawner.ledger import AllocationInfo, Ledger
+from spawner.ledger import Ledger
+from spawner.policy.records import AllocationInfo
 from spawner.spawners.base import GpuSpawnerMixin
 
 PROCESS_STARTED = time.time()

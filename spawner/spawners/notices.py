@@ -12,8 +12,7 @@ from __future__ import annotations
 import time
 from html import escape
 
-from spawner.ledger.borrowing_reads import PreemptionNotice
-from spawner.ledger.reclaims import ReclaimInfo
+from spawner.policy.records import PreemptionNotice, ReclaimInfo
 
 
 def render_notices(notices: list[ReclaimInfo]) -> str:
