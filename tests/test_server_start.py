@@ -25,7 +25,7 @@ from tornado import web
 from tornado.httpserver import HTTPServer
 
 from spawner.ledger import Ledger
-from spawner.slurm.watcher import next_interval
+from spawner.slurm.reconcile import next_interval
 from spawner.spawners import readiness
 
 from . import slurmtools

@@ -18,7 +18,7 @@ import pytest
 from spawner.ledger import Ledger
 from spawner.policy.limits import Limit, LimitRules
 from spawner.policy.placement import Gpu
-from spawner.slurm import jobs
+from spawner.slurm import commands
 from spawner.slurm.watcher import SlurmWatcher
 
 from . import slurmtools
@@ -46,7 +46,7 @@ def submit(user, allocation_id, node, comment_tail="", comment=None):
         f"--comment={comment if comment is not None else f'gpuhub:{allocation_id}{comment_tail}'}",
         "--wrap", "sleep 300", user=user,
     ).stdout  # fmt: skip
-    return jobs.parse_sbatch(out)
+    return commands.parse_sbatch(out)
 
 
 NAMES = {"alice": "gpuhub-server", "bob": "gpuhub-engines"}

@@ -7,8 +7,8 @@ from datetime import datetime
 
 import pytest
 
-from spawner.slurm import jobs
-from spawner.slurm.jobs import JobInfo, Listing, SlurmError
+from spawner.slurm import SlurmError, commands, squeue
+from spawner.slurm.squeue import JobInfo, Listing
 
 from . import test_slurm_units as units
 from .test_slurm_units import cancelled, job_json, queued, write_jobs
@@ -25,7 +25,7 @@ def answer(*listed, errors=()):
 
 
 def read(*listed):
-    return jobs.parse_squeue_json(answer(*listed), NAMES)
+    return squeue.parse_squeue_json(answer(*listed), NAMES)
 
 
 def without(key, **kw):
@@ -67,10 +67,10 @@ def test_a_json_job_and_its_gpus():
                 "bob",
                 "gpuhub-engines",
                 "2026-11-29T18:00:00",
-                expected=jobs.epoch_utc(start),
+                expected=squeue.epoch_utc(start),
             ),
         },
-        queue=(jobs.QueuedJob("6", (), 0),),  # every pending job counts, whoever's
+        queue=(squeue.QueuedJob("6", (), 0),),  # every pending job counts, whoever's
     )
     assert got.jobs["5"].allocation_id == 7 and got.jobs["6"].allocation_id is None
 
@@ -124,7 +124,7 @@ def test_a_job_gpuhub_cannot_read_is_skipped_and_named_never_fatal(listed, unrea
 )
 def test_an_answer_that_is_no_listing_is_an_error(text, words):
     with pytest.raises(SlurmError, match=words):
-        jobs.parse_squeue_json(text, NAMES)
+        squeue.parse_squeue_json(text, NAMES)
 
 
 def test_a_comment_in_json_is_only_a_comment():
@@ -144,7 +144,7 @@ def render(fmt, job, **fields):
     return fmt.record + fmt.sep.join(values) + fmt.end + "\n"
 
 
-FMT = jobs.TextFormat("0123456789abcdef0123456789abcdef")
+FMT = squeue.TextFormat("0123456789abcdef0123456789abcdef")
 
 
 def test_text_format_is_the_tokens_own_and_goes_in_the_environment():
@@ -153,8 +153,8 @@ def test_text_format_is_the_tokens_own_and_goes_in_the_environment():
         + "".join(f"@S0123456789abcdef0123456789abcdef@{c}" for c in ("%r", "%N", "%u", "%j", "%S", "%k"))
         + "@E0123456789abcdef0123456789abcdef@"
     )
-    assert jobs.squeue_text_env(FMT, {"PATH": "/bin"}) == {"PATH": "/bin", "SQUEUE_FORMAT": FMT.format}
-    assert jobs.TextFormat.new().token != jobs.TextFormat.new().token
+    assert commands.squeue_text_env(FMT, {"PATH": "/bin"}) == {"PATH": "/bin", "SQUEUE_FORMAT": FMT.format}
+    assert squeue.TextFormat.new().token != squeue.TextFormat.new().token
 
 
 def test_text_jobs_read():
@@ -163,7 +163,7 @@ def test_text_jobs_read():
         + render(FMT, job_json(6, "PENDING", reason="Resources", user="bob", name="gpuhub-engines"))
         + render(FMT, job_json(8, name="other"))
     )
-    got = jobs.parse_squeue_text(text, FMT, NAMES)
+    got = squeue.parse_squeue_text(text, FMT, NAMES)
     assert got == Listing(
         {
             "5": JobInfo(
@@ -195,21 +195,21 @@ DUP = "gpuhub:2\n30|COMPLETED|None|gpu-node1|alice|gpuhub-server|N/A|gpuhub:1"
     (FMT.record + "x1" + FMT.sep * 7 + FMT.end + "\n", set()),
 ])
 def test_text_a_job_whose_text_could_fake_a_record_is_refused(forged, unreadable):
-    got = jobs.parse_squeue_text(render(FMT, ALICE) + forged, FMT, NAMES)
-    assert got.jobs == {"30": jobs.parse_squeue_text(render(FMT, ALICE), FMT, NAMES).jobs["30"]}
+    got = squeue.parse_squeue_text(render(FMT, ALICE) + forged, FMT, NAMES)
+    assert got.jobs == {"30": squeue.parse_squeue_text(render(FMT, ALICE), FMT, NAMES).jobs["30"]}
     assert got.unreadable == unreadable and got.problems
 # fmt: on
 
 
 def test_text_around_the_records():
-    got = jobs.parse_squeue_text("squeue: warning\n" + render(FMT, ALICE), FMT, NAMES)
+    got = squeue.parse_squeue_text("squeue: warning\n" + render(FMT, ALICE), FMT, NAMES)
     assert set(got.jobs) == {"30"} and "before its first job" in got.problems[0]
-    got = jobs.parse_squeue_text(render(FMT, ALICE) + "more\n" + render(FMT, job_json(31)), FMT, NAMES)
+    got = squeue.parse_squeue_text(render(FMT, ALICE) + "more\n" + render(FMT, job_json(31)), FMT, NAMES)
     assert set(got.jobs) == {"31"} and got.unreadable == {"30"}  # no line of text is ever a record
 
 
 def test_text_a_job_listed_twice_is_skipped():
-    got = jobs.parse_squeue_text(render(FMT, ALICE) * 2 + render(FMT, job_json(31)), FMT, NAMES)
+    got = squeue.parse_squeue_text(render(FMT, ALICE) * 2 + render(FMT, job_json(31)), FMT, NAMES)
     assert set(got.jobs) == {"31"} and got.unreadable == {"30"} and "twice" in got.problems[0]
 
 
@@ -224,7 +224,7 @@ def test_text_a_job_listed_twice_is_skipped():
     ],
 )
 def test_json_unsupported(error, unsupported):
-    assert jobs.json_unsupported(error) is unsupported
+    assert squeue.json_unsupported(error) is unsupported
 
 
 # before a cancel ------------------------------------------------------------------------
@@ -257,12 +257,12 @@ BOBS = JobInfo("12", "RUNNING", user="bob", name="gpuhub-engines", comment="gpuh
      "job 12 ended already (cancelled)"),
 ])
 def test_cancel_refusal(listing, why):
-    assert jobs.cancel_refusal(listing, "12", "bob", 4, NAMES) == why
+    assert commands.cancel_refusal(listing, "12", "bob", 4, NAMES) == why
 # fmt: on
 
 
 def test_scancel_runs_as_the_owner_and_filters_by_owner_and_name():
-    assert jobs.scancel_argv(["sudo", "-E", "-u", "bob"], BOBS) == [
+    assert commands.scancel_argv(["sudo", "-E", "-u", "bob"], BOBS) == [
         "sudo", "-E", "-u", "bob", "scancel", "--user=bob", "--name=gpuhub-engines", "12"]  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from spawner.slurm import jobs
+from spawner.slurm import commands, squeue
 
 from . import slurmtools
 from .hubtools import wait_for
@@ -34,8 +34,8 @@ def cluster():
 
 
 def listed_ids(user: str | None) -> set[str]:
-    out = slurm(*jobs.squeue_json_argv(), user=user).stdout
-    return set(jobs.parse_squeue_json(out, ["gpuhub-server", "gpuhub-test"]).jobs)
+    out = slurm(*commands.squeue_json_argv(), user=user).stdout
+    return set(squeue.parse_squeue_json(out, ["gpuhub-server", "gpuhub-test"]).jobs)
 
 
 def test_bob_sees_no_job_usage_or_log_of_alices(cluster):
@@ -46,7 +46,7 @@ def test_bob_sees_no_job_usage_or_log_of_alices(cluster):
     home = pwd.getpwnam("alice").pw_dir
     assert os.stat(home).st_mode & 0o077 == 0, oct(os.stat(home).st_mode)
     log = os.path.join(home, "gpuhub-privacy-test.log")
-    job_id = jobs.parse_sbatch(
+    job_id = commands.parse_sbatch(
         slurm(
             "sbatch", "--parsable", "--account=gpuhub", "--job-name=gpuhub-test", "--gres=gpu:a100:1",
             f"--chdir={home}", f"--output={log}", "--comment=gpuhub:alice-secret-comment",
@@ -80,12 +80,12 @@ def test_bob_sees_no_job_usage_or_log_of_alices(cluster):
         )
         assert listing.returncode != 0 and "Permission denied" in listing.stderr
         # bob's own job is his to see
-        own = jobs.parse_sbatch(
+        own = commands.parse_sbatch(
             slurm("sbatch", "--parsable", "--account=gpuhub", "--job-name=gpuhub-test", "--chdir=/tmp",
                   "--output=/dev/null", "--wrap", "sleep 300", user="bob").stdout
         )  # fmt: skip
         assert own in listed_ids("bob")
-        assert json.loads(slurm(*jobs.squeue_json_argv(), user="bob").stdout)["jobs"]
+        assert json.loads(slurm(*commands.squeue_json_argv(), user="bob").stdout)["jobs"]
     finally:
         slurmtools.cancel_all_jobs()
         if os.path.exists(log):

@@ -18,7 +18,7 @@ from spawner.policy.fairshare import Weights
 from spawner.policy.limits import Limit
 from spawner.policy.waitline import local_clock
 from spawner.settings import GpuHub
-from spawner.slurm import jobs, priority
+from spawner.slurm import priority, squeue
 
 from . import slurmtools
 from .hubtools import DEMO_PASSWORD, wait_for
@@ -92,8 +92,8 @@ def test_fair_share_puts_a_light_users_later_job_ahead_of_a_heavy_users(tmp_path
         listed = squeue_json()
         assert listed[light]["submit_time"] >= listed[heavy]["submit_time"]
         assert listed[light]["priority"] > listed[heavy]["priority"], (listed[light], listed[heavy])
-        queue = jobs.parse_squeue_json(json.dumps({"jobs": list(listed.values())}), ["gpuhub-test"]).queue
-        assert jobs.queue_positions(queue, [light, heavy]) == {light: (1, 2, "gpu"), heavy: (2, 2, "gpu")}
+        queue = squeue.parse_squeue_json(json.dumps({"jobs": list(listed.values())}), ["gpuhub-test"]).queue
+        assert squeue.queue_positions(queue, [light, heavy]) == {light: (1, 2, "gpu"), heavy: (2, 2, "gpu")}
 
         # four GPUs free up: the light user's job starts first; the heavy one still waits
         slurm("scancel", held[0])
@@ -138,7 +138,7 @@ def test_the_spawn_page_shows_the_place_and_slurms_expected_start(hub, clean, br
     job = hub.job_id("carol")
     # what Slurm itself says for this job, now: squeue --json's start_time and squeue --start
     listed = squeue_json()[job]
-    expected = jobs.epoch_utc(listed["start_time"])
+    expected = squeue.epoch_utc(listed["start_time"])
     assert expected is not None
     start = slurm("squeue", "--start", "-h", "-j", job, "-o", "%S").stdout.strip()
     assert datetime.fromisoformat(start).astimezone(UTC).replace(tzinfo=None) == expected
@@ -194,7 +194,7 @@ def test_a_burst_waits_in_slurms_queue_with_its_line_and_ctrl_c_leaves_nothing_h
         job = burst.backend_job_id
         assert job and job_state(job) == "PENDING"
         line = seen[-1]
-        expected = jobs.epoch_utc(squeue_json()[job]["start_time"])
+        expected = squeue.epoch_utc(squeue_json()[job]["start_time"])
         # the cluster keeps jobs private (PrivateData=jobs): alice's kernel sees only her own
         # jobs, so it counts no place among them and says why
         assert f"Queued in Slurm as engines job {job} in partition gpu: waiting for 4 GPUs" in line, line

@@ -11,8 +11,8 @@ from traitlets.config import Config
 
 from spawner.policy.fairshare import Shares, Weights
 from spawner.policy.limits import EffectiveLimit, Limit
-from spawner.slurm import accounting, jobs, priority
-from spawner.slurm.jobs import JobInfo
+from spawner.slurm import accounting, priority, squeue
+from spawner.slurm.squeue import JobInfo
 
 NAMES = ("gpuhub-server", "gpuhub-engines")
 
@@ -131,7 +131,7 @@ def job(job_id, state="PENDING", name="gpuhub-server", user="alice", priority=10
 
 
 def listing(*listed):
-    return jobs.parse_squeue_json(json.dumps({"errors": [], "jobs": list(listed)}), NAMES)
+    return squeue.parse_squeue_json(json.dumps({"errors": [], "jobs": list(listed)}), NAMES)
 
 
 def test_the_queue_holds_everyones_pending_jobs_and_positions_come_from_it():
@@ -146,17 +146,17 @@ def test_the_queue_holds_everyones_pending_jobs_and_positions_come_from_it():
     )
     assert set(got.jobs) == {"12", "13"}
     assert {q.job_id for q in got.queue} == {"11", "12", "13", "14", "15"}
-    assert jobs.queue_positions(got.queue, ["12", "13"]) == {
+    assert squeue.queue_positions(got.queue, ["12", "13"]) == {
         "12": (2, 3, "gpu"),  # behind 11 (900); ahead of 13 at the same priority (older id)
         "13": (3, 3, "gpu"),  # placed in the first partition it names
     }
-    assert jobs.queue_positions(got.queue, ["15"]) == {"15": (1, 2, "interactive")}
-    assert jobs.queue_positions(got.queue, ["14", "99"]) == {}  # held, unknown: no position
+    assert squeue.queue_positions(got.queue, ["15"]) == {"15": (1, 2, "interactive")}
+    assert squeue.queue_positions(got.queue, ["14", "99"]) == {}  # held, unknown: no position
 
 
 def test_a_job_listed_twice_is_not_counted():
     got = listing(job(11, name="x", priority=900), job(11, name="x", priority=900), job(12))
-    assert jobs.queue_positions(got.queue, ["12"]) == {"12": (1, 1, "gpu")}
+    assert squeue.queue_positions(got.queue, ["12"]) == {"12": (1, 1, "gpu")}
 
 
 @pytest.mark.parametrize("raw, want", [

@@ -9,28 +9,30 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from spawner.slurm.jobs import GresEntry, JobInfo, SlurmError
 from traitlets.config import Config
 
 from spawner.ledger import Ledger
 from spawner.policy.limits import EffectiveLimit, Limit, LimitRules
 from spawner.policy.placement import Gpu
 from spawner.policy.records import AllocationInfo
-from spawner.slurm import accounting, jobs, script
-from spawner.slurm.watcher import SlurmWatcher, orphans, reconcile
+from spawner.slurm import SlurmError, accounting, commands, script, sinfo, squeue
+from spawner.slurm.reconcile import orphans, reconcile
+from spawner.slurm.sinfo import GresEntry
+from spawner.slurm.squeue import JobInfo
+from spawner.slurm.watcher import SlurmWatcher
 
 GOLDEN = Path(__file__).parent / "golden"
 
 
-# jobs.py: parsers ------------------------------------------------------------------------
+# sinfo.py, squeue.py, commands.py: parsers ----------------------------------------------------
 
 
 def gres(args):
-    return jobs.gres_request(*args)
+    return commands.gres_request(*args)
 
 
-HL, IDX, GRES = jobs.expand_hostlist, jobs.parse_index_list, jobs.parse_gres
-SB = jobs.parse_sbatch
+HL, IDX, GRES = sinfo.expand_hostlist, sinfo.parse_index_list, sinfo.parse_gres
+SB = commands.parse_sbatch
 N1 = "gpu-node1"
 SQUEUE_TEXT = ["squeue", "-h", "-a", "-t", "all", "--name", "gpuhub-engines,gpuhub-server"]
 
@@ -53,7 +55,7 @@ SQUEUE_TEXT = ["squeue", "-h", "-a", "-t", "all", "--name", "gpuhub-engines,gpuh
     (GRES, "(null)", []),
     (gres, (2, "a100"), "gpu:a100:2"), (gres, (1, None), "gpu:1"),
     (SB, "12", "12"), (SB, "12;cluster\n", "12"), (SB, "warning: x\n13\n", "13"),
-    (jobs.squeue_text_argv, ["gpuhub-server", "gpuhub-engines"], SQUEUE_TEXT),
+    (commands.squeue_text_argv, ["gpuhub-server", "gpuhub-engines"], SQUEUE_TEXT),
 ])
 def test_pure(fn, arg, want):
     assert fn(arg) == want
@@ -62,7 +64,7 @@ def test_pure(fn, arg, want):
 @pytest.mark.parametrize("fn, arg, error",
     [(gres, a, ValueError) for a in [(0, None), (True, None), (-1, "a"), (2.0, None), (1, "a 1"), (1, "")]]
     + [(SB, out, SlurmError) for out in ["", "\n", "Submitted batch job 12", "sbatch: error: failed"]]
-    + [(jobs.parse_sinfo, "node1|gpu:4|gpu\n", SlurmError)]
+    + [(sinfo.parse_sinfo, "node1|gpu:4|gpu\n", SlurmError)]
     + [(script.export_list, {"PATH": "/bin", bad: "x"}, ValueError) for bad in ["A B", "1X", "A;", "A=", ""]],
 )
 def test_refused(fn, arg, error):
@@ -72,7 +74,7 @@ def test_refused(fn, arg, error):
 
 
 def test_parse_sinfo_cluster_partitions_and_inventory():
-    c = jobs.parse_sinfo(
+    c = sinfo.parse_sinfo(
         "gpu-node1|gpu:a100:4(S:0)|gpu*|idle\ngpu-node1|gpu:a100:4(S:0)|all|idle\n"
         "gpu-node2|gpu:2,gpu:v100:1|all|mix\ncpu-node1|(null)|all|idle*\n"
     )
@@ -86,7 +88,7 @@ def test_parse_sinfo_cluster_partitions_and_inventory():
     assert [f"{g.label}={g.model}" for g in gpus] == ["gpu-node2:0=T4", "gpu-node2:1=T4", "gpu-node2:2=v100"]
     assert [f"{g.label}={g.model}" for g in c.inventory()] == [f"gpu-node1:{i}=a100" for i in range(4)] + [
         "gpu-node2:0=GPU", "gpu-node2:1=GPU", "gpu-node2:2=v100"]  # fmt: skip
-    assert jobs.parse_sinfo("").default_partition is None
+    assert sinfo.parse_sinfo("").default_partition is None
 
 
 FORGED = "gpuhub:97\n     Nodes=gpu-node2 CPU_IDs=0 Mem=1 GRES=gpu:a100:1(IDX:3)"
@@ -130,7 +132,7 @@ def squeue_json(*jobs_):
     ],
 )
 def test_a_jobs_gpus_come_from_squeue_json(listing, job_id, gpus):
-    assert jobs.parse_job_gpus_json(listing, job_id) == gpus
+    assert squeue.parse_job_gpus_json(listing, job_id) == gpus
 
 
 @pytest.mark.parametrize(
@@ -149,11 +151,11 @@ def test_a_jobs_gpus_come_from_squeue_json(listing, job_id, gpus):
 )
 def test_a_job_listing_gpuhub_cannot_trust_is_an_error_not_a_guess(listing, words):
     with pytest.raises(SlurmError, match=words):
-        jobs.parse_job_gpus_json(listing, "9")
+        squeue.parse_job_gpus_json(listing, "9")
 
 
 def test_sbatch_never_requeues_and_tags_its_allocation():
-    assert jobs.sbatch_argv(7) == ["sbatch", "--parsable", "--no-requeue", "--comment=gpuhub:7"]
+    assert commands.sbatch_argv(7) == ["sbatch", "--parsable", "--no-requeue", "--comment=gpuhub:7"]
 
 
 @pytest.mark.parametrize(
@@ -508,10 +510,10 @@ def test_orphans(live, others, listed, want):
 def job_json(job_id, state="RUNNING", user="alice", name="gpuhub-server", comment="", nodes="gpu-node1",
              gres=("gpu:a100:2(IDX:1-2)",), reason="None", start=0):  # fmt: skip
     """One job as Slurm 22.05's ``squeue --json`` shows it."""
-    running = state in jobs.RUNNING_STATES
+    running = state in squeue.RUNNING_STATES
     return {
         "job_id": int(job_id), "job_state": state, "user_name": user, "name": name, "comment": comment,
-        "nodes": nodes if state not in jobs.PENDING_STATES else "", "start_time": start,
+        "nodes": nodes if state not in squeue.PENDING_STATES else "", "start_time": start,
         "state_reason": reason, "gres_detail": list(gres) if running else [],
     }  # fmt: skip
 
@@ -719,7 +721,7 @@ def test_plan_launch_refuses_an_uneven_split_and_the_engines_job_drops_the_serve
 
 
 def test_queue_positions_by_priority_then_age_per_partition():
-    Q = jobs.QueuedJob
+    Q = squeue.QueuedJob
     queue = [
         Q("30", ("gpu",), 100),
         Q("31", ("gpu",), 500),
@@ -728,7 +730,7 @@ def test_queue_positions_by_priority_then_age_per_partition():
         Q("34", ("gpu", "interactive"), 900),
         Q("35", ("gpu",), 0),
     ]  # fmt: skip  (35: held, competes for nothing)
-    assert jobs.queue_positions(queue, {"30", "32", "33", "35", "99"}) == {
+    assert squeue.queue_positions(queue, {"30", "32", "33", "35", "99"}) == {
         "30": (3, 4, "gpu"),  # behind 34 (900) and 31 (500); older than 32 at the same priority
         "32": (4, 4, "gpu"),
         "33": (2, 2, "interactive"),  # 34 waits in both partitions
@@ -738,7 +740,7 @@ def test_queue_positions_by_priority_then_age_per_partition():
         job.describe((3, 4, "gpu"))
         == "Queued in Slurm as job 30 (Priority), 3rd of 4 waiting in partition gpu"
     )
-    assert [jobs._ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111)] == [
+    assert [squeue._ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th"]  # fmt: skip
 
 
@@ -830,7 +832,7 @@ def test_borrow_qos_plan_refuses(changes, words):
     "borrowed, qos, want", [(0, "gpuhub-borrow", ""), (1, "gpuhub-borrow", "gpuhub-borrow"), (2, "", "")]
 )
 def test_job_qos(borrowed, qos, want):
-    assert accounting.job_qos(borrowed, qos) == want
+    assert commands.job_qos(borrowed, qos) == want
 
 
 def test_sync_writes_the_borrow_qos_only_when_someone_may_borrow(monkeypatch):

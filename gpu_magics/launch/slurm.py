@@ -168,9 +168,9 @@ class SlurmLauncher:
                 env={**os.environ, **autosave_env(self.autosave)},
             )
             return
-        from spawner.slurm import jobs
+        from spawner.slurm import commands
 
-        argv = jobs.sbatch_argv(self.allocation_id)
+        argv = commands.sbatch_argv(self.allocation_id)
         out = subprocess.run(
             [shutil.which("sbatch") or "sbatch", *argv[1:]],
             input=self.job_script(engine_argv),
@@ -181,21 +181,21 @@ class SlurmLauncher:
         )
         if out.returncode != 0:
             raise RuntimeError(f"Slurm refused the engines' job: {out.stderr.strip()[-400:]}")
-        self.job_id = jobs.parse_sbatch(out.stdout)
+        self.job_id = commands.parse_sbatch(out.stdout)
         if self.on_submitted is not None:
             self.on_submitted(self.job_id)
 
     @property
     def qos(self) -> str:
         """The QOS of the engines' job: the borrow QOS when the burst borrowed GPUs."""
-        from spawner.slurm.accounting import job_qos
+        from spawner.slurm.commands import job_qos
 
         return job_qos(self.borrowed, self.borrow_qos)
 
     def job_script(self, engine_argv: list[str]) -> str:
         """The engines' batch script (``--qos=<borrow QOS>`` when the burst borrowed GPUs:
         Slurm then preempts the whole job, after ``GraceTime``)."""
-        from spawner.slurm import jobs, script
+        from spawner.slurm import commands, script
 
         return script.render(
             script.ENGINES_TEMPLATE,
@@ -207,7 +207,7 @@ class SlurmLauncher:
             workdir=self.workdir,
             nodes=self.nodes,
             per_node=self.per_node,
-            gres=jobs.gres_request(self.per_node, None),
+            gres=commands.gres_request(self.per_node, None),
             partition=self.partition,
             cpus="",
             memory="",
@@ -273,15 +273,15 @@ class SlurmLauncher:
     def read_queue():
         """This user's view of Slurm's queue (``squeue --json``: every job of the cluster);
         None when Slurm could not be asked (the last line stays)."""
-        from spawner.slurm import jobs
+        from spawner.slurm import SlurmError, commands, squeue
 
         try:
             out = subprocess.run(
-                [shutil.which("squeue") or "squeue", *jobs.squeue_json_argv()[1:]],
+                [shutil.which("squeue") or "squeue", *commands.squeue_json_argv()[1:]],
                 capture_output=True, text=True, timeout=30, env=job_env(os.environ),
             )  # fmt: skip
-            return jobs.parse_squeue_json(out.stdout, [ENGINES_NAME]) if out.returncode == 0 else None
-        except (OSError, subprocess.TimeoutExpired, jobs.SlurmError):
+            return squeue.parse_squeue_json(out.stdout, [ENGINES_NAME]) if out.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, SlurmError):
             return None
 
     def ranks(self, pool, timeout: float) -> tuple[list[dict], int]:
@@ -371,12 +371,12 @@ def jobs_hidden(config: str | None) -> bool:
 
 
 def queue_line(listing, job_id: str, gpus: int, now: datetime, hidden: bool = False) -> str | None:
-    """The wait line of the engines' job ``job_id`` in ``listing`` (``jobs.Listing`` of
+    """The wait line of the engines' job ``job_id`` in ``listing`` (``squeue.Listing`` of
     ``squeue --json``), or None once it is no longer waiting (running, ended, gone). A
     listing that could not be read (None) or that skipped the job keeps it waiting, with
     what Slurm last said unknown. ``hidden``: the listing holds only this user's jobs
     (:func:`jobs_hidden`), so the line counts no place."""
-    from spawner.slurm import jobs, priority
+    from spawner.slurm import priority, squeue
 
     if listing is None or job_id in listing.unreadable:
         return f"Queued in Slurm as engines job {job_id}; Slurm does not answer right now"
@@ -385,7 +385,7 @@ def queue_line(listing, job_id: str, gpus: int, now: datetime, hidden: bool = Fa
         return None
     if hidden:
         return priority.wait_message(job, None, gpus, now, what="engines job", place_hidden=True)
-    position = jobs.queue_positions(listing.queue, [job.job_id]).get(job.job_id)
+    position = squeue.queue_positions(listing.queue, [job.job_id]).get(job.job_id)
     return priority.wait_message(job, position, gpus, now, what="engines job")
 
 

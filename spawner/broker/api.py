@@ -185,7 +185,9 @@ class JobHandler(APIHandler):
             return self.fail(400, str(e), "bad_request")
         if not a.active:
             return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
-        from spawner.slurm.jobs import SlurmError, parse_squeue_json, squeue_json_argv
+        from spawner.slurm import SlurmError
+        from spawner.slurm.commands import squeue_json_argv
+        from spawner.slurm.squeue import parse_squeue_json
         from spawner.slurm.watcher import run_command
 
         try:  # from Slurm's JSON, never from text a job's comment could imitate
@@ -307,7 +309,7 @@ class LimitHandler(AdminHandler):
             users = sorted({name, *ledger.effective_limits()}) if scope == "user" else None
             return accounting.sync(ledger, users)
 
-        from spawner.slurm.jobs import SlurmError
+        from spawner.slurm import SlurmError
 
         try:
             await self.broker.run(sync)
@@ -324,21 +326,3 @@ class ClusterHandler(AdminHandler):
         self.require_admin()
         table = await self.broker.run(self.broker.ledger.gpu_table)
         self.finish(views.cluster_json(table))
-
-
-def api_handlers(prefix: str) -> list[tuple]:
-    from spawner.broker.queue_api import queue_handlers
-
-    api = f"{prefix}api/v1"
-    return [
-        *queue_handlers(api),
-        (f"{api}/me", MeHandler),
-        (f"{api}/allocations", AllocationsHandler),
-        (rf"{api}/allocations/(\d{{1,18}})", AllocationHandler),  # beyond: no such id (404)
-        (rf"{api}/allocations/(\d{{1,18}})/renew", RenewHandler),
-        (rf"{api}/allocations/(\d{{1,18}})/job", JobHandler),
-        (f"{api}/usage", UsageHandler),
-        (f"{api}/limits", LimitsHandler),
-        (rf"{api}/limits/(default|group|user)(?:/([^/]+))?", LimitHandler),
-        (f"{api}/cluster", ClusterHandler),
-    ]

@@ -13,44 +13,29 @@ import logging
 import os
 import secrets
 import signal
-from pathlib import Path
 from urllib.parse import urlparse
 
-from jupyterhub.services.auth import HubOAuthCallbackHandler
 from tornado import web
 from tornado.ioloop import PeriodicCallback
 from traitlets.config import Config
 
-from spawner.broker.api import api_handlers
 from spawner.broker.handlers import Broker
 from spawner.broker.metrics import Metrics, UtilizationCollector
-from spawner.broker.pages import AdminPage, MetricsHandler, UserPage
 from spawner.broker.preempter import Preempter
 from spawner.broker.reclaimer import Reclaimer
+from spawner.broker.routes import routes
 from spawner.broker.sampling import OwnSampler, own_nodes
 from spawner.broker.settings import GpuBroker, GpuReclaim
 from spawner.broker.utilization import Utilization
-from spawner.broker.utilization_api import usage_api_handlers
 from spawner.ledger.db import safe_url
 from spawner.settings import GpuHub
+from spawner.spawners import inventory
 
 log = logging.getLogger("gpuhub.broker")
-STATIC = Path(__file__).with_name("static")
-SPEC_DIR = Path(__file__).parent  # openapi.yaml, served at api/v1/openapi.yaml
 
 
 def make_app(broker: Broker) -> web.Application:
-    prefix = broker.prefix
-    ctx = {"broker": broker}
-    handlers = [
-        (prefix, UserPage, ctx),
-        (f"{prefix}admin", AdminPage, ctx),
-        (f"{prefix}metrics", MetricsHandler, ctx),
-        (f"{prefix}oauth_callback", HubOAuthCallbackHandler),
-        (rf"{prefix}static/(.*)", web.StaticFileHandler, {"path": str(STATIC)}),
-        (rf"{prefix}api/v1/(openapi\.yaml)", web.StaticFileHandler, {"path": str(SPEC_DIR)}),
-        *[(route, handler, ctx) for route, handler in api_handlers(prefix) + usage_api_handlers(prefix)],
-    ]
+    handlers = routes(broker.prefix, broker)
     # XSRF: JupyterHub's HubOAuth checks it on every cookie-authenticated write (a write
     # without the token is not authenticated at all); token requests need none. Tornado's
     # own check would run before the token is known, so it stays off.
@@ -131,7 +116,7 @@ async def main() -> None:
 
     PeriodicCallback(check_idle, reclaim.check_seconds * 1000).start()
 
-    nodes = own_nodes(broker.readings, hub_settings.inventory, hub_settings.local_nodes())
+    nodes = own_nodes(broker.readings, hub_settings.inventory, inventory.local_nodes(hub_settings))
     if nodes:
         sampler = OwnSampler(broker, nodes, hub_settings.report_env())
 

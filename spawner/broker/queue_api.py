@@ -74,12 +74,3 @@ class QueueFrontHandler(_QueueHandler):
         except LookupError:
             return self.fail(409, f"Queue entry {q.id} no longer waits ({q.end_reason}).", "not_waiting")
         self.finish(views.queue_json(await self.broker.run(self.broker.ledger.queue_entry, q.id), utcnow()))
-
-
-def queue_handlers(api: str) -> list[tuple]:
-    return [
-        (f"{api}/queue", QueueHandler),
-        (rf"{api}/queue/(\d{{1,18}})", QueueEntryHandler),
-        (rf"{api}/queue/(\d{{1,18}})/wait", QueueWaitHandler),
-        (rf"{api}/queue/(\d{{1,18}})/front", QueueFrontHandler),
-    ]

@@ -24,7 +24,6 @@ from spawner.broker import access
 from spawner.broker import requests as schemas
 from spawner.broker import responses as views
 from spawner.broker.handlers import APIHandler
-from spawner.broker.sampling import NodeSamplesHandler
 from spawner.ledger import utcnow
 from spawner.ledger.reclaims import totals
 from spawner.policy import values
@@ -137,14 +136,3 @@ class PreemptionsHandler(_SinceHandler):
                 },
             }
         )
-
-
-def usage_api_handlers(prefix: str) -> list[tuple]:
-    api = f"{prefix}api/v1"
-    return [
-        (rf"{api}/allocations/(\d{{1,18}})/samples", SamplesHandler),
-        (rf"{api}/nodes/([A-Za-z0-9][A-Za-z0-9._-]{{0,254}})/samples", NodeSamplesHandler),
-        (f"{api}/utilization", UtilizationHandler),
-        (f"{api}/reclaims", ReclaimsHandler),
-        (f"{api}/preemptions", PreemptionsHandler),
-    ]

@@ -466,8 +466,8 @@ def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
 def _sync_slurm_after(settings: GpuHub, ledger: Ledger, args: argparse.Namespace, out) -> None:
     """With ``c.SlurmAccounting.enabled``, write the changed limits to Slurm's associations:
     the named user's, or every known user's after a default or group change."""
+    from spawner.slurm import SlurmError
     from spawner.slurm.accounting import SlurmAccounting
-    from spawner.slurm.jobs import SlurmError
 
     accounting = SlurmAccounting(config=settings.config)
     if not accounting.enabled:
@@ -496,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sqlalchemy.exc import SQLAlchemyError
 
         from spawner.ledger.db import SchemaError
-        from spawner.slurm.jobs import SlurmError
+        from spawner.slurm import SlurmError
         from spawner.spawners.inventory import InventoryError
 
         if isinstance(e, (SchemaError, InventoryError, SlurmError)):

@@ -23,7 +23,7 @@ as ``AssocGrpGRES``; measured, Slurm 22.05.8: its ``MaxTRESPerUser`` alone does 
 Names reach ``sacctmgr`` as arguments (no shell), where ``,`` separates a list, ``=`` sets a
 field and a leading ``-`` reads as an option: a user or account name with such a character
 (or a space, a quote, a control character; :func:`spawner.policy.values.parse_name`) is refused
-with :class:`~.jobs.SlurmError` naming it, and never reaches ``sacctmgr``.
+with :class:`~spawner.slurm.SlurmError` naming it, and never reaches ``sacctmgr``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from traitlets.config import LoggingConfigurable
 from spawner.policy.fairshare import Shares, effective_share
 from spawner.policy.limits import EffectiveLimit
 from spawner.policy.values import BadValue, parse_name
-from spawner.slurm.jobs import SlurmError
+from spawner.slurm import SlurmError
 
 UNLIMITED = -1
 
@@ -265,12 +265,6 @@ def borrow_qos_plan(
             ]
         )  # fmt: skip
     return commands
-
-
-def job_qos(borrowed: int, borrow_qos: str) -> str:
-    """The QOS a job is submitted under: the borrow QOS when any of its GPUs is borrowed
-    (Slurm preempts whole jobs), else none (the association's default)."""
-    return borrow_qos if borrowed > 0 and borrow_qos else ""
 
 
 class SlurmAccounting(LoggingConfigurable):

@@ -6,13 +6,13 @@ import subprocess
 import threading
 import time
 
-from spawner.slurm import jobs
+from spawner.slurm import SlurmError, commands, sinfo
 
-_cache: dict[str, tuple[float, jobs.Cluster]] = {}
+_cache: dict[str, tuple[float, sinfo.Cluster]] = {}
 _lock = threading.Lock()
 
 
-def read_cluster(max_age: float = 30.0, timeout: float = 20.0) -> jobs.Cluster:
+def read_cluster(max_age: float = 30.0, timeout: float = 20.0) -> sinfo.Cluster:
     """Nodes, GPUs and partitions from ``sinfo``; at most ``max_age`` seconds old, or the
     last known answer while ``sinfo`` fails."""
     with _lock:
@@ -21,18 +21,18 @@ def read_cluster(max_age: float = 30.0, timeout: float = 20.0) -> jobs.Cluster:
             return hit[1]
         try:
             out = subprocess.run(
-                jobs.sinfo_argv(), capture_output=True, text=True, timeout=timeout, check=True
+                commands.sinfo_argv(), capture_output=True, text=True, timeout=timeout, check=True
             )
         except FileNotFoundError:
-            raise jobs.SlurmError(
+            raise SlurmError(
                 "sinfo is not installed: the Slurm backend needs Slurm's client commands"
             ) from None
         except subprocess.TimeoutExpired:
-            raise jobs.SlurmError(f"sinfo took longer than {timeout:g} s") from None
+            raise SlurmError(f"sinfo took longer than {timeout:g} s") from None
         except subprocess.CalledProcessError as e:
-            raise jobs.SlurmError(f"sinfo failed: {e.stderr.strip()[-300:]}") from None
-        cluster = jobs.parse_sinfo(out.stdout)
+            raise SlurmError(f"sinfo failed: {e.stderr.strip()[-300:]}") from None
+        cluster = sinfo.parse_sinfo(out.stdout)
         if not cluster.nodes:
-            raise jobs.SlurmError("sinfo lists no nodes")
+            raise SlurmError("sinfo lists no nodes")
         _cache["sinfo"] = (time.monotonic(), cluster)
         return cluster

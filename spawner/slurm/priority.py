@@ -16,7 +16,7 @@ orders the waiting jobs. The same model as the local queue (:mod:`spawner.policy
 :func:`slurm_priority_conf` renders those ``slurm.conf`` lines (``gpuhub slurm priority``
 prints them for a hub's config). :func:`wait_message` is what the spawn page and
 ``%%distributed`` show while a job waits: its place among the jobs waiting for the same
-partition by Slurm's priority (:func:`.jobs.queue_positions`) and Slurm's own expected start
+partition by Slurm's priority (:func:`.squeue.queue_positions`) and Slurm's own expected start
 (the pending job's ``start_time``, what ``squeue --start`` prints), both from
 ``squeue --json`` only.
 """
@@ -27,7 +27,7 @@ from datetime import datetime
 
 from spawner.policy.fairshare import Weights
 from spawner.policy.waitline import wait_line
-from spawner.slurm.jobs import JobInfo
+from spawner.slurm.squeue import JobInfo
 
 
 def slurm_duration(hours: float) -> str:

@@ -28,9 +28,10 @@ from jupyterhub.spawner import SpawnException
 from traitlets import Float, Int, List, Unicode, default
 
 from spawner.policy.records import AllocationInfo
-from spawner.slurm import callback, jobs, priority, script
-from spawner.slurm.accounting import SlurmAccounting, job_qos
+from spawner.slurm import SlurmError, callback, commands, priority, script, sinfo, squeue
+from spawner.slurm.accounting import SlurmAccounting
 from spawner.slurm.cluster import read_cluster
+from spawner.slurm.commands import job_qos
 from spawner.slurm.watcher import get_watcher, run_command
 from spawner.spawners import form
 from spawner.spawners.base import GpuSpawnerMixin
@@ -143,13 +144,13 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
 
     # cluster, form, admission --------------------------------------------------------
 
-    def cluster(self) -> jobs.Cluster:
+    def cluster(self) -> sinfo.Cluster:
         return read_cluster(self.cluster_cache_seconds)
 
-    def allowed_partitions(self, cluster: jobs.Cluster) -> list[str]:
+    def allowed_partitions(self, cluster: sinfo.Cluster) -> list[str]:
         return [p for p in cluster.partitions if not self.partitions or p in self.partitions]
 
-    def chosen_partition(self, cluster: jobs.Cluster, requested: str | None) -> str:
+    def chosen_partition(self, cluster: sinfo.Cluster, requested: str | None) -> str:
         return requested or self.default_partition or cluster.default_partition or cluster.partitions[0]
 
     def parse_options(self) -> form.GpuOptions:
@@ -159,10 +160,10 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             partitions=self.allowed_partitions(self.cluster_or_503()),
         )
 
-    def cluster_or_503(self) -> jobs.Cluster:
+    def cluster_or_503(self) -> sinfo.Cluster:
         try:
             return self.cluster()
-        except jobs.SlurmError as e:
+        except SlurmError as e:
             raise make_refusal(
                 f"Slurm is not answering ({e}); try again in a minute, or tell an admin.",
                 "slurm_unavailable",
@@ -266,7 +267,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             output=self.output_template.format(homedir=homedir, username=user),
             homedir=homedir,
             export=script.export_list(dict.fromkeys(env_names, "")),
-            gres=jobs.gres_request(opts.count, None if opts.model == UNTYPED else opts.model)
+            gres=commands.gres_request(opts.count, None if opts.model == UNTYPED else opts.model)
             if opts.count
             else "",
             partition=partition,
@@ -339,20 +340,20 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         except ValueError as e:  # a bad c.GpuHub share: nothing is submitted, the trait is named
             self.log.error("gpuhub: %s", e)
             raise make_refusal(f"The hub's configuration is wrong: {e}", "gpuhub_config", 500) from None
-        except jobs.SlurmError as e:
+        except SlurmError as e:
             # slurmctld may still take the job (a user Slurm knows already): try, and say why
             # if it refuses; gpuhub's own admission has bounded the request either way
             self.log.warning("gpuhub: Slurm accounting not updated for %s: %s", self.user.name, e)
         text = await asyncio.to_thread(self.render_script, opts)
         self.log.debug("gpuhub: batch script of %s:\n%s", self.user.name, text)
-        argv = [*self._prefix(), *jobs.sbatch_argv(self.allocation_id)]
+        argv = [*self._prefix(), *commands.sbatch_argv(self.allocation_id)]
         self.log.info("gpuhub: submitting %s's server to Slurm: %s", self.user.name, " ".join(argv))
         env = self.get_env()
         if "SLURM_CONF" in os.environ:  # a cluster whose config is not in /etc/slurm
             env.setdefault("SLURM_CONF", os.environ["SLURM_CONF"])
         try:
             out = await self._sbatch(argv, text, env)
-        except jobs.SlurmError as e:
+        except SlurmError as e:
             if not self._accounting().enabled:
                 raise make_refusal(f"Slurm refused the job: {e}", "slurm_refused", 400) from None
             # what gpuhub remembered of the user's association may be stale (an operator's
@@ -364,9 +365,9 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             try:
                 await asyncio.to_thread(self._sync_account)
                 out = await self._sbatch(argv, text, env)
-            except jobs.SlurmError as e:
+            except SlurmError as e:
                 raise make_refusal(f"Slurm refused the job: {e}", "slurm_refused", 400) from None
-        self.job_id = jobs.parse_sbatch(out)
+        self.job_id = commands.parse_sbatch(out)
         self.watcher.track(self.job_id)
         self._save_state()  # a hub restarted while this job queues must know it
         if self.allocation_id:
@@ -396,7 +397,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
 
     async def _cancel_when_submitted(self, submitted) -> None:
         with contextlib.suppress(Exception):
-            job_id = jobs.parse_sbatch(await submitted)
+            job_id = commands.parse_sbatch(await submitted)
             self.log.info("gpuhub: cancelling job %s of %s: its spawn was cancelled", job_id, self.user.name)
             await run_command([*self._prefix(), "scancel", job_id], 30)
 
@@ -455,9 +456,9 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         """Write the GPUs Slurm gave the job. If Slurm cannot say right now, the server still
         counts as started and the watcher writes the GPUs at its next cycle."""
         try:
-            out = await run_command(jobs.job_detail_argv(self.job_id), 30)
-            gpus = jobs.parse_job_gpus_json(out, self.job_id)
-        except jobs.SlurmError as e:
+            out = await run_command(commands.job_detail_argv(self.job_id), 30)
+            gpus = squeue.parse_job_gpus_json(out, self.job_id)
+        except SlurmError as e:
             self.log.warning("gpuhub: GPUs of job %s not read yet (%s); the watcher will", self.job_id, e)
             return await super().mark_started(allocation)
         try:
@@ -466,7 +467,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             except LookupError:
                 await asyncio.to_thread(self.gpuhub.sync_inventory)
                 info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
-        except (LookupError, ValueError, jobs.SlurmError) as e:
+        except (LookupError, ValueError, SlurmError) as e:
             # the watcher records (or, over the admission, cancels) it at its next cycle
             self.log.warning("gpuhub: GPUs of job %s not recorded now: %s", self.job_id, e)
             return await super().mark_started(allocation)
@@ -513,7 +514,7 @@ def preview_script(config, user: str, gpus: int, model: str | None = None, parti
         try:
             cluster = read_cluster()
             partition = sp.default_partition or cluster.default_partition or ""
-        except jobs.SlurmError:
+        except SlurmError:
             partition = sp.default_partition
     if gpus:
         names.remove("CUDA_VISIBLE_DEVICES")  # Slurm sets it inside the job

@@ -28,7 +28,7 @@ moments ago that has not started yet is asked about sooner, at a tenth of its ag
 :func:`next_interval`). A failed query
 keeps the last known state and is only logged: a scheduler hiccup never declares a
 server dead. Spawners read the cache (:meth:`SlurmWatcher.job`) instead of running their
-own ``squeue``.
+own ``squeue``. The decisions themselves are pure, in :mod:`spawner.slurm.reconcile`.
 """
 
 from __future__ import annotations
@@ -39,125 +39,15 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
-from datetime import datetime, timedelta
 
 from traitlets import Float, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from spawner.policy.records import AllocationInfo
-from spawner.slurm import jobs
+from spawner.slurm import SlurmError, commands, squeue
+from spawner.slurm.reconcile import Action, next_interval, orphans, reconcile
 
 JOB_NAMES = ("gpuhub-server", "gpuhub-engines")
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str  # "record" (write the job's GPUs), "attach" (its job id), "release", "cancel"
-    allocation: AllocationInfo
-    job_id: str | None
-    reason: str = ""
-
-
-def reconcile(
-    allocations: Iterable[AllocationInfo],
-    listed: dict[str, jobs.JobInfo],
-    now: datetime,
-    never_submitted_after: timedelta = timedelta(minutes=5),
-) -> list[Action]:
-    """What the ledger must do given Slurm's answer. ``allocations``: live Slurm ones, read
-    before the query; ``listed``: the query's jobs; ``now``: the ledger's clock (naive UTC)."""
-    tagged: dict[int, jobs.JobInfo | None] = {}
-    for j in listed.values():
-        if j.allocation_id and not j.ended:  # two live jobs with one tag: attach neither
-            tagged[j.allocation_id] = None if j.allocation_id in tagged else j
-    actions = []
-    for a in allocations:
-        job = listed.get(a.backend_job_id) if a.backend_job_id else None
-        if a.backend_job_id is None:
-            found = tagged.get(a.id)
-            if found is not None and found.user == a.user:
-                # submitted, but its id never reached the ledger (a hub stopped, a cancelled spawn)
-                actions.append(Action("attach", a, found.job_id, "found by its gpuhub tag"))
-            elif now - a.created > never_submitted_after:
-                actions.append(
-                    Action("release", a, None, "never reached Slurm (hub stopped while submitting)")
-                )
-        elif job is None:
-            actions.append(Action("release", a, a.backend_job_id, f"Slurm job {a.backend_job_id} is gone"))
-        elif job.ended:
-            actions.append(
-                Action("release", a, job.job_id, f"Slurm job {job.job_id} ended ({job.state.lower()})")
-            )
-        elif job.running and len(a.gpus) < a.gpu_count and job.user == a.user:
-            actions.append(Action("record", a, job.job_id))
-    return actions
-
-
-def next_interval(
-    previous: float,
-    changed: bool,
-    waiting: bool,
-    starting_ages: Iterable[float],
-    min_interval: float,
-    max_interval: float,
-    start_interval: float,
-) -> float:
-    """The pause before the next ``squeue``. ``previous``: the last pause; ``changed``: the
-    last answer changed something; ``waiting``: a spawner waits for an answer;
-    ``starting_ages``: seconds since each tracked job that has not started yet was submitted.
-
-    The usual rule is ``min_interval``, doubling up to ``max_interval`` while nothing changes.
-    A job not started yet is asked about at a tenth of its age, from ``start_interval`` up to
-    ``min_interval``: polling is fast in the second after a submit, when a free cluster
-    starts the job, and no faster than usual for a job that queues."""
-    usual = min_interval if changed or waiting else min(max_interval, previous * 2)
-    ages = list(starting_ages)
-    if not ages:
-        return usual
-    return min(usual, max(start_interval, min(min_interval, 0.1 * min(ages))))
-
-
-def orphans(
-    live: Iterable[AllocationInfo],
-    others: Iterable[AllocationInfo],
-    listed: dict[str, jobs.JobInfo],
-    now: datetime,
-    recent: timedelta = timedelta(days=1),
-) -> list[Action]:
-    """gpuhub jobs still in Slurm that no live allocation accounts for: cancel them.
-
-    ``live``: live Slurm allocations; ``others``: released ones, found by the jobs' ids or
-    tags. A job is cancelled when its allocation was released (recently: job ids wrap
-    around), or when its tag names a live allocation that runs another job. Only jobs of
-    the allocation's own user are touched.
-    """
-    live = {a.id: a for a in live}
-    by_job = {a.backend_job_id: a for a in others if a.backend_job_id}
-    by_id = {a.id: a for a in others}
-    out = []
-    for job in listed.values():
-        if job.ended or job.state == "COMPLETING":
-            continue  # ending already: cancelling again changes nothing
-        a = by_job.get(job.job_id)
-        if a is not None and a.user == job.user and a.ended and now - a.ended < recent:
-            out.append(Action("cancel", a, job.job_id, f"its allocation was released ({a.end_reason})"))
-            continue
-        tag = job.allocation_id
-        if tag is None:
-            continue
-        owner = live.get(tag)
-        if owner is not None:
-            if owner.user == job.user and owner.backend_job_id not in (None, job.job_id):
-                out.append(
-                    Action("cancel", owner, job.job_id, f"allocation {tag} runs job {owner.backend_job_id}")
-                )
-            continue
-        a = by_id.get(tag)
-        if a is not None and a.user == job.user and not a.active:
-            out.append(Action("cancel", a, job.job_id, f"its allocation was released ({a.end_reason})"))
-    return out
 
 
 def _name(argv: list[str]) -> str:
@@ -169,7 +59,7 @@ def _name(argv: list[str]) -> str:
 
 
 async def run_command(argv: list[str], timeout: float, input: str | None = None, env=None) -> str:
-    """Run ``argv`` (no shell); its stdout, or :class:`jobs.SlurmError` with its stderr."""
+    """Run ``argv`` (no shell); its stdout, or :class:`SlurmError` with its stderr."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -179,7 +69,7 @@ async def run_command(argv: list[str], timeout: float, input: str | None = None,
             env=env,
         )
     except OSError as e:
-        raise jobs.SlurmError(f"cannot run {argv[0]}: {e}") from None
+        raise SlurmError(f"cannot run {argv[0]}: {e}") from None
     try:
         out, err = await asyncio.wait_for(
             proc.communicate(input.encode() if input is not None else None), timeout
@@ -187,12 +77,12 @@ async def run_command(argv: list[str], timeout: float, input: str | None = None,
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        raise jobs.SlurmError(f"{_name(argv)} took longer than {timeout:g} s") from None
+        raise SlurmError(f"{_name(argv)} took longer than {timeout:g} s") from None
     except asyncio.CancelledError:
         proc.kill()
         raise
     if proc.returncode != 0:
-        raise jobs.SlurmError(
+        raise SlurmError(
             f"{_name(argv)} failed (exit {proc.returncode}): {err.decode(errors='replace').strip()[-500:]}"
         )
     return out.decode(errors="replace")
@@ -250,7 +140,7 @@ class SlurmWatcher(LoggingConfigurable):
         super().__init__(**kw)
         self._ledger_factory = ledger_factory
         self._resync = resync  # re-reads the inventory when Slurm names a GPU the ledger lacks
-        self.jobs: dict[str, jobs.JobInfo] = {}
+        self.jobs: dict[str, squeue.JobInfo] = {}
         self.positions: dict[str, tuple[int, int, str]] = {}  # pending gpuhub jobs in their queues
         self.last_ok = 0.0  # monotonic start of the last successful query
         self.failures = 0
@@ -287,7 +177,7 @@ class SlurmWatcher(LoggingConfigurable):
         self.start()
         self._wake.set()
 
-    def job(self, job_id: str) -> tuple[str, jobs.JobInfo | None]:
+    def job(self, job_id: str) -> tuple[str, squeue.JobInfo | None]:
         """``("known", info)``, ``("gone", None)`` when a query that began after the job was
         tracked did not list it, or ``("unknown", None)`` while Slurm has not answered since."""
         job_id = str(job_id)
@@ -355,7 +245,7 @@ class SlurmWatcher(LoggingConfigurable):
         started = time.monotonic()
         try:
             listing = await self.read_jobs()
-        except jobs.SlurmError as e:
+        except SlurmError as e:
             self.failures += 1
             self.log.warning("gpuhub Slurm watcher: squeue failed (%s); keeping the last known state", e)
             return False
@@ -371,7 +261,7 @@ class SlurmWatcher(LoggingConfigurable):
         # each waiting gpuhub job's place among everyone's jobs waiting for its partition, by
         # Slurm's priority: from this same answer (squeue --json lists the whole cluster);
         # the text fallback carries no queue, so no position is shown there
-        self.positions = jobs.queue_positions(
+        self.positions = squeue.queue_positions(
             listing.queue, [j for j, info in listed.items() if info.pending]
         )
         now = ledger.clock()
@@ -396,14 +286,14 @@ class SlurmWatcher(LoggingConfigurable):
                 )
         return changed
 
-    async def read_jobs(self) -> jobs.Listing:
+    async def read_jobs(self) -> squeue.Listing:
         """gpuhub's jobs as Slurm lists them now: ``squeue --json``, or, only where this
         squeue has no JSON (found out once), the text form with a token of its own."""
         if self._json is not False:
             try:
-                out = await run_command(jobs.squeue_json_argv(), self.command_timeout)
-            except jobs.SlurmError as e:
-                if self._json is not None or not jobs.json_unsupported(str(e)):
+                out = await run_command(commands.squeue_json_argv(), self.command_timeout)
+            except SlurmError as e:
+                if self._json is not None or not squeue.json_unsupported(str(e)):
                     raise
                 self._json = False
                 self.log.warning(
@@ -413,16 +303,16 @@ class SlurmWatcher(LoggingConfigurable):
                 )
             else:
                 self._json = True
-                return jobs.parse_squeue_json(out, self.job_names)
-        fmt = jobs.TextFormat.new()
+                return squeue.parse_squeue_json(out, self.job_names)
+        fmt = squeue.TextFormat.new()
         out = await run_command(
-            jobs.squeue_text_argv(self.job_names),
+            commands.squeue_text_argv(self.job_names),
             self.command_timeout,
-            env=jobs.squeue_text_env(fmt, dict(os.environ)),
+            env=commands.squeue_text_env(fmt, dict(os.environ)),
         )
-        return jobs.parse_squeue_text(out, fmt, self.job_names)
+        return squeue.parse_squeue_text(out, fmt, self.job_names)
 
-    def _log_problems(self, listing: jobs.Listing) -> None:
+    def _log_problems(self, listing: squeue.Listing) -> None:
         """Each skipped job once while it stays the same (not at every cycle)."""
         if listing.problems != self._problems:
             for problem in listing.problems:
@@ -440,10 +330,10 @@ class SlurmWatcher(LoggingConfigurable):
         job_id = str(job_id)
         try:
             listing = await self.read_jobs()
-        except jobs.SlurmError as e:
+        except SlurmError as e:
             why = f"Slurm could not be asked again ({e})"
         else:
-            why = jobs.cancel_refusal(listing, job_id, allocation.user, allocation.id, self.job_names)
+            why = commands.cancel_refusal(listing, job_id, allocation.user, allocation.id, self.job_names)
         if why is not None:
             once = (job_id, why) not in self.refused  # a warning once, then at each cycle in debug
             if once:
@@ -457,7 +347,7 @@ class SlurmWatcher(LoggingConfigurable):
         job = listing.jobs[job_id]
         self.log.info("gpuhub: cancelling Slurm job %s of %s: %s", job_id, job.user, reason)
         self.cancelled.append(job_id)
-        await run_command(jobs.scancel_argv(self.cancel_prefix(job.user), job), self.command_timeout)
+        await run_command(commands.scancel_argv(self.cancel_prefix(job.user), job), self.command_timeout)
         return True
 
     @staticmethod
@@ -478,15 +368,15 @@ class SlurmWatcher(LoggingConfigurable):
             if self._json:  # this cycle's listing has the job's gres_detail already
                 gpus = list(self.jobs[action.job_id].gpus)
             else:
-                out = await run_command(jobs.job_detail_argv(action.job_id), self.command_timeout)
-                gpus = jobs.parse_job_gpus_json(out, action.job_id)
+                out = await run_command(commands.job_detail_argv(action.job_id), self.command_timeout)
+                gpus = squeue.parse_job_gpus_json(out, action.job_id)
             if len(gpus) > a.gpu_count:  # more than was admitted: over the user's limit
                 reason = f"Slurm job {action.job_id} holds {len(gpus)} GPUs, {a.gpu_count} were admitted"
                 if await self.cancel(a, action.job_id, reason):
                     await asyncio.to_thread(ledger.release, a.id, reason)
                 return
             if len(gpus) < a.gpu_count:
-                raise jobs.SlurmError(f"job {action.job_id} shows {len(gpus)} GPUs, {a.gpu_count} asked for")
+                raise SlurmError(f"job {action.job_id} shows {len(gpus)} GPUs, {a.gpu_count} asked for")
             try:
                 info, released = await asyncio.to_thread(ledger.record_gpus, a.id, gpus, action.job_id)
             except LookupError:

@@ -1,9 +1,8 @@
-"""What Slurm prints, parsed; what gpuhub asks Slurm, as argument lists. No I/O here.
+"""What ``squeue`` prints, parsed: gpuhub's jobs (:class:`Listing`) and where each
+waits in Slurm's queue (:func:`queue_positions`). No I/O here.
 
 Formats relied on (Slurm 22.05 and later):
 
-- ``sinfo -h -N -o '%N|%G|%P|%T'``: one line per node and partition, e.g.
-  ``gpu-node1|gpu:a100:4(S:0)|gpu*|idle`` (``*`` marks the default partition).
 - ``squeue --json``: every job slurmctld knows (22.05 ignores ``-j``, ``--name`` and ``-t``
   with ``--json``: gpuhub filters by job name itself). Per job: ``job_id``, ``job_state``,
   ``user_name``, ``name``, ``comment`` (where gpuhub tags each job with its allocation,
@@ -30,12 +29,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from spawner.policy.placement import Gpu
+from spawner.slurm import SlurmError
+from spawner.slurm.sinfo import expand_hostlist, parse_index_list
 
-SINFO_FORMAT = "%N|%G|%P|%T"
-# waiting for resources (or held): no GPUs yet
 TAG = re.compile(r"gpuhub:([1-9][0-9]{0,17})", re.ASCII)
-
+# waiting for resources (or held): no GPUs yet
 PENDING_STATES = frozenset(
     {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD",
      "POWER_UP_NODE"}
@@ -44,125 +42,6 @@ PENDING_STATES = frozenset(
 RUNNING_STATES = frozenset(
     {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "SUSPENDED", "STOPPED", "RESIZING"}
 )
-
-
-class SlurmError(RuntimeError):
-    """A Slurm command failed or printed something gpuhub cannot read."""
-
-
-def expand_hostlist(expr: str) -> list[str]:
-    """``gpu-node[1-2,4],login01`` to its host names (Slurm's hostlist syntax, zero padding kept)."""
-    hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", expr.strip()):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for item in ranges.split(","):
-            lo, _, hi = item.partition("-")
-            width = len(lo)
-            for n in range(int(lo), int(hi or lo) + 1):
-                for rest in expand_hostlist(suffix) if "[" in suffix else [suffix]:
-                    hosts.append(f"{prefix}{n:0{width}d}{rest}")
-    return hosts
-
-
-def parse_index_list(text: str) -> list[int]:
-    """``0-1,3`` to ``[0, 1, 3]``."""
-    out: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        lo, _, hi = item.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-# nodes and GPUs --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GresEntry:
-    type: str | None  # "a100", or None for untyped GPUs
-    count: int
-
-
-def parse_gres(text: str) -> list[GresEntry]:
-    """The GPU entries of a node's GRES string: ``gpu:a100:4(S:0),gpu:2`` -> entries in order."""
-    out = []
-    for item in re.split(r",(?![^(]*\))", text or ""):
-        item = re.sub(r"\(.*\)$", "", item.strip())
-        fields = item.split(":")
-        if fields[0] != "gpu" or len(fields) < 2:
-            continue
-        count = fields[-1]
-        if not count.isdigit():
-            continue
-        out.append(GresEntry(fields[1] if len(fields) == 3 else None, int(count)))
-    return out
-
-
-@dataclass(frozen=True)
-class SlurmNode:
-    name: str
-    gres: tuple[GresEntry, ...]
-    partitions: tuple[str, ...]
-    state: str
-
-    def gpus(self, untyped_model: str = "GPU") -> list[Gpu]:
-        """The node's GPUs, indexed as Slurm indexes them (gres.conf order, from 0)."""
-        out, index = [], 0
-        for entry in self.gres:
-            for _ in range(entry.count):
-                out.append(Gpu(self.name, index, entry.type or untyped_model))
-                index += 1
-        return out
-
-
-@dataclass(frozen=True)
-class Cluster:
-    nodes: tuple[SlurmNode, ...]
-    partitions: tuple[str, ...]  # the default partition first, then by name
-    default_partition: str | None
-
-    def partition_nodes(self, partition: str) -> set[str]:
-        return {n.name for n in self.nodes if partition in n.partitions}
-
-    def inventory(self, untyped_model: str = "GPU") -> list[Gpu]:
-        return [g for n in self.nodes for g in n.gpus(untyped_model)]
-
-
-def parse_sinfo(text: str) -> Cluster:
-    nodes: dict[str, dict] = {}
-    partitions: list[str] = []
-    default = None
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        fields = line.split("|")
-        if len(fields) != 4:
-            raise SlurmError(f"unexpected sinfo line: {line!r}")
-        name, gres, partition, state = (f.strip() for f in fields)
-        if partition.endswith("*"):
-            partition = partition[:-1]
-            default = partition
-        if partition not in partitions:
-            partitions.append(partition)
-        node = nodes.setdefault(name, {"gres": tuple(parse_gres(gres)), "partitions": [], "state": state})
-        node["partitions"].append(partition)
-    return Cluster(
-        nodes=tuple(
-            SlurmNode(name, d["gres"], tuple(d["partitions"]), d["state"].rstrip("*~#$@+^-"))
-            for name, d in sorted(nodes.items())
-        ),
-        partitions=tuple(sorted(partitions, key=lambda p: (p != default, p))),
-        default_partition=default,
-    )
-
-
-# jobs -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -515,16 +394,6 @@ class TextFormat:
         return self.record + self.sep.join(TEXT_FIELDS) + self.end
 
 
-def squeue_text_argv(names: Iterable[str]) -> list[str]:
-    """Every gpuhub job in one call (recently ended ones too, for their final state); the
-    format goes in the environment (``squeue_text_env``), where other users cannot read it."""
-    return ["squeue", "-h", "-a", "-t", "all", "--name", ",".join(sorted(names))]
-
-
-def squeue_text_env(fmt: TextFormat, base: dict[str, str]) -> dict[str, str]:
-    return {**base, "SQUEUE_FORMAT": fmt.format}
-
-
 def parse_squeue_text(text: str, fmt: TextFormat, names: Iterable[str]) -> Listing:
     """gpuhub's jobs from the text fallback. A record is ``RECORD f1 SEP f2 ... SEP f8 END``;
     a record that does not have exactly that shape, or whose fields hold a newline, a ``|``
@@ -577,82 +446,3 @@ def parse_squeue_text(text: str, fmt: TextFormat, names: Iterable[str]) -> Listi
             continue
         found[job_id] = info
     return Listing(found, frozenset(unreadable), tuple(problems))
-
-
-# before a cancel ------------------------------------------------------------------------
-
-
-def cancel_refusal(
-    listing: Listing, job_id: str, user: str, allocation_id: int, names: Iterable[str]
-) -> str | None:
-    """Why job ``job_id`` must not be cancelled for ``user``'s allocation ``allocation_id``
-    (read again just before): None when Slurm lists it, readable, of that user, with one of
-    gpuhub's names, tagged with that allocation and not ended."""
-    job_id = str(job_id)
-    if job_id in listing.unreadable:
-        return f"Slurm's listing of job {job_id} cannot be read"
-    job = listing.jobs.get(job_id)
-    if job is None:
-        return f"Slurm does not list job {job_id} as one of gpuhub's"
-    if job.user != user:
-        return f"job {job_id} belongs to {job.user!r}, allocation {allocation_id} to {user!r}"
-    if job.name not in frozenset(names):
-        return f"job {job_id} is named {job.name!r}, not one of gpuhub's"
-    if job.allocation_id != allocation_id:
-        tag = f"allocation {job.allocation_id}" if job.allocation_id else "no gpuhub allocation"
-        return f"job {job_id}'s comment names {tag}, not allocation {allocation_id}"
-    if job.ended:
-        return f"job {job_id} ended already ({job.state.lower()})"
-    return None
-
-
-def scancel_argv(prefix: list[str], job: JobInfo) -> list[str]:
-    """``scancel`` of one job, run through ``prefix`` (``sudo -E -u OWNER``: Slurm itself
-    refuses another user's job) and filtered by the job's owner and name as well (scancel
-    signals only jobs that match every filter)."""
-    return [*prefix, "scancel", f"--user={job.user}", f"--name={job.name}", str(job.job_id)]
-
-
-def gres_request(count: int, model: str | None) -> str:
-    """``--gres`` value: ``gpu:a100:2``, or ``gpu:2`` for any type."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"a GPU job needs a count of 1 or more; got {count!r}")
-    if model is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", model):
-        raise ValueError(f"not a Slurm GPU type: {model!r}")
-    return f"gpu:{model}:{count}" if model else f"gpu:{count}"
-
-
-# commands -------------------------------------------------------------------------------
-
-
-def squeue_json_argv() -> list[str]:
-    """Every job as JSON (``parse_squeue_json``); 22.05 ignores filters with ``--json``."""
-    return ["squeue", "--json", "-a"]
-
-
-def sinfo_argv() -> list[str]:
-    return ["sinfo", "-h", "-a", "-N", "-o", SINFO_FORMAT]
-
-
-def sbatch_argv(allocation_id: int) -> list[str]:
-    """sbatch for gpuhub's jobs: never requeued (a requeued job would come back on other
-    GPUs), and tagged with the ledger allocation, on the command line so that an admin's own
-    template cannot drop them."""
-    return ["sbatch", "--parsable", "--no-requeue", f"--comment=gpuhub:{int(allocation_id)}"]
-
-
-def job_detail_argv(job_id: str) -> list[str]:
-    """The job's GPUs as JSON (``parse_job_gpus_json``). Slurm 22.05 lists every job with
-    ``--json`` whatever the filters say; the filters cut the answer where Slurm honours them."""
-    return ["squeue", "--json", "-a", "-t", "all", "-j", str(job_id)]
-
-
-def parse_sbatch(output: str) -> str:
-    """``sbatch --parsable`` prints ``ID`` or ``ID;cluster``; anything else is an error."""
-    lines = [line for line in output.strip().splitlines() if line.strip()]
-    if not lines:
-        raise SlurmError("sbatch printed no job id")
-    job_id = lines[-1].split(";")[0].strip()
-    if not job_id.isdigit():
-        raise SlurmError(f"sbatch printed no job id: {output.strip()[-200:]!r}")
-    return job_id
