@@ -8,7 +8,6 @@ same file.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -20,7 +19,6 @@ from spawner.policy import values
 from spawner.policy.borrowing import BorrowRules, allowance_problem
 from spawner.policy.fairshare import Shares, Weights, share_problem
 from spawner.policy.limits import DEFAULT_WINDOW_HOURS, Limit, LimitRules, parse_limit_field
-from spawner.policy.placement import Gpu
 from spawner.policy.scoped import Scoped, checked
 from spawner.spawners import inventory
 
@@ -396,28 +394,9 @@ class GpuHub(Configurable):
             half_life_hours=self.fairshare_half_life_hours,
         )
 
-    def read_inventory(self) -> tuple[Gpu, ...]:
-        if self.inventory == "simulated":
-            return inventory.parse_simulated(self.simulated_gpus)
-        if self.inventory == "slurm":
-            from spawner.slurm.cluster import read_cluster
-
-            return tuple(read_cluster(max_age=0).inventory())
-        return inventory.nvml_gpus(self.node_name or socket.gethostname())
-
-    def local_nodes(self) -> set[str]:
-        """The ledger nodes this inventory speaks for (a Slurm hub: every node of the cluster)."""
-        if self.inventory == "simulated":
-            return {g.node for g in inventory.parse_simulated(self.simulated_gpus)}
-        if self.inventory == "slurm":
-            from spawner.slurm.cluster import read_cluster
-
-            return {n.name for n in read_cluster().nodes}
-        return {self.node_name or socket.gethostname()}
-
     def sync_inventory(self) -> None:
         """Read the inventory again and write it to the ledger (a node joined the cluster)."""
-        self.open_ledger(sync=False).sync_inventory(self.read_inventory(), nodes=self.local_nodes())
+        inventory.sync(self.open_ledger(sync=False), self)
 
     def open_ledger(self, sync: bool = True) -> Ledger:
         """The process's ledger for ``db_url``, opened (and synced) once per process.
@@ -435,6 +414,6 @@ class GpuHub(Configurable):
             )
             _LEDGERS[self.db_url] = ledger
         if sync and self.db_url not in _SYNCED:  # opened unsynced first (a page): sync now
-            ledger.sync_inventory(self.read_inventory(), nodes=self.local_nodes())
+            inventory.sync(ledger, self)
             _SYNCED.add(self.db_url)
         return ledger

@@ -1,17 +1,23 @@
-"""Where the GPUs come from: NVML on a real GPU server, or a simulated list.
+"""Where the GPUs come from: NVML on a real GPU server, a simulated list, or a Slurm cluster.
 
-``simulated_gpus`` and ``nvml_gpus`` return :class:`spawner.policy.limits.Gpu` tuples; the ledger
-is synced from them when the hub starts (``Ledger.sync_inventory``), which keeps every
-existing allocation.
+``SOURCES`` holds one :class:`Source` per ``c.GpuHub.inventory``; :func:`read_inventory` and
+:func:`local_nodes` ask the configured one. ``parse_simulated`` and ``nvml_gpus`` return
+:class:`spawner.policy.placement.Gpu` tuples; the ledger is synced from them when the hub starts
+(``Ledger.sync_inventory``), which keeps every existing allocation.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from spawner.policy.placement import Gpu
+
+if TYPE_CHECKING:
+    from spawner.ledger import Ledger
+    from spawner.settings import GpuHub
 
 
 class InventoryError(RuntimeError):
@@ -101,3 +107,52 @@ def nvml_gpus(node: str | None = None, nvml: Any = None) -> tuple[Gpu, ...]:
         return checked(gpus)
     finally:
         nvml.nvmlShutdown()
+
+
+@dataclass(frozen=True)
+class Source:
+    """One kind of inventory: its GPUs, and the ledger nodes it speaks for."""
+
+    gpus: Callable[[GpuHub], tuple[Gpu, ...]]
+    nodes: Callable[[GpuHub], set[str]]
+
+
+def _host(settings: GpuHub) -> str:
+    return settings.node_name or socket.gethostname()
+
+
+def _slurm_gpus(settings: GpuHub) -> tuple[Gpu, ...]:
+    from spawner.slurm.cluster import read_cluster
+
+    return tuple(read_cluster(max_age=0).inventory())
+
+
+def _slurm_nodes(settings: GpuHub) -> set[str]:
+    from spawner.slurm.cluster import read_cluster
+
+    return {n.name for n in read_cluster().nodes}
+
+
+SOURCES: dict[str, Source] = {
+    "nvml": Source(gpus=lambda s: nvml_gpus(_host(s)), nodes=lambda s: {_host(s)}),
+    "simulated": Source(
+        gpus=lambda s: parse_simulated(s.simulated_gpus),
+        nodes=lambda s: {g.node for g in parse_simulated(s.simulated_gpus)},
+    ),
+    "slurm": Source(gpus=_slurm_gpus, nodes=_slurm_nodes),
+}
+
+
+def read_inventory(settings: GpuHub) -> tuple[Gpu, ...]:
+    """The GPUs of ``c.GpuHub.inventory``."""
+    return SOURCES[settings.inventory].gpus(settings)
+
+
+def local_nodes(settings: GpuHub) -> set[str]:
+    """The ledger nodes this inventory speaks for (a Slurm hub: every node of the cluster)."""
+    return SOURCES[settings.inventory].nodes(settings)
+
+
+def sync(ledger: Ledger, settings: GpuHub) -> None:
+    """Write this inventory to ``ledger``: its nodes' GPUs; GPUs other machines reported stay."""
+    ledger.sync_inventory(read_inventory(settings), nodes=local_nodes(settings))

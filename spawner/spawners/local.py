@@ -24,6 +24,7 @@ from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
 from gpu_magics.common.procs import alive as pid_alive
 from spawner.ledger import Ledger
 from spawner.policy.records import AllocationInfo
+from spawner.spawners import inventory
 from spawner.spawners.base import GpuSpawnerMixin
 
 PROCESS_STARTED = time.time()
@@ -71,7 +72,7 @@ class LocalGpuMixin(GpuSpawnerMixin):
         return str(self.pid) if getattr(self, "pid", 0) else None
 
     def placement_nodes(self) -> set[str]:
-        return self.gpuhub.local_nodes()  # a local server runs here: GPUs of this machine
+        return inventory.local_nodes(self.gpuhub)  # a local server runs here: GPUs of this machine
 
     async def server_alive(self) -> bool:
         return bool(getattr(self, "pid", 0)) and pid_alive(self.pid)
@@ -87,7 +88,7 @@ class LocalGpuMixin(GpuSpawnerMixin):
         if ledger.url not in _reconciled:
             with _reconcile_lock:
                 if ledger.url not in _reconciled:
-                    reconcile_local(ledger, self.gpuhub.local_nodes(), self.log)
+                    reconcile_local(ledger, inventory.local_nodes(self.gpuhub), self.log)
                     _reconciled.add(ledger.url)
         return ledger
 
