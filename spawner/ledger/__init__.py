@@ -12,14 +12,34 @@ Limits come from two places: the ``c.GpuHub.*_limit(s)`` traits and the rows an 
 writes with ``gpuhub limits set``. A row in the database wins over the trait for the same
 key (default, one group, one user); ``gpuhub limits unset`` returns that key to the trait.
 
-The ledger is one class, :class:`Ledger`, made of parts, one module each: ``base`` (the
-database and transactions), ``combine``, ``inventory``, ``limits``, ``allocations`` (admission),
-``queue`` (waiting for GPUs), ``lending`` and ``takeback`` (borrowing, notices), ``usage`` and
-``spawner.ledger.reclaims``.
+The ledger is one class, :class:`Ledger`, made of parts, one module each. The parts call
+one another through ``self``; what one part offers the others, and who owns it:
+
+- ``transactions`` (``LedgerBase``): the database, ``_tx`` (a writing transaction), ``_read``,
+  ``_end``/``_end_row`` (an allocation ends), ``_active``/``_live_infos`` (the live ones);
+  ``combine`` (``CombinedWrites``): ``_write`` (a write that may share its turn).
+- ``admission`` (``AdmissionRecords``): ``allowance``, ``allocate``, ``request``, and for the
+  other parts ``holdings_in`` (what counts against a limit), ``grant_in`` (a queue entry's
+  turn) and ``book_in`` (every allocation is written there).
+- ``allocations`` (``AllocationRecords``): an allocation's life after admission, and
+  ``_expire`` (leases run out; every writer calls it first).
+- ``queue`` (``QueueRecords``): waiting; ``_scene`` (the queue's order and plan),
+  ``_live_waiting``/``_end_stale`` (entries that still wait).
+- ``borrowing`` (``LendingRecords``): ``borrow_allowance``, ``borrowed_part_in`` and
+  ``borrow_now_in`` (admission beyond the limit), notices, ``_preempt_reason``;
+  ``borrowing_reads`` (``LendingReads``): what the pages show of it.
+- ``takeback`` (``TakeBackRecords``): settling notices, ``_withdraw_unwanted``.
+- ``limits`` (``LimitRecords``): ``_rules`` (the limits in force).
+- ``gpus`` (``InventoryRecords``): ``_inventory``, ``_free``, ``_present`` (the GPUs).
+- ``usage`` (``UsageRecords``) and ``reclaims`` (``ReclaimRecords``: ``_reclaim_reason``,
+  ``_undo_if_used``).
+
+The records they answer with are :mod:`spawner.policy.records`'s.
 """
 
 from __future__ import annotations
 
+from spawner.ledger.admission import AdmissionRecords
 from spawner.ledger.allocations import AllocationRecords
 from spawner.ledger.borrowing import LendingRecords
 from spawner.ledger.borrowing_reads import LendingReads
@@ -35,6 +55,7 @@ __all__ = ["BorrowSettings", "Ledger", "QueueSettings", "utcnow"]
 
 
 class Ledger(
+    AdmissionRecords,
     AllocationRecords,
     QueueRecords,
     LendingRecords,

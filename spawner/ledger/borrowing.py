@@ -23,7 +23,7 @@ from spawner.ledger.models import Allocation, Preemption, QueueEntry, has_borrow
 from spawner.ledger.queue import _nodes
 from spawner.ledger.transactions import _gpu
 from spawner.policy import borrowing
-from spawner.policy.records import Admission, PreemptionInfo
+from spawner.policy.records import Admission, AllocationRequest, PreemptionInfo
 
 
 def select_due(now: datetime):
@@ -68,16 +68,21 @@ def _standing(a: Allocation) -> Preemption | None:
 
 
 class LendingRecords:
-    """Methods of the Ledger (it provides ``_tx``, ``_read``, ``_active``, ``_scene``,
-    ``_free``, ``_inventory``, ``_book``, ``_end_stale``, ``clock``)."""
+    """Borrowing beyond the limit (for admission: ``borrow_allowance``, ``borrowed_part_in``,
+    ``borrow_now_in``) and notices for the queue's head.
 
-    def _allowance(self, user: str, groups: Iterable[str]) -> tuple[int, str]:
+    Uses ``_tx``/``_read``/``_active`` (``LedgerBase``), ``_scene``/``_end_stale``
+    (``QueueRecords``), ``_free``/``_inventory`` (``InventoryRecords``), ``_expire``
+    (``AllocationRecords``), ``book_in`` (``AdmissionRecords``)."""
+
+    def borrow_allowance(self, user: str, groups: Iterable[str]) -> tuple[int, str]:
+        """GPUs the user may hold beyond the limit, and where that allowance comes from."""
         return borrowing.effective_borrow(user, groups, self.borrow_settings.rules)
 
-    def _borrowed_part(self, s: Session, user, groups, eff, holdings, count: int) -> int:
+    def borrowed_part_in(self, s: Session, user, groups, eff, holdings, count: int) -> int:
         """GPUs of a request beyond the limit (0: within it), or a refusal beyond the allowance."""
         # ``holdings.held`` is what counts against the limit (borrowed GPUs left out)
-        allowance, source = self._allowance(user, groups)
+        allowance, source = self.borrow_allowance(user, groups)
         max_gpus = eff.limit.max_gpus
         if not allowance or max_gpus is None or holdings.held + count <= max_gpus:
             return 0
@@ -95,21 +100,19 @@ class LendingRecords:
             )
         return got.borrowed
 
-    def _borrow_now(
+    def borrow_now_in(
         self,
         s: Session,
-        *,
-        user,
-        request,
+        req: AllocationRequest,
+        request: policy.Request,
         free,
         inventory,
-        purpose,
-        server_name,
-        backend,
-        lease_seconds,
-        borrowed,
-        within,
+        *,
+        borrowed: int,
+        within: int,
     ) -> Admission:
+        """Book a request beyond the limit (``borrowed`` GPUs of it) on GPUs free now, or refuse
+        it: GPUs are lent only while nobody waits (it never queues)."""
         now = self.clock()
         self._end_stale(s, now)
         quiet = now - timedelta(seconds=self.queue_settings.keepalive_seconds)
@@ -134,19 +137,7 @@ class LendingRecords:
                 reason="no_borrowing",
                 fits=fits,
             )
-        booked = self._book(
-            s,
-            user=user,
-            purpose=purpose,
-            server_name=server_name,
-            count=request.count,
-            chosen=placed,
-            backend=backend,
-            lease_seconds=lease_seconds,
-            now=now,
-            borrowed=borrowed,
-        )
-        return Admission(allocation=booked)
+        return Admission(allocation=self.book_in(s, req, placed, now=now, borrowed=borrowed))
 
     # taking back ------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ only a live waiter is ever given GPUs (nothing is booked for a spawn that is gon
 head starts within one poll of its GPUs freeing, and no entry is granted out of the
 policy's order: a grant is the plan's, computed under the ledger's write lock.
 
-A direct :meth:`allocate` goes through the same plan: it gets GPUs only where a new entry
-would start at once, so nobody passes the queue by not joining it.
+A direct :meth:`allocate` goes through the same plan (``spawner/ledger/admission.py``): it gets
+GPUs only where a new entry would start at once, so nobody passes the queue by not joining it.
 
 Entries end (state ``left``, with the reason) when their waiter leaves (stop button,
 Ctrl-C), when nobody asked about them for ``queue_keepalive_seconds`` (the spawn was lost
@@ -32,7 +32,7 @@ from spawner.ledger.models import Allocation, KnownUser, Preemption, QueueEntry,
 from spawner.ledger.transactions import _gpu, _info
 from spawner.policy import fairshare
 from spawner.policy import schedule as queueplan
-from spawner.policy.records import Admission, AllocationInfo, QueueInfo
+from spawner.policy.records import Admission, QueueInfo
 
 NEW = 2**63 - 1  # the id a request not yet in the queue has in the plan (last on ties: it asked last)
 HISTORY_DAYS = 30  # run lengths are read from allocations ended this recently
@@ -49,7 +49,7 @@ def _groups(text: str) -> list[str]:
     return [g for g in text.split(",") if g]
 
 
-def _entry_info(e: QueueEntry) -> QueueInfo:
+def entry_info(e: QueueEntry) -> QueueInfo:
     return QueueInfo(
         id=e.id,
         user=e.user,
@@ -90,8 +90,12 @@ class _Scene:
 
 
 class QueueRecords:
-    """Methods of the Ledger (it provides ``_tx``, ``_read``, ``_rules``, ``_inventory``,
-    ``_free``, ``_active``, ``_holdings``, ``_expire``, ``_book``, ``clock``)."""
+    """The queue's scene, a waiter's turn, leaving and reordering, and the queue's reads.
+
+    Uses ``_tx``/``_read``/``_active``/``_generation`` (``LedgerBase``), ``_rules``
+    (``LimitRecords``), ``_inventory``/``_free`` (``InventoryRecords``), ``_expire``
+    (``AllocationRecords``), ``holdings_in``/``grant_in`` (``AdmissionRecords``). Admission
+    calls ``_live_waiting`` and ``_scene``; borrowing and taking back call ``_end_stale``."""
 
     # the scene ------------------------------------------------------------------------
 
@@ -260,34 +264,6 @@ class QueueRecords:
 
     # asking ----------------------------------------------------------------------------
 
-    def _check_limit_with_waiting(self, s, request, eff, held: int, waiting: int) -> None:
-        room = policy.remaining(eff, policy.Holdings(held=held + waiting))
-        if waiting and room is not None and request.count > room:
-            raise policy.Refusal(
-                f"You asked for {request.count} GPU(s), but you hold {held} and already wait for "
-                f"{waiting} of {policy.describe_limit(eff)}. Leave the other wait, or ask for "
-                f"{room} or fewer.",
-                reason="over_limit",
-                fits=room,
-            )
-
-    def _grant(self, s: Session, e: QueueEntry, gpus, now: datetime, ahead_of=()) -> AllocationInfo:
-        booked = self._book(
-            s,
-            user=e.user,
-            purpose=e.purpose,
-            server_name=e.server_name,
-            count=e.gpu_count,
-            chosen=gpus,
-            backend=e.backend,
-            lease_seconds=e.lease_seconds,
-            now=now,
-            backfill_for=ahead_of,
-        )
-        e.state, e.ended, e.allocation_id = "granted", now, booked.id
-        e.end_reason = f"started after {(now - e.created).total_seconds():.0f} s"
-        return booked
-
     def resume_waiting(self) -> int:
         """The broker is back: every waiting entry counts as asked about now (how many).
 
@@ -318,7 +294,7 @@ class QueueRecords:
             if e.state == "waiting" and fresh:
                 scene = self._cached_scene(s, now)
                 if entry_id not in scene.plan.grants:
-                    return Admission(entry=scene.info(_entry_info(e)))
+                    return Admission(entry=scene.info(entry_info(e)))
         with self._tx() as s:
             now = self.clock()
             self._expire(s)
@@ -328,16 +304,16 @@ class QueueRecords:
                 e.seen = now
             if e.state == "granted":
                 a = s.get(Allocation, e.allocation_id)
-                return Admission(allocation=_info(a), entry=_entry_info(e))
+                return Admission(allocation=_info(a), entry=entry_info(e))
             if e.state == "left":
-                return Admission(entry=_entry_info(e))
+                return Admission(entry=entry_info(e))
             scene = self._scene(s, now)
             gpus = scene.plan.grants.get(e.id)
             if gpus is None:
                 s.info["changed"] = bool(ended)  # a keepalive alone changes no decision
-                return Admission(entry=scene.info(_entry_info(e)))
+                return Admission(entry=scene.info(entry_info(e)))
             eff = policy.effective_limit(e.user, _groups(e.groups), self._rules(s))
-            holdings = self._holdings(s, e.user, eff.limit)
+            holdings = self.holdings_in(s, e.user, eff.limit)
             room = policy.remaining(eff, holdings)
             if room is not None and e.gpu_count > room:
                 self._leave(
@@ -345,9 +321,9 @@ class QueueRecords:
                     f"your limit no longer allows it: you hold {holdings.held} "
                     f"of {policy.describe_limit(eff)}",
                 )
-                return Admission(entry=_entry_info(e))
-            allocation = self._grant(s, e, gpus, now, scene.plan.ahead_of.get(e.id, ()))
-            return Admission(allocation=allocation, entry=_entry_info(e))
+                return Admission(entry=entry_info(e))
+            allocation = self.grant_in(s, e, gpus, now, scene.plan.ahead_of.get(e.id, ()))
+            return Admission(allocation=allocation, entry=entry_info(e))
 
     def leave_queue(self, entry_id: int, reason: str = "left the queue") -> bool:
         """End a waiting entry (stop button, Ctrl-C, an admin). False when it no longer waits."""
@@ -382,7 +358,7 @@ class QueueRecords:
             if e is None or e.state != "waiting":
                 raise LookupError(f"queue entry {entry_id} is not waiting")
             e.front = self.clock()
-            return _entry_info(e)
+            return entry_info(e)
 
     def queue_entry(self, entry_id: int) -> QueueInfo | None:
         with self._read() as s:
@@ -390,8 +366,8 @@ class QueueRecords:
             if e is None:
                 return None
             if e.state != "waiting":
-                return _entry_info(e)
-            return self._scene(s, self.clock()).info(_entry_info(e))
+                return entry_info(e)
+            return self._scene(s, self.clock()).info(entry_info(e))
 
     def queue(self, user: str | None = None) -> list[QueueInfo]:
         """Every waiting entry (or a user's), in the queue's order, with place and factors."""
@@ -401,126 +377,11 @@ class QueueRecords:
             if not rows:  # nothing to order: no scene (it reads every user's usage)
                 return []
             scene = self._scene(s, now)
-            out = [scene.info(_entry_info(rows[i])) for i in scene.order]
+            out = [scene.info(entry_info(rows[i])) for i in scene.order]
         return [q for q in out if user is None or q.user == user]
 
     def queue_history(self, since: datetime) -> list[QueueInfo]:
         """Entries that stopped waiting since ``since`` (for wait-time metrics and tests)."""
         with self._read() as s:
             q = select(QueueEntry).where(QueueEntry.state != "waiting", QueueEntry.ended >= since)
-            return [_entry_info(e) for e in s.scalars(q.order_by(QueueEntry.id))]
-
-    # the shared admission -------------------------------------------------------------
-
-    def _granted(
-        self, s, user, purpose, server_name, request, gpus, backend, lease_seconds, now, ahead_of=()
-    ) -> Admission:
-        booked = self._book(
-            s,
-            user=user,
-            purpose=purpose,
-            server_name=server_name,
-            count=request.count,
-            chosen=gpus,
-            backend=backend,
-            lease_seconds=lease_seconds,
-            now=now,
-            backfill_for=ahead_of,
-        )
-        return Admission(allocation=booked)
-
-    def _admit_or_queue(
-        self,
-        s: Session,
-        *,
-        user: str,
-        groups: Iterable[str],
-        request: policy.Request,
-        eff: policy.EffectiveLimit,
-        held: int,
-        inventory: list[policy.Gpu],
-        free: list[policy.Gpu],
-        on_nodes: Iterable[str] | None,
-        purpose: str,
-        server_name: str,
-        backend: str,
-        lease_seconds: float | None,
-        wait: bool,
-    ) -> Admission:
-        """After the limit and feasibility checks: book now if the queue's plan starts this
-        request now, else queue it (``wait``) or refuse it with the queue named."""
-        now = self.clock()
-        live = self._live_waiting(s, now)[1]
-        adopt = None
-        if purpose == "server":  # this server's own entry (started again): it keeps its place
-            adopt = next(
-                (
-                    e
-                    for e in sorted(live, key=lambda e: e.id)
-                    if (e.user, e.purpose, e.server_name, e.backend) == (user, "server", server_name, backend)
-                ),
-                None,
-            )
-        waiting = sum(e.gpu_count for e in live if e.user == user and e is not adopt)
-        self._check_limit_with_waiting(s, request, eff, held, waiting)
-        nodes = None if on_nodes is None else frozenset(on_nodes)
-        if not live:
-            # the plan of a queue holding only this request grants what fits the free GPUs now
-            # (queueplan.plan: nothing waits to be protected); only the rest needs the scene
-            gpus = policy.place(request, free, inventory)
-            if gpus is not None:
-                return self._granted(
-                    s, user, purpose, server_name, request, gpus, backend, lease_seconds, now
-                )
-        created = adopt.created if adopt is not None else now
-        front = adopt.front if adopt is not None else None
-        if adopt is not None:  # it stands where the entry stood; the plan sees it as new
-            adopt.state = "left"
-        # the plan sees the new request as one more waiting entry (the scene fills in its run length)
-        cand = fairshare.Candidate(NEW, user, created, front)
-        scene = self._scene(s, now, (cand, queueplan.Waiting(NEW, request, 0.0, nodes)), groups)
-        if adopt is not None:
-            adopt.state = "waiting"
-        gpus = scene.plan.grants.get(NEW)
-        if gpus is not None:
-            ahead = scene.plan.ahead_of.get(NEW, ())
-            got = self._granted(
-                s, user, purpose, server_name, request, gpus, backend, lease_seconds, now, ahead
-            )
-            if adopt is not None:  # the start again that kept its place: granted, as any turn
-                adopt.state, adopt.ended, adopt.allocation_id = "granted", now, got.allocation.id
-                adopt.end_reason = f"started after {(now - adopt.created).total_seconds():.0f} s"
-            return got
-        if not wait:
-            ahead = scene.plan.position(scene.order, NEW)[0] - 1
-            policy.check_request(request, eff, policy.Holdings(held=held), inventory, free)
-            if ahead == 0:
-                raise policy.Refusal(
-                    f"{request.count} GPUs cannot be placed as asked right now "
-                    f"({request.gpus_per_node or 'any'} per node, at most {request.max_nodes or 'any'} "
-                    "nodes); try another split or try again later.",
-                    reason="no_capacity",
-                )
-            raise policy.Refusal(
-                f"{ahead} request(s) wait for GPUs ahead of yours (a fair-share queue); "
-                "ask again with waiting allowed to take your place in it.",
-                reason="no_capacity",
-                fits=0,
-            )
-        e = adopt or QueueEntry(created=now, state="waiting")
-        e.user, e.groups = user, ",".join(sorted(set(groups)))[:4000]
-        e.purpose, e.server_name, e.backend = purpose, server_name, backend
-        e.gpu_count, e.model = request.count, request.model
-        e.max_nodes, e.gpus_per_node = request.max_nodes, request.gpus_per_node
-        e.on_nodes = None if nodes is None else ",".join(sorted(nodes))[:4000]
-        e.lease_seconds, e.seen = lease_seconds, now
-        if adopt is None:
-            s.add(e)
-            s.info["queued"] = True  # someone waits now (the next write of a combined turn reads it)
-        s.flush()
-        # the entry's id replaces NEW in the same scene: its place is the plan's
-        scene.order = [e.id if i == NEW else i for i in scene.order]
-        scene.plan.expected[e.id] = scene.plan.expected.pop(NEW)
-        if NEW in scene.factors:
-            scene.factors[e.id] = scene.factors.pop(NEW)
-        return Admission(entry=scene.info(_entry_info(e)))
+            return [entry_info(e) for e in s.scalars(q.order_by(QueueEntry.id))]
