@@ -1,4 +1,4 @@
-"""Bursts and resizing for ``%%distributed``: the rules as tables (``gpu_magics.kernel.plan``), the
+"""Bursts and resizing for ``%%distributed``: the rules as tables (``gpu_magics.kernel.acquire``), the
 ``Burst`` lifecycle and the magic's order of steps against a fake broker and fake engines
 (what is asked, what is stopped, and when). Real engines on a real hub: test_distributed_hub."""
 
@@ -13,9 +13,9 @@ from gpu_magics.common.ranks import Slot
 from gpu_magics.engine.namespace import user_names
 from gpu_magics.kernel import burst as burstmod
 from gpu_magics.kernel import distributed as magicsmod
-from gpu_magics.kernel.broker import BrokerError
-from gpu_magics.kernel.burst import Burst, burst_size
-from gpu_magics.kernel.plan import (
+from gpu_magics.kernel import lifecycle as lifecyclemod
+from gpu_magics.kernel import preemption as preemptionmod
+from gpu_magics.kernel.acquire import (
     OTHER_SETTINGS,
     GpuPlan,
     may_retry_after_release,
@@ -23,6 +23,8 @@ from gpu_magics.kernel.plan import (
     refuse_discard,
     why_new_engines,
 )
+from gpu_magics.kernel.broker import BrokerError
+from gpu_magics.kernel.burst import Burst, burst_size
 
 # ------------------------------------------------------------------------------ the plans
 
@@ -288,9 +290,9 @@ class FakePool:
 def magic(monkeypatch):
     monkeypatch.setenv("GPUHUB_GPUS", "n:0,n:1")
     monkeypatch.delenv("GPUHUB_BACKEND", raising=False)
-    monkeypatch.setattr(magicsmod, "EnginePool", FakePool)
-    monkeypatch.setattr(magicsmod, "display", lambda *a, **k: SimpleNamespace(display_id="x"))
-    monkeypatch.setattr(magicsmod, "update_display", lambda *a, **k: None)
+    monkeypatch.setattr(lifecyclemod, "EnginePool", FakePool)
+    monkeypatch.setattr(lifecyclemod, "display", lambda *a, **k: SimpleNamespace(display_id="x"))
+    monkeypatch.setattr(lifecyclemod, "update_display", lambda *a, **k: None)
     FakePool.made = []
     m = magicsmod.DistributedMagics(shell=None)
     m.lease_seconds = 30
@@ -305,7 +307,7 @@ def args(gpus, restart=False, backend=None):
 
 
 def ensure(m, a):
-    pool = m._ensure_pool(a)
+    pool = m.lifecycle.ensure(a)
     m.busy -= 1
     return pool
 
@@ -332,7 +334,7 @@ def test_beyond_the_servers_gpus_only_the_difference_is_asked_for(magic, broker)
     pool = ensure(magic, args(3))
     assert fake.calls == [("request", 1, 1, "n")]
     assert labels(pool) == ["n:0", "n:1", "n:2"]
-    assert magic.burst["id"] == 11 and pool.report_allocation == 0  # the kernel reports the burst
+    assert magic.burst.id == 11 and pool.report_allocation == 0  # the kernel reports the burst
     same = ensure(magic, args(3))
     assert same is pool and len(fake.calls) == 1  # warm: nothing asked again
 
@@ -344,7 +346,7 @@ def test_a_refused_resize_stops_nothing(magic, broker):
         UsageError, match=r"refused 3 more GPUs for %%distributed --gpus 5 \(beside this server's 2\)"
     ):
         ensure(magic, args(5))
-    assert magic.pool is pool and not pool.stopped and magic.burst["id"] == 11
+    assert magic.pool is pool and not pool.stopped and magic.burst.id == 11
     assert fake.made("release") == []
 
 
@@ -463,11 +465,12 @@ def test_the_lease_keeper_passes_on_each_notice_and_withdrawal_once(answers, tol
 def test_a_withdrawn_notice_is_forgotten_and_said(magic, capsys):
     part = SimpleNamespace(id=7, borrowed=2, size=2)
     other = SimpleNamespace(id=8, borrowed=0, size=1)
-    magic._notice = magicsmod.Notice(part, NOTICE["reason"], magicsmod.parse_due(NOTICE["due"]))
-    magic._on_notice(other, {"withdrawn": GONE})  # another allocation's: this one stands
-    assert magic._notice is not None and magic._notice.part is part
-    magic._on_notice(part, {"withdrawn": GONE})
-    assert magic._notice is None
+    due = preemptionmod.parse_due(NOTICE["due"])
+    magic.preemption.notice = preemptionmod.Notice(part, NOTICE["reason"], due)
+    magic.preemption.on_notice(other, {"withdrawn": GONE})  # another allocation's: this one stands
+    assert magic.preemption.notice is not None and magic.preemption.notice.part is part
+    magic.preemption.on_notice(part, {"withdrawn": GONE})
+    assert magic.preemption.notice is None
     said = capsys.readouterr()
     assert (
         "gpuhub: the notice for 2 borrowed GPU(s) of this pool (allocation #7) was withdrawn: the "
@@ -477,8 +480,8 @@ def test_a_withdrawn_notice_is_forgotten_and_said(magic, capsys):
 
 def test_a_notice_acted_on_is_not_withdrawn(magic):
     part = SimpleNamespace(id=7, borrowed=0, size=3)
-    n = magicsmod.Notice(part, "preempted", 0.0, acted=True)
-    magic._notice = n
-    magic._on_notice(part, {"withdrawn": GONE})
-    assert magic._notice is n  # the pool was already stopped for it: nothing to undo
-    assert magicsmod._taken(part) == "3 GPU(s) that started ahead of the queue"
+    n = preemptionmod.Notice(part, "preempted", 0.0, acted=True)
+    magic.preemption.notice = n
+    magic.preemption.on_notice(part, {"withdrawn": GONE})
+    assert magic.preemption.notice is n  # the pool was already stopped for it: nothing to undo
+    assert preemptionmod._taken(part) == "3 GPU(s) that started ahead of the queue"

@@ -4,7 +4,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from gpu_magics.common.ranks import Slot, choose_slots, make_rank_specs
-from gpu_magics.kernel.distributed import parse_targets
+from gpu_magics.kernel.outcome import parse_targets
 from gpu_magics.kernel.pool import _Streamer, keep_group, next_step
 
 
@@ -123,7 +123,7 @@ def test_a_slurm_preemption_reaches_the_cells_report(tmp_path):
     from types import SimpleNamespace
 
     from gpu_magics.engine.checkpoints import preempt_report_path
-    from gpu_magics.kernel.distributed import slurm_preemption
+    from gpu_magics.kernel.outcome import slurm_preemption
 
     line = "gpuhub: engine rank 0 preempted by Slurm (job 77): saved model to " + str(tmp_path)
     path = preempt_report_path(str(tmp_path), "77")

@@ -7,10 +7,16 @@ also tells the broker how long the user's code has been idle), notice when the h
 (``lost`` and ``reason``), and give it back once (``release``, which says so when the broker
 could not be told). A Slurm burst holds no GPUs until its job runs: ``attach_job`` tells the
 broker which job that is, and ``size`` is the count it was admitted for.
+
+A :class:`Burst` holds :class:`Part` s, one allocation each. One part is the common case; a
+pool that borrows beyond the user's limit holds two (:meth:`Burst.join`): the GPUs within the
+limit, then the borrowed ones, so that a preemption takes back only the borrowed part (and the
+ledger never shows an in-limit GPU preempted).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping
 
@@ -25,8 +31,8 @@ def burst_size(allocation: Mapping) -> int:
     return allocation.get("gpu_count") or len(allocation.get("gpus") or ())
 
 
-class Burst:
-    """One live burst allocation: its lease renewed until :meth:`release`."""
+class Part:
+    """One allocation of a burst: the broker's JSON and its lease, renewed until :meth:`release`."""
 
     def __init__(
         self,
@@ -37,7 +43,7 @@ class Burst:
         activity: Callable[[], float | None] | None = None,
         log: Callable[[str], None] | None = print,
         check_seconds: float | None = None,
-        on_notice: Callable[[Burst, dict], None] | None = None,
+        on_notice: Callable[[Part, dict], None] | None = None,
     ):
         self.client = client
         self.allocation = allocation  # the broker's JSON, kept up to date (attach_job)
@@ -53,8 +59,81 @@ class Burst:
         self.log = log
         self.released = False
         self._lock = threading.Lock()
-        self._done = threading.Event()
         self._reporting = False
+
+    @property
+    def id(self) -> int:
+        return self.allocation["id"]
+
+    @property
+    def size(self) -> int:
+        return burst_size(self.allocation)
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [Slot(g["node"], g["index"]) for g in self.allocation.get("gpus") or ()]
+
+    @property
+    def borrowed(self) -> int:
+        """GPUs of it beyond the user's limit (lent while idle; the only ones ever taken back)."""
+        return int(self.allocation.get("borrowed") or 0)
+
+    @property
+    def preemption(self) -> dict | None:
+        """The broker's notice that its borrowed GPUs are taken back: ``{"due", "reason"}``."""
+        return self.lease.preemption
+
+    @property
+    def lost(self) -> bool:
+        """The hub ended it (lease expired, reclaimed, released by an admin)."""
+        return bool(self.lease.lost)
+
+    @property
+    def reason(self) -> str:
+        return self.lease.reason or ("released by the hub" if self.lost else "")
+
+    @property
+    def expires(self) -> str | None:
+        return self.lease.expires or self.allocation.get("lease_expires")
+
+    def attach_job(self, job_id: str) -> None:
+        """Tell the broker which Slurm job runs this allocation's engines."""
+        self.allocation.update(self.client.attach_job(self.id, job_id))
+
+    def report_here(self) -> None:
+        """Report this allocation's GPUs' use from this process (their users run on this machine)."""
+        from gpu_magics.report.reporter import start_burst_reporter
+
+        if self._reporting:
+            return
+        self._reporting = True
+        start_burst_reporter(self.id, [s.label for s in self.slots])
+
+    def release(self) -> bool:
+        """Stop renewing and give the GPUs back; idempotent. True if this call released it.
+        A broker that cannot be told is reported (``log``); the lease then runs out."""
+        with self._lock:
+            if self.released:
+                return False
+            self.released = True
+        self.lease.stop()
+        try:
+            self.client.release(self.id)
+        except BrokerError as e:
+            if self.log:
+                self.log(
+                    f"gpuhub: could not release allocation {self.id}: {e}; its lease ends it "
+                    f"by {self.expires or 'its expiry'}."
+                )
+        return True
+
+
+class Burst:
+    """One live burst: its parts' leases renewed until :meth:`release`."""
+
+    def __init__(self, parts: list[Part]):
+        self.parts = list(parts)
+        self._done = threading.Event()
 
     @classmethod
     def request(
@@ -73,7 +152,7 @@ class Burst:
         wait: bool = True,
         show: Callable[[str], None] | None = None,
         check_seconds: float | None = None,
-        on_notice: Callable[[Burst, dict], None] | None = None,
+        on_notice: Callable[[Part, dict], None] | None = None,
     ) -> Burst:
         """Ask the broker for ``gpus`` GPUs (``node``: all on that node, beside the server's own).
 
@@ -87,7 +166,7 @@ class Burst:
         (:class:`~gpu_magics.kernel.queuewait.QueueInterrupt`), holding nothing.
 
         ``check_seconds``/``on_notice``: for borrowed GPUs, how often to look for a preemption
-        notice, and whom to tell (``on_notice(burst, {"due", "reason"})``, from the lease's
+        notice, and whom to tell (``on_notice(part, {"due", "reason"})``, from the lease's
         thread).
         """
         wanted = gpus if wanted is None else wanted
@@ -108,7 +187,7 @@ class Burst:
                 )
         except BrokerError as e:
             raise refused(magic, gpus, wanted, held, e) from None
-        return cls(
+        part = Part(
             client,
             alloc,
             lease_seconds,
@@ -117,71 +196,74 @@ class Burst:
             check_seconds=check_seconds,
             on_notice=on_notice,
         )
+        return cls([part])
+
+    def join(self, other: Burst) -> Burst:
+        """One burst of both bursts' parts (this one's first)."""
+        return Burst([*self.parts, *other.parts])
 
     # what it holds ----------------------------------------------------------------------
 
     @property
     def id(self) -> int:
-        return self.allocation["id"]
+        """The first part's allocation (the only one but where the pool borrows)."""
+        return self.parts[0].id
+
+    @property
+    def allocation(self) -> dict:
+        return self.parts[0].allocation
+
+    @property
+    def lease(self) -> LeaseKeeper:
+        return self.parts[0].lease
 
     @property
     def size(self) -> int:
-        return burst_size(self.allocation)
+        return sum(p.size for p in self.parts)
 
     @property
     def slots(self) -> list[Slot]:
-        return [Slot(g["node"], g["index"]) for g in self.allocation.get("gpus") or ()]
-
-    @property
-    def parts(self) -> list[Burst]:
-        """The allocations it is made of (one; a :class:`SplitBurst` has more)."""
-        return [self]
+        return [s for p in self.parts for s in p.slots]
 
     @property
     def borrowed(self) -> int:
-        """GPUs of it beyond the user's limit (lent while idle; the only ones ever taken back)."""
-        return int(self.allocation.get("borrowed") or 0)
-
-    @property
-    def preemption(self) -> dict | None:
-        """The broker's notice that its borrowed GPUs are taken back: ``{"due", "reason"}``."""
-        return self.lease.preemption
+        return sum(p.borrowed for p in self.parts)
 
     def report_ids(self) -> list[int]:
         """The allocation each of its GPUs (``slots``, in order) belongs to."""
-        return [self.id] * len(self.slots)
+        return [p.id for p in self.parts for _ in p.slots]
 
     @property
     def lost(self) -> bool:
-        """The hub ended it (lease expired, reclaimed, released by an admin)."""
-        return bool(self.lease.lost)
+        """The hub ended a part of it (lease expired, reclaimed, released by an admin)."""
+        return any(p.lost for p in self.parts)
 
     @property
     def reason(self) -> str:
-        return self.lease.reason or ("released by the hub" if self.lost else "")
+        return next((p.reason for p in self.parts if p.lost), "")
 
     @property
     def expires(self) -> str | None:
-        return self.lease.expires or self.allocation.get("lease_expires")
+        return min((p.expires for p in self.parts if p.expires), default=None)
+
+    @property
+    def released(self) -> bool:
+        return all(p.released for p in self.parts)
 
     # its life -----------------------------------------------------------------------------
 
     def attach_job(self, job_id: str) -> None:
-        """Tell the broker which Slurm job runs this burst's engines."""
-        self.allocation.update(self.client.attach_job(self.id, job_id))
+        """Tell the broker which Slurm job runs this burst's engines (a Slurm burst is one part)."""
+        self.parts[0].attach_job(job_id)
 
-    def report_here(self, labels: list[str] | None = None) -> None:
+    def report_here(self) -> None:
         """Report this burst's GPUs' use from this process (their users run on this machine)."""
-        from gpu_magics.report.reporter import start_burst_reporter
-
-        if self._reporting:
-            return
-        self._reporting = True
-        start_burst_reporter(self.id, labels if labels is not None else [s.label for s in self.slots])
+        for p in self.parts:
+            p.report_here()
 
     def watch(self, on_lost: Callable[[Burst], None], interval: float) -> None:
-        """Call ``on_lost(self)`` once, from a daemon thread, if the hub ends the burst before
-        :meth:`release`."""
+        """Call ``on_lost(self)`` once, from a daemon thread, if the hub ends a part of the burst
+        before :meth:`release`."""
 
         def run():
             while not self.released:
@@ -194,109 +276,15 @@ class Burst:
         threading.Thread(target=run, daemon=True, name="gpuhub-burst-watch").start()
 
     def release(self) -> bool:
-        """Stop renewing and give the GPUs back; idempotent. True if this call released it.
-        A broker that cannot be told is reported (``log``); the lease then runs out."""
-        with self._lock:
-            if self.released:
-                return False
-            self.released = True
+        """Give every part back; idempotent. True if this call released one."""
+        done = [p.release() for p in self.parts]
         self._done.set()
-        self.lease.stop()
-        try:
-            self.client.release(self.id)
-        except BrokerError as e:
-            if self.log:
-                self.log(
-                    f"gpuhub: could not release allocation {self.id}: {e}; its lease ends it "
-                    f"by {self.expires or 'its expiry'}."
-                )
-        return True
-
-
-class SplitBurst:
-    """One pool's burst held as several allocations: the GPUs within the user's limit, then
-    those borrowed beyond it, so that a preemption takes back only the borrowed ones (and the
-    ledger never shows an in-limit GPU preempted). Used like a :class:`Burst`."""
-
-    def __init__(self, parts: list[Burst]):
-        self._parts = list(parts)
-
-    @property
-    def parts(self) -> list[Burst]:
-        return list(self._parts)
-
-    @property
-    def id(self) -> int:
-        return self._parts[0].id
-
-    @property
-    def allocation(self) -> dict:
-        return self._parts[0].allocation
-
-    @property
-    def lease(self) -> LeaseKeeper:
-        return self._parts[0].lease
-
-    @property
-    def size(self) -> int:
-        return sum(p.size for p in self._parts)
-
-    @property
-    def slots(self) -> list[Slot]:
-        return [s for p in self._parts for s in p.slots]
-
-    @property
-    def borrowed(self) -> int:
-        return sum(p.borrowed for p in self._parts)
-
-    @property
-    def preemption(self) -> dict | None:
-        return next((p.preemption for p in self._parts if p.preemption), None)
-
-    @property
-    def lost(self) -> bool:
-        return any(p.lost for p in self._parts)
-
-    @property
-    def reason(self) -> str:
-        return next((p.reason for p in self._parts if p.lost), "")
-
-    @property
-    def expires(self) -> str | None:
-        return min((p.expires for p in self._parts if p.expires), default=None)
-
-    @property
-    def released(self) -> bool:
-        return all(p.released for p in self._parts)
-
-    def report_ids(self) -> list[int]:
-        return [i for p in self._parts for i in p.report_ids()]
-
-    def report_here(self, labels: list[str] | None = None) -> None:
-        for p in self._parts:
-            p.report_here()
-
-    def watch(self, on_lost: Callable, interval: float) -> None:
-        fired = threading.Event()
-
-        def once(_part):
-            if not fired.is_set():
-                fired.set()
-                on_lost(self)
-
-        for p in self._parts:
-            p.watch(once, interval)
-
-    def release(self) -> bool:
-        done = [p.release() for p in self._parts]
         return any(done)
 
 
 def queue_poll_seconds() -> float:
     """How often a waiting burst asks whether its turn came (``c.GpuHub.queue_poll_seconds``,
     passed to the server as ``GPUHUB_QUEUE_POLL_SECONDS``)."""
-    import os
-
     try:
         return max(0.2, float(os.environ.get("GPUHUB_QUEUE_POLL_SECONDS", "1")))
     except ValueError:

@@ -1,0 +1,328 @@
+"""A ``%%distributed`` pool's life: :class:`Lifecycle` ensures the pool a cell asks for (its
+GPUs asked for first, a refusal leaving the current pool as it is), replaces or stops it (saved
+first where autosave is on; its burst released), stops it when idle or when the hub ended its
+burst (the idle timer), and at the kernel's exit (the exit hook). It holds the pool's
+:class:`~gpu_magics.kernel.preemption.Preemption`."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import socket
+import sys
+import threading
+import time
+
+from IPython.core.error import UsageError
+from IPython.display import display, update_display
+
+from gpu_magics.common.ranks import Slot, make_rank_specs
+from gpu_magics.common.session import backend, server_gpus
+from gpu_magics.kernel.acquire import (
+    OTHER_SETTINGS,
+    Terms,
+    describe_settings,
+    may_retry_after_release,
+    new_gpus,
+    plan_gpus,
+    refuse_discard,
+    why_new_engines,
+)
+from gpu_magics.kernel.burst import Burst
+from gpu_magics.kernel.outcome import DistributedInterrupt
+from gpu_magics.kernel.pool import EnginePool
+from gpu_magics.kernel.preemption import Preemption
+
+
+def _text(line: str) -> dict:
+    """A status line shown as plain text (a str passed to display() shows as its repr)."""
+    return {"text/plain": line}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hold_sigterm() -> None:
+    """At the kernel's exit: a SIGTERM no longer cuts short the engines' stop and the burst's
+    release. Jupyter's kernel manager sends one half-way through its shutdown wait (2.5 s of
+    5 by default) and SIGKILL at its end; the release, which took about 2.6 s at load 2,
+    would otherwise be lost and the GPUs held until the lease runs out."""
+    import signal as _signal
+
+    with contextlib.suppress(ValueError, OSError):  # not the main thread: nothing to do
+        _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
+
+
+class Lifecycle:
+    """The pool, its burst and the server's own GPUs it uses, from start to stop.
+
+    ``settings`` has the magic's ``idle_seconds``, ``lease_seconds``, ``timeout``,
+    ``notice_check_seconds`` and ``preempt_save_seconds`` (read when used: ``%config`` changes
+    them); ``autosave`` is the magic's checkpoint part (``autosave``, ``autosave_dir``,
+    ``_save_before_stop``, ``_save_then_forget``, ``_forget_autosave``, ``_restore_after_resize``).
+    """
+
+    def __init__(self, settings, autosave):
+        self.settings = settings
+        self.autosave = autosave
+        self.pool: EnginePool | None = None
+        self.key: tuple | None = None  # the pool's settings
+        self.burst: Burst | None = None  # the burst the pool's engines use
+        self.own: tuple[Slot, ...] = ()  # the server's own GPUs the pool's engines use
+        self.busy = 0  # cells running now: the idle timer never stops a busy pool
+        self.last_used = time.monotonic()
+        self.lock = threading.RLock()
+        self._idle_timer: threading.Timer | None = None
+        self.preemption = Preemption(self, autosave, settings)
+        atexit.register(self.at_exit)  # kernel shutdown: no orphaned engines, GPUs back
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    def idle_seconds(self) -> float:
+        """Seconds since the engines last ran a cell (0 while one runs): the broker's idle
+        reclaim counts a burst busy while it is used."""
+        return 0.0 if self.busy else time.monotonic() - self.last_used
+
+    def lease_lost(self) -> bool:
+        return bool(self.burst is not None and self.burst.lost)
+
+    def terms(self) -> Terms:
+        return Terms(
+            self.settings.lease_seconds,
+            self.settings.notice_check_seconds,
+            self.idle_seconds,
+            self.preemption.on_notice,
+        )
+
+    def user_names(self) -> list[str] | None:
+        """The names the user's cells defined on any rank of the pool (None: no answer)."""
+        from gpu_magics.engine.namespace import user_names
+
+        try:
+            per_rank = self.pool.view.apply_async(user_names).get(timeout=15)
+        except Exception:
+            return None
+        return sorted({name for names in per_rank for name in names})
+
+    # start ------------------------------------------------------------------------------
+
+    def ensure(self, args) -> EnginePool:
+        """The pool ``args`` asks for, warm or new; marked busy (the caller lowers ``busy``)."""
+        timeout = args.timeout or self.settings.timeout
+        shape = (args.gpus, args.nodes, args.gpus_per_node)
+        on_slurm = backend() == "slurm"
+        key = (shape, args.backend, timeout)
+        restart = bool(getattr(args, "restart", False))
+        with self.lock:
+            why = why_new_engines(
+                has_pool=self.pool is not None,
+                same_settings=self.key == key,
+                broken=bool(self.pool is not None and self.pool.broken),
+                lease_lost=self.lease_lost(),
+                restart=restart,
+            )
+            resized = False
+            if self.pool is None or why is not None:
+                autosave = bool(getattr(args, "autosave", None) or self.autosave.autosave)
+                if why == OTHER_SETTINGS and not autosave:
+                    (gpus, nodes, per_node), backend_name, old_timeout = self.key
+                    message = refuse_discard(
+                        why,
+                        self.user_names(),
+                        restart=restart,
+                        autosave=autosave,
+                        current=describe_settings(gpus, backend_name, old_timeout, nodes, per_node),
+                        asked=describe_settings(
+                            args.gpus, args.backend, timeout, args.nodes, args.gpus_per_node
+                        ),
+                    )
+                    if message:
+                        raise UsageError(message)
+                old = self.burst
+                if old is not None and (old.lost or (on_slurm and self.pool is None)):
+                    self.release_burst()  # gone, or a Slurm job's that ended with its engines
+                    old = None
+                cleared = False
+                try:
+                    kept = old if not on_slurm else None
+                    own, burst, launcher = new_gpus(self.terms(), args, on_slurm, kept)
+                except UsageError as e:
+                    refusal = getattr(e, "refusal", None)
+                    need = args.gpus if on_slurm else plan_gpus(server_gpus().gpus, args.gpus).burst
+                    if (
+                        refusal is None
+                        or old is None
+                        or not may_retry_after_release(refusal.reason, refusal.fits, old.size, need)
+                    ):
+                        raise  # nothing was stopped: the pool, its processes and its state stay
+                    # only the pool's own burst stands in the way: the pool goes (its user agreed,
+                    # or holds nothing), then its GPUs are asked for again
+                    self.replace(why, autosave, release=True)
+                    cleared = True
+                    try:
+                        own, burst, launcher = new_gpus(self.terms(), args, on_slurm, None)
+                    except UsageError as again:
+                        raise UsageError(
+                            f"{again} (The pool's engines were stopped and its burst released "
+                            "first, to make room for this one.)"
+                        ) from None
+                if not cleared:
+                    try:
+                        self.replace(why, autosave, release=burst is not old)
+                    except BaseException:
+                        if burst is not None and burst is not old:
+                            burst.release()  # the save failed: the old pool stays as it was
+                        raise
+                resized = why is not None and autosave  # saved: the new pool gets it back
+                self.burst = burst
+                self.own = tuple(own)
+            if self.pool is None:
+                self._start(args, timeout, on_slurm, launcher, key)
+                if resized:
+                    self.autosave._restore_after_resize()
+            self.busy += 1  # under the lock: the idle timer cannot slip in before the cell runs
+            self.touch()
+            return self.pool
+
+    def _start(self, args, timeout: float, on_slurm: bool, launcher, key: tuple) -> None:
+        """Start the engines on ``self.own`` and ``self.burst``, the start shown in place."""
+        try:
+            if on_slurm:
+                pool = self._slurm_pool(args, timeout, launcher)
+            else:
+                slots = [*self.own, *(self.burst.slots if self.burst is not None else ())]
+                pool = EnginePool(make_rank_specs(slots, "127.0.0.1", free_port()), args.backend, timeout)
+            # a burst's engines report their own GPUs; beside the server's own GPUs
+            # (which the server reports) this kernel reports the burst's
+            burst = self.burst
+            mixed = bool(self.own) and burst is not None
+            pool.report_allocation = (
+                0 if burst is None or mixed else burst.report_ids() if len(burst.parts) > 1 else burst.id
+            )
+            if mixed:
+                burst.report_here()
+            handle = display(_text(f"Starting engines: 0 of {pool.size} up"), raw=True, display_id=True)
+
+            def progress(up, n):
+                update_display(
+                    _text(f"Starting engines: {up} of {n} up"), raw=True, display_id=handle.display_id
+                )
+
+            try:
+                pool.start(progress)
+            except BaseException:
+                pool.stop()
+                raise
+            # exit handlers run last registered first: the engines' stop and the burst's
+            # release come before ipyparallel's own (which would take the 2.5 s Jupyter
+            # gives a kernel before its SIGTERM)
+            atexit.unregister(self.at_exit)
+            atexit.register(self.at_exit)
+        except KeyboardInterrupt:
+            self.release_burst()  # nothing may keep GPUs that no engine uses
+            raise DistributedInterrupt(
+                "Interrupted while the engines started: they were stopped and any burst GPUs "
+                "released. Nothing had run on them; run the cell again to start them."
+            ) from None
+        except BaseException:
+            self.release_burst()  # nothing may keep GPUs that no engine uses
+            raise
+        update_display(
+            _text(
+                f"{pool.size} engines up: "
+                + ", ".join(f"rank {s.rank} on {s.slot.label}" for s in pool.specs)
+            ),
+            raw=True,
+            display_id=handle.display_id,
+        )
+        self.pool, self.key = pool, key
+        self._arm_idle_timer()
+
+    def _slurm_pool(self, args, timeout: float, launcher) -> EnginePool:
+        """Engines as Slurm tasks; a burst job is tagged with the pool's burst."""
+        # the engines save the pool's --autosave names at Slurm's SIGTERM (a preemption)
+        names = self.autosave.autosave
+        launcher.autosave = (list(names), self.autosave.autosave_dir) if names else None
+        if launcher.mode == "job":
+            burst = self.burst
+            launcher.allocation_id = burst.id
+            launcher.on_submitted = burst.attach_job
+            launcher.borrowed = burst.borrowed  # beyond the limit: the job runs preemptible
+        return EnginePool([], args.backend, timeout, launcher=launcher, n=args.gpus)
+
+    # stop -------------------------------------------------------------------------------
+
+    def replace(self, why: str | None, autosave: bool, release: bool) -> None:
+        """Stop the current pool (saved first where autosave is on) so that new engines can
+        start; ``release``: its burst goes too."""
+        if self.pool is not None:
+            if autosave:
+                try:
+                    self.autosave._save_before_stop("resize")
+                except Exception as e:
+                    if why == OTHER_SETTINGS:
+                        raise  # the pool still works: nothing is stopped unsaved
+                    print(f"gpuhub: could not save before restarting the engines: {e}", file=sys.stderr)
+            print(f"gpuhub: restarting the engines ({why}).")
+            self.stop_pool(release=release)
+        elif release:
+            self.release_burst()
+
+    def release_burst(self) -> None:
+        if self.burst is not None:
+            self.burst.release()  # says so when the broker could not be told
+        self.burst = None
+
+    def stop_pool(self, release: bool = True, why: str | None = None) -> None:
+        if self.pool is not None:
+            why = self.autosave._save_then_forget(why)  # autosave first; a failed save never keeps them
+            self.pool.stop(graceful=why != "exit")
+            self.pool = None
+            self.key = None
+            self.autosave._forget_autosave(why)
+        if release:
+            self.release_burst()
+
+    def _arm_idle_timer(self) -> None:
+        if self._idle_timer:
+            self._idle_timer.cancel()
+        # as often as the lease is renewed: a burst the hub reclaimed stops soon after
+        s = self.settings
+        self._idle_timer = threading.Timer(min(s.idle_seconds, s.lease_seconds / 3, 60), self._check_idle)
+        self._idle_timer.daemon = True
+        self._idle_timer.start()
+
+    def _check_idle(self) -> None:
+        idle_seconds = self.settings.idle_seconds
+        with self.lock:
+            if self.pool is None:
+                return
+            if self.preemption.current() is not None:
+                pass  # a preemption: its timer saves and stops the pool at its time
+            elif self.lease_lost() and not self.busy:
+                why = self.burst.reason or "released by the hub"
+                print(f"gpuhub: the burst allocation was ended ({why}); stopping the engines.")
+                self.stop_pool(why="reclaim")
+                return
+            if not self.busy and time.monotonic() - self.last_used >= idle_seconds:
+                print(f"gpuhub: the engines were idle for {idle_seconds:.0f} s; stopping them.")
+                self.stop_pool(why="idle")
+                return
+        self._arm_idle_timer()
+
+    def at_exit(self) -> None:
+        """The kernel's exit hook: the engines' stop and the burst's release, not cut short by
+        the kernel manager's SIGTERM (:func:`_hold_sigterm`)."""
+        _hold_sigterm()
+        self.shutdown()
+
+    def shutdown(self, why: str = "exit") -> None:
+        with self.lock:
+            if self._idle_timer:
+                self._idle_timer.cancel()
+            self.stop_pool(why=why)
+            self.preemption.release_preempted()
