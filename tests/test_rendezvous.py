@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-from gpu_magics import engine
+from gpu_magics.engine import rank as engine
 
 
 def _file_rank(rank: int, world: int, rendezvous: dict, out) -> None:

@@ -108,7 +108,7 @@ def test_engines_all_on_the_kernels_host_are_signalled_by_pid_only(monkeypatch):
     pool = _Pool([0, 1], remote=False)
     pool.infos = [{"pid": 31}, {"pid": 32}]
     killed = []
-    monkeypatch.setattr("gpu_magics.launch.local.os.kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr("gpu_magics.launch.base.os.kill", lambda pid, sig: killed.append((pid, sig)))
     monkeypatch.setattr(slurmengines.subprocess, "run", lambda *a, **k: pytest.fail("no srun for these"))
     launcher.signal(pool, signal.SIGINT, [1])
     assert killed == [(32, signal.SIGINT)]

@@ -29,7 +29,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from traitlets import Float
 
 from gpu_magics.common.ranks import Slot, choose_slots
-from gpu_magics.common.session import server_gpus
+from gpu_magics.common.session import backend, server_gpus
 from gpu_magics.dask.private import Private
 from gpu_magics.kernel.arguments import COUNT
 from gpu_magics.kernel.burst import Burst
@@ -190,7 +190,7 @@ class DaskMagics(Magics):
                 options = {"threads_per_worker": 1, "processes": True}
             else:
                 own = server_gpus()
-                on_slurm = os.environ.get("GPUHUB_BACKEND") == "slurm"
+                on_slurm = backend() == "slurm"
                 plan = plan_dask(own.gpus, req.workers, on_slurm, own.cuda_visible_devices)
                 make = load_local_cuda_cluster()  # checked before any GPU is taken
                 slots = plan.slots or tuple(self._acquire_burst(req.workers, len(own.gpus)))

@@ -5,7 +5,7 @@ collective) and never ends the process. ``python -m gpu_magics.engine.main`` tak
 
 Preemption: Slurm sends a preempted job's tasks SIGCONT and SIGTERM, and SIGKILL once the
 borrow QOS's ``GraceTime`` is over. Where the engines' job carries ``GPUHUB_AUTOSAVE_NAMES``
-(space-separated names) and ``GPUHUB_AUTOSAVE_DIR`` (set by ``slurmengines.SlurmLauncher`` from
+(space-separated names) and ``GPUHUB_AUTOSAVE_DIR`` (set by ``launch.slurm.SlurmLauncher`` from
 the pool's ``--autosave``), SIGTERM first saves those names from the engine's namespace
 (rank 0 writes, as ``%distributed save`` does; the other ranks write nothing), records what it
 saved for the kernel (:func:`gpu_magics.engine.checkpoints.preempt_report_path`), says so on

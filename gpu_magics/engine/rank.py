@@ -73,7 +73,7 @@ def lift_log_levels(*loggers) -> None:
     """Each logger's level raised to the lowest level of its handlers, so that a record none of
     them would write is never built. ipyparallel's engine (a traitlets application) sets its
     logger to DEBUG and filters in the handler (``--log-level``, WARNING in gpuhub's engines,
-    ``enginemain``): its debug calls per message (the whole reply, among them) each made a
+    ``engine.main``): its debug calls per message (the whole reply, among them) each made a
     record only to drop it."""
     import logging
 

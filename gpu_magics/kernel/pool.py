@@ -10,7 +10,12 @@ sends SIGINT to every rank. A rank still running after that is stuck in a collec
 freed by SIGUSR1 (``recovery``), without losing its process; only a rank that still does not
 stop is killed. Then the process group is kept where it is still consistent, or replaced in
 the same processes. Only a lost process (killed, died) breaks the pool: its next cell starts
-fresh engines.
+fresh engines. Where the engines run is the launcher's (``gpu_magics.launch``); the pool takes
+the ranks' placement from it (``launch.base.Placement``).
+
+About 570 lines: one object's lifecycle (start, run a cell, settle the group, stop) around one
+ipyparallel client; the pure steps of a stop (``next_step``, ``keep_group``) and the output
+streamer are its own and tested as such (tests/test_magics_rules.py).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 from gpu_magics.common.procs import ExitWatch, alive
 from gpu_magics.common.ranks import RankSpec
 from gpu_magics.engine.recovery import FREE_SIGNAL
+from gpu_magics.launch.base import Launcher
 from gpu_magics.launch.local import LocalLauncher
 from gpu_magics.launch.reaper import kill_trees
 
@@ -128,12 +134,17 @@ class EnginePool:
     ask_engines_first = True
 
     def __init__(
-        self, specs: list[RankSpec], backend: str | None, timeout_s: float, launcher=None, n: int = 0
+        self,
+        specs: list[RankSpec],
+        backend: str | None,
+        timeout_s: float,
+        launcher: Launcher | None = None,
+        n: int = 0,
     ):
         self.specs = specs
-        # where the engines run (launchers.LocalLauncher, slurmengines.SlurmLauncher)
-        self.launcher = launcher if launcher is not None else LocalLauncher(specs)
-        self._remote = False  # ranks on other machines than the kernel's (set by the launcher)
+        # where the engines run (launch.local.LocalLauncher, launch.slurm.SlurmLauncher)
+        self.launcher: Launcher = launcher if launcher is not None else LocalLauncher(specs)
+        self._remote = False  # ranks on other machines than the kernel's (the launcher's placement)
         self.n = n or len(specs)
         self.backend = backend
         self.timeout_s = timeout_s
@@ -171,7 +182,7 @@ class EnginePool:
         self.cluster.controller_args = [
             f"--HeartMonitor.period={HEARTBEAT_MS}",
             "--log-level=WARN",
-            *getattr(self.launcher, "controller_args", ()),
+            *self.launcher.controller_args,
         ]
         self.cluster.start_controller_sync()
         self.controller_pid = self.cluster.controller.pid
@@ -190,7 +201,11 @@ class EnginePool:
             time.sleep(0.1)
         progress(n, n)
         self.engine_ids = sorted(self.client.ids)[:n]
-        envs, kernel_pid = self.launcher.ranks(self, timeout)  # and the engines' rank order
+        placement = self.launcher.place(self.client, self.engine_ids, timeout)
+        self.engine_ids, self.specs = list(placement.engine_ids), list(placement.specs)
+        self._remote, self.multi_host = placement.remote, placement.multi_host
+        envs = list(placement.envs)
+        kernel_pid = 0 if self._remote else os.getpid()  # each engine's watchdog, where it can see it
         if self.report_allocation:  # a burst's engines report their GPUs' use themselves
             ids = self.report_allocation  # one allocation, or each rank's (a split burst)
             ids = [ids] * len(envs) if isinstance(ids, int) else list(ids)

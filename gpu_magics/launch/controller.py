@@ -5,7 +5,7 @@ ipyparallel 9 names an ``ipc`` endpoint ``<path>-<port>`` where the controller b
 (``IPController.construct_url``) but ``<path>:<port>`` in its engines and clients (the
 connection files hold the path and the numbers apart): over ``ipc`` nothing would ever connect.
 This controller binds ``<path>:<port>``, the names the others connect to; TCP addresses are
-unchanged. A local pool (``launchers.LocalLauncher``) runs it with its sockets in a private
+unchanged. A local pool (``launch.local.LocalLauncher``) runs it with its sockets in a private
 directory (``channels.socket_dir``)."""
 
 from __future__ import annotations

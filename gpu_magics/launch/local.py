@@ -1,10 +1,5 @@
-"""Where a pool's engines run. The pool (``pool.EnginePool``) asks its launcher, never "local or
-Slurm": ``cluster_options`` (where the controller listens), ``controller_args`` (its channels'
-protection: ``channels``), ``launch`` (start the engines),
-``ranks`` (which engine is which rank, with each rank's environment), ``signal`` (reach the
-ranks' processes), ``local_pids`` (processes of ours here that the kernel's reaper ends) and
-``stop``. ``LocalLauncher`` runs engines on this machine through ipyparallel; the Slurm backend's
-``slurmengines.SlurmLauncher`` runs them as Slurm tasks.
+"""Engines on this machine (``LocalLauncher``, a :class:`~gpu_magics.launch.base.Launcher`),
+started by ipyparallel, with a controller on Unix sockets in a private directory.
 """
 
 from __future__ import annotations
@@ -16,20 +11,10 @@ import sys
 from traitlets.config import Config
 
 from gpu_magics.common import channels
+from gpu_magics.launch.base import ENGINE_CMD, Placement, signal_pids
 
-# ipyparallel's engine with SIGUSR1 blocked in every thread (a stuck rank is freed by it)
-ENGINE_CMD = [sys.executable, "-m", "gpu_magics.engine.main"]
 # ipyparallel's controller, binding Unix sockets where its engines and clients look for them
 CONTROLLER_CMD = [sys.executable, "-m", "gpu_magics.launch.controller"]
-
-
-def signal_pids(pool, sig: int, ranks: list[int] | None) -> None:
-    """Signal ranks' engine processes of this machine by pid."""
-    for r in ranks if ranks is not None else range(pool.size):
-        try:
-            os.kill(pool.infos[r]["pid"], sig)
-        except (ProcessLookupError, IndexError):
-            pass
 
 
 class LocalLauncher:
@@ -63,10 +48,9 @@ class LocalLauncher:
     def launch(self, cluster, n: int) -> None:
         cluster.start_engines_sync(n=n)
 
-    def ranks(self, pool, timeout: float) -> tuple[list[dict], int]:
-        pool.specs = list(self.specs)
-        pool._remote = pool.multi_host = False
-        return [spec.env() for spec in pool.specs], os.getpid()
+    def place(self, client, engine_ids: list[int], timeout: float) -> Placement:
+        """The ranks as planned, on the engines in the order the pool has them."""
+        return Placement(tuple(engine_ids), tuple(self.specs), tuple(spec.env() for spec in self.specs))
 
     def signal(self, pool, sig: int, ranks: list[int] | None) -> None:
         signal_pids(pool, sig, ranks)

@@ -27,7 +27,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from datetime import UTC, datetime
 
 from gpu_magics.common import channels
 from gpu_magics.common.ranks import RankSpec, Slot, make_rank_specs
-from gpu_magics.launch.local import signal_pids
+from gpu_magics.engine.facts import engine_facts, free_port
+from gpu_magics.launch.base import ENGINE_CMD, Placement, signal_pids
 
 
 @dataclass(frozen=True)
@@ -49,25 +49,6 @@ class EngineFacts:
     cuda: tuple[str, ...]  # its CUDA_VISIBLE_DEVICES entries, in the same order
     host: str  # socket.gethostname(): whether its pid can be signalled from here
     pid: int
-
-
-def engine_facts() -> dict:
-    """Runs inside each engine (pushed by ipyparallel)."""
-    import os as _os
-    import socket as _socket
-
-    env = _os.environ
-    gpus = env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS") or ""
-    return {
-        "node": env.get("SLURMD_NODENAME") or _socket.gethostname(),
-        "local_id": int(env.get("SLURM_LOCALID", "0")),
-        "gpus": [int(g) for g in gpus.split(",") if g.strip().isdigit()],
-        "cuda": [c for c in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if c],
-        "host": _socket.gethostname(),
-        "pid": _os.getpid(),
-        "job": env.get("SLURM_JOB_ID", ""),
-        "step": env.get("SLURM_STEP_ID", ""),
-    }
 
 
 def assign_ranks(facts: list[EngineFacts], master_port: int, run_id: str) -> list[tuple[int, RankSpec]]:
@@ -120,7 +101,8 @@ def plan_launch(
 
 
 class SlurmLauncher:
-    """Starts and stops the engines' Slurm tasks (a step of this job, or a job of their own)."""
+    """Starts and stops the engines' Slurm tasks (a step of this job, or a job of their own);
+    a :class:`~gpu_magics.launch.base.Launcher`."""
 
     def __init__(
         self, mode: str, nodes: int, per_node: int, workdir: str, partition: str = "", account: str = ""
@@ -284,10 +266,10 @@ class SlurmLauncher:
         except (OSError, subprocess.TimeoutExpired, SlurmError):
             return None
 
-    def ranks(self, pool, timeout: float) -> tuple[list[dict], int]:
+    def place(self, client, engine_ids: list[int], timeout: float) -> Placement:
         """Ranks from where Slurm put each engine (``assign_ranks``), a free port on rank 0's
-        node; sets the pool's engine order, its specs and whether ranks are remote."""
-        raw = {eid: pool.client[eid].apply_async(engine_facts) for eid in pool.engine_ids}
+        node; each engine pinned to its GPU (``cuda_device``)."""
+        raw = {eid: client[eid].apply_async(engine_facts) for eid in engine_ids}
         facts = {}
         for eid, ar in raw.items():
             d = ar.get(timeout=timeout)
@@ -297,15 +279,16 @@ class SlurmLauncher:
             self.step = self.step or d["step"]
         self.facts = facts
         first = assign_ranks(list(facts.values()), 0, "gpuhub")[0][0]
-        port = pool.client[first].apply_async(free_port).get(timeout=timeout)
+        port = client[first].apply_async(free_port).get(timeout=timeout)
         pairs = assign_ranks(list(facts.values()), port, f"gpuhub-{self.job_id}")
-        pool.engine_ids = [eid for eid, _ in pairs]
-        pool.specs = [spec for _, spec in pairs]
         here = socket.gethostname()
-        pool._remote = any(f.host != here for f in facts.values())
-        pool.multi_host = len({f.host for f in facts.values()}) > 1
-        envs = [dict(spec.env(), CUDA_VISIBLE_DEVICES=cuda_device(facts[eid])) for eid, spec in pairs]
-        return envs, 0 if pool._remote else os.getpid()
+        return Placement(
+            engine_ids=tuple(eid for eid, _ in pairs),
+            specs=tuple(spec for _, spec in pairs),
+            envs=tuple(dict(spec.env(), CUDA_VISIBLE_DEVICES=cuda_device(facts[eid])) for eid, spec in pairs),
+            remote=any(f.host != here for f in facts.values()),
+            multi_host=len({f.host for f in facts.values()}) > 1,
+        )
 
     def signal(self, pool, sig: int, ranks: list[int] | None) -> None:
         """Signal the ranks' engine processes where they run: by pid on this machine, and on
@@ -460,18 +443,6 @@ def remote_signal_argv(job_id: str, name: str, pids_by_node: dict[str, list[int]
     ]  # fmt: skip
 
 
-def free_port() -> int:
-    """Runs on rank 0's engine: a port free on its node for the process group."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def engine_argv(cluster) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "gpu_magics.engine.main",  # ipyparallel's engine, SIGUSR1 kept for freeing a stuck rank
-        f"--profile-dir={cluster.profile_dir}",
-        f"--cluster-id={cluster.cluster_id}",
-    ]
+    """The engine's command as each Slurm task runs it, joined to this pool's cluster."""
+    return [*ENGINE_CMD, f"--profile-dir={cluster.profile_dir}", f"--cluster-id={cluster.cluster_id}"]

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_magics.common.session import backend
+
 
 @dataclass(frozen=True)
 class GpuSample:
@@ -71,7 +73,7 @@ class NvmlSource:
     def __init__(self, nvml: Any = None, by_minor: bool | None = None):
         # Slurm numbers GPUs as gres.conf lists /dev/nvidiaN (minor numbers), and NVML may
         # number only the job's GPUs; elsewhere gpuhub uses NVML's own (PCI bus) index
-        self.by_minor = os.environ.get("GPUHUB_BACKEND") == "slurm" if by_minor is None else by_minor
+        self.by_minor = backend() == "slurm" if by_minor is None else by_minor
         if nvml is None:
             try:
                 import pynvml as nvml
