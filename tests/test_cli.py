@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from spawner.cli import format_table, parse_when
+from spawner.cli.output import format_table
+from spawner.cli.usage import parse_when
 from spawner.ledger import Ledger, db
 from spawner.policy.limits import Limit
 from spawner.spawners.inventory import parse_simulated

@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
-from spawner.ledger import Ledger, utcnow
+from spawner.cli.hub import load_settings, open_ledger
+from spawner.cli.output import UsageError, format_table, print_json
+from spawner.cli.parsers import actions, command
+from spawner.policy import values
 from spawner.policy.values import minutes_in_words
 from spawner.policy.waitline import local_clock
 
 
-def run_queue(args, ledger: Ledger, out, *, print_json, format_table, usage_error) -> int:
+def register(sub) -> None:
+    queue = actions(sub, "queue", "requests waiting for GPUs")
+    command(
+        queue,
+        "show",
+        run,
+        json_output=True,
+        help="the queue in its order, with places and fair-share factors",
+    )
+    for action, text in (
+        ("cancel", "end a waiting request"),
+        ("front", "move a request ahead of every other"),
+    ):
+        command(queue, action, run, help=text).add_argument(
+            "entry",
+            type=values.argparse_type(values.parse_count, "ENTRY", lo=1, hi=10**18),
+            help="the entry's id",
+        )
+
+
+def run(args, out) -> int:
+    ledger = open_ledger(load_settings(args))
     if args.action == "show":
+        from spawner.ledger import utcnow
+
         now = utcnow()
         entries = ledger.queue()
         if args.json:
@@ -42,7 +68,7 @@ def run_queue(args, ledger: Ledger, out, *, print_json, format_table, usage_erro
     entry = ledger.queue_entry(args.entry)
     if entry is None or entry.state != "waiting":
         why = "does not exist" if entry is None else f"no longer waits ({entry.end_reason})"
-        raise usage_error(f"queue entry {args.entry} {why}")
+        raise UsageError(f"queue entry {args.entry} {why}")
     if args.action == "cancel":
         ledger.leave_queue(args.entry, "cancelled by an admin (gpuhub queue cancel)")
         print(f"cancelled queue entry {args.entry} ({entry.user}, {entry.gpu_count} GPU(s))", file=out)

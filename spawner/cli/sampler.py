@@ -21,6 +21,8 @@ import socket
 import sys
 import threading
 
+from spawner.cli.output import UsageError
+
 log = logging.getLogger("gpuhub.sampler")
 
 
@@ -39,6 +41,22 @@ def make_report(samples) -> dict:
             for s in samples
         ],
     }
+
+
+def register(sub) -> None:
+    """``gpuhub sampler``: its own options only (none of the ledger's)."""
+    p = sub.add_parser(
+        "sampler", help="report this node's GPU readings to the broker (as root, on each node)"
+    )
+    add_arguments(p)
+    p.set_defaults(func=_command)
+
+
+def _command(args, out) -> int:
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -491,34 +491,3 @@ def submitted_message(job_id: str, borrowed: int, qos: str, grace_seconds: float
             f"after {grace_seconds:g} s)"
         )
     return line
-
-
-def preview_script(config, user: str, gpus: int, model: str | None = None, partition: str = "") -> str:
-    """The batch script a server of ``user`` would be submitted with, for admins to check
-    a template: the hub's real settings, the standard variables' names (their values, such
-    as the server's token, exist only at spawn time)."""
-    sp = GpuSlurmSpawner(config=config)
-    names = [
-        "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "GPUHUB_ALLOCATION_ID", "GPUHUB_BACKEND", "HOME",
-        "JUPYTERHUB_API_TOKEN", "JUPYTERHUB_API_URL", "JUPYTERHUB_CLIENT_ID", "JUPYTERHUB_HOST",
-        "JUPYTERHUB_OAUTH_CALLBACK_URL", "JUPYTERHUB_SERVER_NAME", "JUPYTERHUB_SERVICE_PREFIX",
-        "JUPYTERHUB_SERVICE_URL", "JUPYTERHUB_USER", "PATH", "SHELL", "USER",
-    ]  # fmt: skip
-    try:
-        import pwd
-
-        home = pwd.getpwnam(user).pw_dir
-    except KeyError:
-        home = f"/home/{user}"
-    if not partition:
-        try:
-            cluster = read_cluster()
-            partition = sp.default_partition or cluster.default_partition or ""
-        except SlurmError:
-            partition = sp.default_partition
-    if gpus:
-        names.remove("CUDA_VISIBLE_DEVICES")  # Slurm sets it inside the job
-    opts = form.GpuOptions(count=gpus, model=model, partition=partition or None)
-    return sp.script_for(
-        user, home, names, [sp.batchspawner_singleuser_cmd, *sp.cmd, *sp.args], opts, partition
-    )
