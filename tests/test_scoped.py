@@ -71,7 +71,7 @@ def test_largest(found, want):
         ([("a", Limit(2)), ("b", Limit(None))], Limit(None)),
         ([("a", Limit(2, 10, 24)), ("b", Limit(1, 20, 48))], Limit(2, 20, 48)),  # field by field
         ([("a", Limit(2, None)), ("b", Limit(1, 20, 48))], Limit(2, None)),  # unlimited hours
-        ([("a", Limit(1, 20, 24)), ("b", Limit(1, 20, 48))], Limit(1, 20, 48)),  # tie: last name
+        ([("a", Limit(1, 20, 24)), ("b", Limit(1, 20, 48))], Limit(1, 20, 24)),  # tie: first name
     ],
 )
 def test_most_generous(found, want):

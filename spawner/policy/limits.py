@@ -106,12 +106,12 @@ def _most_generous(values: Iterable[float | None]) -> float | None:
 def most_generous(found: Sequence[tuple[str, Limit]]) -> tuple[Limit, Sequence[str]]:
     """Several groups' limits as one: the most generous value of each field, from every group.
     The window travels with the GPU-hours quota it belongs to (of equal quotas, the window of
-    the group whose name sorts last, as :func:`spawner.policy.scoped.largest` breaks ties)."""
+    the group whose name sorts first, as it always was)."""
     limits = [lim for _, lim in found]
     max_gpus = _most_generous(lim.max_gpus for lim in limits)
     hours = _most_generous(lim.gpu_hours for lim in limits)
     window = next(
-        (lim.window_hours for lim in reversed(limits) if hours is not None and lim.gpu_hours == hours),
+        (lim.window_hours for lim in limits if hours is not None and lim.gpu_hours == hours),
         DEFAULT_WINDOW_HOURS,
     )
     merged = Limit(max_gpus=None if max_gpus is None else int(max_gpus), gpu_hours=hours, window_hours=window)
