@@ -7,6 +7,7 @@
 - :mod:`.script`: the batch scripts, rendered from one template (admins may override it).
 - :mod:`.watcher`: one poller per hub process for every gpuhub job, with back-off; the
   ledger is reconciled from its answers.
+- :mod:`.reconcile`: what the watcher decides from one answer (pure).
 - :mod:`.accounting`: limits written to Slurm associations (``GrpTRES=gres/gpu=N``).
 - :mod:`.spawner`: ``gpu-slurm``, batchspawner's ``SlurmSpawner`` with the ledger.
 
