@@ -25,8 +25,7 @@ from sqlalchemy import create_engine, delete, insert, select, update
 
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
 from spawner.ledger.db import make_engine
-from spawner.ledger.models import Allocation, AllocationGpu, Node, Preemption, QueueEntry
-from spawner.ledger.models import Gpu as GpuRow
+from spawner.ledger.models import Allocation, AllocationGpu, GpuRow, Node, Preemption, QueueEntry
 from spawner.policy.borrowing import BorrowRules, backfill_ids, effective_borrow
 from spawner.policy.fairshare import Shares
 from spawner.policy.limits import Limit, LimitRules, Refusal, effective_limit

@@ -14,7 +14,7 @@ from spawner.ledger.db import connection
 from spawner.ledger.models import (
     Allocation,
     AllocationGpu,
-    Gpu,
+    GpuRow,
     Preemption,
     QueueEntry,
     Reclaim,
@@ -107,9 +107,8 @@ class AllocationRecords:
                 raise ValueError(
                     f"allocation {a.id} was admitted for {_count(a)} GPUs; the job shows {len(wanted)}"
                 )
-            by_key = {
-                (g.node.name, g.index): g for g in s.scalars(select(Gpu).options(selectinload(Gpu.node)))
-            }
+            rows = s.scalars(select(GpuRow).options(selectinload(GpuRow.node)))
+            by_key = {(g.node.name, g.index): g for g in rows}
             missing = [f"{n}:{i}" for n, i in wanted if (n, i) not in by_key]
             if missing:
                 raise LookupError(f"GPUs {', '.join(missing)} are not in the ledger's inventory")

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, selectinload
 from spawner import policy
 from spawner.ledger.db import connection
 from spawner.ledger.freeset import CHANGES, FreeState, moves_since
-from spawner.ledger.models import Allocation, AllocationGpu, Gpu, LedgerLock, Node, is_live
+from spawner.ledger.models import Allocation, AllocationGpu, GpuRow, LedgerLock, Node, is_live
 from spawner.policy.records import AllocationInfo, GpuStatus
 
 HELD_GPUS = select(AllocationGpu.__table__.c.gpu_id).where(AllocationGpu.__table__.c.held)
@@ -53,7 +53,7 @@ class InventoryRecords:
             nodes = {n.name: n for n in s.scalars(select(Node))}
             seen = set()
             changed = False
-            for row in s.scalars(select(Gpu).options(selectinload(Gpu.node))):
+            for row in s.scalars(select(GpuRow).options(selectinload(GpuRow.node))):
                 key = (row.node.name, row.index)
                 seen.add(key)
                 if row.node.name not in covered:
@@ -75,7 +75,7 @@ class InventoryRecords:
                     node = nodes[g.node] = Node(name=g.node)
                     s.add(node)
                 s.add(
-                    Gpu(
+                    GpuRow(
                         node=node,
                         index=g.index,
                         model=g.model,
@@ -101,9 +101,9 @@ class InventoryRecords:
         if cached is not None and cached.version == version:
             return cached
         rows = s.execute(
-            select(Gpu.id, Node.name, Gpu.index, Gpu.model, Gpu.memory_mib, Gpu.uuid)
-            .join(Node, Gpu.node_id == Node.id)
-            .where(Gpu.present)
+            select(GpuRow.id, Node.name, GpuRow.index, GpuRow.model, GpuRow.memory_mib, GpuRow.uuid)
+            .join(Node, GpuRow.node_id == Node.id)
+            .where(GpuRow.present)
         ).all()
         pairs = sorted(
             (policy.Gpu(name, index, model, mem, uuid), gid) for gid, name, index, model, mem, uuid in rows
@@ -174,7 +174,9 @@ class InventoryRecords:
             for g, gpu_id in zip(present.gpus, present.ids, strict=True):
                 key = (g.node, g.model, "allocated" if gpu_id in held else "free")
                 counts[key] = counts.get(key, 0) + 1
-            absent = select(Node.name, Gpu.model).join(Node, Node.id == Gpu.node_id).where(~Gpu.present)
+            absent = (
+                select(Node.name, GpuRow.model).join(Node, Node.id == GpuRow.node_id).where(~GpuRow.present)
+            )
             for node, model in s.execute(absent):
                 counts[(node, model, "absent")] = counts.get((node, model, "absent"), 0) + 1
             live = {
@@ -205,9 +207,9 @@ class InventoryRecords:
                     holders[(g.node, g.index)] = info
             table = [GpuStatus(g, True, holders.get((g.node, g.index))) for g in self._present(s).gpus]
             absent = s.execute(
-                select(Node.name, Gpu.index, Gpu.model, Gpu.memory_mib, Gpu.uuid)
-                .join(Node, Node.id == Gpu.node_id)
-                .where(~Gpu.present)
+                select(Node.name, GpuRow.index, GpuRow.model, GpuRow.memory_mib, GpuRow.uuid)
+                .join(Node, Node.id == GpuRow.node_id)
+                .where(~GpuRow.present)
             ).all()
             if not absent:  # the present GPUs are in order already
                 return table

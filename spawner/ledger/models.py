@@ -56,10 +56,12 @@ class Node(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(255), unique=True)
-    gpus: Mapped[list[Gpu]] = relationship(back_populates="node", order_by="Gpu.index")
+    gpus: Mapped[list[GpuRow]] = relationship(back_populates="node", order_by="GpuRow.index")
 
 
-class Gpu(Base):
+class GpuRow(Base):
+    """A GPU as the ledger stores it (read back as ``spawner.policy.Gpu``)."""
+
     __tablename__ = "gpus"
     __table_args__ = (UniqueConstraint("node_id", "index", name="uq_gpus_node_index"),)
 
@@ -162,7 +164,7 @@ class AllocationGpu(Base):
     gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id"), primary_key=True)
     held: Mapped[bool] = mapped_column(Boolean, default=True)
     allocation: Mapped[Allocation] = relationship(back_populates="gpus")
-    gpu: Mapped[Gpu] = relationship()
+    gpu: Mapped[GpuRow] = relationship()
 
 
 class KnownUser(Base):

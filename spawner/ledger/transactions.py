@@ -26,7 +26,7 @@ from spawner.ledger.freeset import CHANGES, note_held, record_moves
 from spawner.ledger.models import (
     Allocation,
     AllocationGpu,
-    Gpu,
+    GpuRow,
     LedgerLock,
     Node,
     Preemption,
@@ -186,7 +186,11 @@ def _count(a: Allocation) -> int:
     return max(a.gpu_count or 0, len(a.gpus))
 
 
-def _gpu(g: Gpu) -> policy.Gpu:
+# what a policy.Gpu is made of, in its order
+_GPU_COLUMNS = (GpuRow.index, GpuRow.model, GpuRow.memory_mib, GpuRow.uuid)
+
+
+def _gpu(g: GpuRow) -> policy.Gpu:
     return policy.Gpu(g.node.name, g.index, g.model, g.memory_mib, g.uuid)
 
 
@@ -311,10 +315,10 @@ class LedgerBase(CombinedWrites):
         live = rows.subquery()
         gpus: dict[int, list[policy.Gpu]] = {}
         q = (
-            select(AllocationGpu.allocation_id, Node.name, Gpu.index, Gpu.model, Gpu.memory_mib, Gpu.uuid)
+            select(AllocationGpu.allocation_id, Node.name, *_GPU_COLUMNS)
             .join(live, live.c.id == AllocationGpu.allocation_id)
-            .join(Gpu, Gpu.id == AllocationGpu.gpu_id)
-            .join(Node, Node.id == Gpu.node_id)
+            .join(GpuRow, GpuRow.id == AllocationGpu.gpu_id)
+            .join(Node, Node.id == GpuRow.node_id)
         )
         for aid, *g in s.execute(q):
             gpus.setdefault(aid, []).append(policy.Gpu(*g))
@@ -369,7 +373,7 @@ class LedgerBase(CombinedWrites):
             select(Allocation)
             .where(is_live())
             .options(
-                selectinload(Allocation.gpus).selectinload(AllocationGpu.gpu).selectinload(Gpu.node),
+                selectinload(Allocation.gpus).selectinload(AllocationGpu.gpu).selectinload(GpuRow.node),
                 selectinload(Allocation.preemption),
             )
             .order_by(Allocation.id)
