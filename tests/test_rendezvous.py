@@ -1,4 +1,4 @@
-"""The process group's rendezvous (`gpu_magics.engine.rank.open_rendezvous`), both kinds, with real
+"""The process group's rendezvous (`gpu_magics.engine.rendezvous.open_rendezvous`), both kinds, with real
 torch.distributed (gloo) in separate processes: a private FileStore for ranks on one node, and a
 TCPStore that picks its own port (which becomes MASTER_PORT) for ranks on several."""
 
@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-from gpu_magics.engine import rank as engine
+from gpu_magics.engine.rendezvous import group_store, open_rendezvous
 
 
 def _file_rank(rank: int, world: int, rendezvous: dict, out) -> None:
@@ -20,7 +20,7 @@ def _file_rank(rank: int, world: int, rendezvous: dict, out) -> None:
     import torch.distributed as dist
 
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
-    dist.init_process_group("gloo", store=engine._store(rendezvous, env, 30), rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=group_store(rendezvous, env, 30), rank=rank, world_size=world)
     x = torch.tensor([float(rank + 1)])
     dist.all_reduce(x)
     out.put((rank, x.item()))
@@ -32,13 +32,13 @@ def _tcp_rank(rank: int, world: int, ports, out) -> None:
     import torch.distributed as dist
 
     if rank == 0:
-        rendezvous = engine.open_rendezvous("tcp", world, 30)
+        rendezvous = open_rendezvous("tcp", world, 30)
         for _ in range(world - 1):
             ports.put(rendezvous)  # as the kernel passes it on: through ipyparallel's signed messages
     else:
         rendezvous = ports.get(timeout=60)
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
-    dist.init_process_group("gloo", store=engine._store(rendezvous, env, 30), rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=group_store(rendezvous, env, 30), rank=rank, world_size=world)
     x = torch.tensor([float(rank + 1)])
     dist.all_reduce(x)
     seen = None
@@ -69,7 +69,7 @@ def _run(target, *args, world: int = 3) -> list:
 
 
 def test_ranks_on_one_node_meet_in_a_private_file_store():
-    rendezvous = engine.open_rendezvous("file", 3, 30)
+    rendezvous = open_rendezvous("file", 3, 30)
     directory = os.path.dirname(rendezvous["path"])
     try:
         st = os.stat(directory)

@@ -3,7 +3,7 @@
 ``setup_rank`` pins the rank's GPU *before* torch touches CUDA, starts a watchdog that ends
 the engine when the notebook kernel is gone (engines run in their own session and would
 otherwise outlive a killed kernel), and initialises the default process group on a
-rendezvous that only the owner can reach (``open_rendezvous``). What an engine sends back per
+rendezvous that only the owner can reach (``engine.rendezvous``). What an engine sends back per
 cell is what the kernel shows (``quiet_cells``), and its output streams wait for the IOPub
 thread only when they hold output (``gate_flushes``).
 """
@@ -11,16 +11,14 @@ thread only when they hold output (``gate_flushes``).
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import sys
-import tempfile
 import threading
 import time
-from datetime import timedelta
 
 from gpu_magics.common.procs import alive
 from gpu_magics.engine.recovery import init_group, start_freer
+from gpu_magics.engine.rendezvous import group_store
 
 
 def _watch(kernel_pid: int, interval: float = 1.0) -> None:
@@ -139,50 +137,6 @@ def gate_flushes(*streams) -> int:
     return gated
 
 
-_STORE = None  # rank 0's TCPStore between open_rendezvous and setup_rank
-
-
-def open_rendezvous(kind: str, world_size: int, timeout_s: float) -> dict:
-    """Runs on rank 0's engine before any rank joins.
-
-    ``file``: all ranks share this node, and meet in a ``FileStore`` in a new directory of mode
-    0700, so no other account can join, read or write it (no port at all). ``tcp``: ranks on
-    several nodes meet in a ``TCPStore`` that picked its own port (no bind-close-reuse race).
-    TCPStore has no authentication and any account on the cluster's network reaches its port,
-    so every key of the group lives under a secret prefix (:func:`_store`): made here, it
-    reaches the other ranks only through ipyparallel's signed messages, and without it a
-    connection to the port can neither read nor overwrite a key of the group.
-    """
-    global _STORE
-    if kind == "file":
-        return {"kind": "file", "path": os.path.join(tempfile.mkdtemp(prefix="gpuhub-rendezvous-"), "store")}
-    import torch.distributed as dist
-
-    _STORE = dist.TCPStore(
-        "0.0.0.0", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-    return {"kind": "tcp", "port": _STORE.port, "secret": secrets.token_hex(32)}
-
-
-def _store(rendezvous: dict, env: dict, timeout_s: float):
-    import torch.distributed as dist
-
-    world = int(env["WORLD_SIZE"])
-    if rendezvous["kind"] == "file":
-        return dist.FileStore(rendezvous["path"], world)
-    if int(env["RANK"]) == 0:
-        store = _STORE
-    else:
-        store = dist.TCPStore(
-            env["MASTER_ADDR"],
-            int(rendezvous["port"]),
-            world,
-            is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-        )
-    return dist.PrefixStore(f"gpuhub-{rendezvous['secret']}", store)
-
-
 def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int, rendezvous: dict) -> dict:
     os.environ.update(env)
     pinned = pin_to_gpu(env.get("GPUHUB_RANK_GPU", ""))  # before torch starts its threads
@@ -209,7 +163,7 @@ def setup_rank(env: dict, backend: str | None, timeout_s: float, kernel_pid: int
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     freer = start_freer()  # SIGUSR1 (blocked since the engine started) frees a stuck collective
     init_group(
-        backend, _store(rendezvous, env, timeout_s), int(env["RANK"]), int(env["WORLD_SIZE"]), timeout_s
+        backend, group_store(rendezvous, env, timeout_s), int(env["RANK"]), int(env["WORLD_SIZE"]), timeout_s
     )
 
     from IPython import get_ipython

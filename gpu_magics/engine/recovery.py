@@ -24,6 +24,8 @@ import stat
 import threading
 from datetime import timedelta
 
+from gpu_magics.engine.rendezvous import group_store
+
 FREE_SIGNAL = signal.SIGUSR1
 _STATE = {"fds": frozenset(), "freed": 0, "backend": ""}
 _FREER: threading.Thread | None = None
@@ -131,7 +133,7 @@ def _ddp_options(old) -> dict:
 
 
 def replace_group(rendezvous: dict, env_update: dict, timeout_s: float, rebind: list[str]) -> dict:
-    """Leave the default group, join a new one on ``rendezvous`` (``engine.open_rendezvous``),
+    """Leave the default group, join a new one on ``rendezvous`` (``rendezvous.open_rendezvous``),
     and re-bind the DDP modules named ``rebind`` (the same names, in the same order, on every
     rank)."""
     import gc
@@ -139,8 +141,6 @@ def replace_group(rendezvous: dict, env_update: dict, timeout_s: float, rebind: 
     import torch.distributed as dist
     from IPython import get_ipython
     from torch.nn.parallel import DistributedDataParallel
-
-    from gpu_magics.engine.rank import _store
 
     os.environ.update(env_update)
     backend = _STATE["backend"] or dist.get_backend()
@@ -153,7 +153,7 @@ def replace_group(rendezvous: dict, env_update: dict, timeout_s: float, rebind: 
     except Exception:  # a group whose connections were shut down may complain; it is gone
         pass
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    init_group(backend, _store(rendezvous, dict(os.environ), timeout_s), rank, world, timeout_s)
+    init_group(backend, group_store(rendezvous, dict(os.environ), timeout_s), rank, world, timeout_s)
     for name, ddp in old.items():
         ns[name] = DistributedDataParallel(ddp.module, **_ddp_options(ddp))
     old.clear()

@@ -235,10 +235,10 @@ class EnginePool:
         self._start_reaper([self.controller_pid, *mine, *self.launcher.local_pids])
 
     def _open_rendezvous(self, envs: list[dict], timeout: float) -> tuple[list[dict], dict]:
-        """The process group's meeting place, made by rank 0's engine (``engine.open_rendezvous``):
+        """The process group's meeting place, made by rank 0's engine (``engine.rendezvous.open_rendezvous``):
         a private FileStore when every rank is on one node, else a TCPStore whose own port
         becomes MASTER_PORT (as torchrun's agent store is)."""
-        from gpu_magics.engine.rank import open_rendezvous
+        from gpu_magics.engine.rendezvous import open_rendezvous
 
         kind = "tcp" if self.multi_host else "file"
         first = next(eid for eid, env in zip(self.engine_ids, envs, strict=True) if env["RANK"] == "0")
