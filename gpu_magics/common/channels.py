@@ -8,11 +8,11 @@ enter, never a TCP port another account can reach.
   name, in a new private directory (:func:`socket_dir`). The extension sets
   ``GPUHUB_KERNEL_TRANSPORT=ipc`` for the kernels, and the "Python 3 (GPUs)" kernel
   (``python -m gpu_magics.kernel``) refuses to start over TCP where it is set.
-- **Pools** (``launchers.LocalLauncher``): the ipyparallel controller of a ``%%distributed`` pool
+- **Pools** (``launch.local.LocalLauncher``): the ipyparallel controller of a ``%%distributed`` pool
   on one host binds Unix sockets in a private directory made by :func:`socket_dir`; every pool
   also runs with ipyparallel's CurveZMQ (:data:`CONTROLLER_ARGS`), so a socket without its
   owner's keys (the connection files, 0700) gets nothing: the TCP ones of a pool across hosts
-  (``slurmengines.SlurmLauncher``) and each engine's own loopback ones (its nanny, its heartbeat
+  (``launch.slurm.SlurmLauncher``) and each engine's own loopback ones (its nanny, its heartbeat
   monitor) alike. Other ipyparallel clusters started from the server or its kernels get
   CurveZMQ by default too (``IPP_ENABLE_CURVE=1`` in the server's environment).
 """
