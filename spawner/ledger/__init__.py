@@ -13,7 +13,9 @@ writes with ``gpuhub limits set``. A row in the database wins over the trait for
 key (default, one group, one user); ``gpuhub limits unset`` returns that key to the trait.
 
 The ledger is one class, :class:`Ledger`, made of parts, one module each. The parts call
-one another through ``self``; what one part offers the others, and who owns it:
+one another through ``self``; what one part offers the others, and who owns it (a name
+ending in ``_in`` works inside the caller's transaction ``s``, and is for the parts only;
+the underscored ones are the transactions' and the inventory's own machinery):
 
 - ``transactions`` (``LedgerBase``): the database, ``_tx`` (a writing transaction), ``_read``,
   ``_end``/``_end_row`` (an allocation ends), ``_active``/``_live_infos`` (the live ones);
@@ -22,17 +24,17 @@ one another through ``self``; what one part offers the others, and who owns it:
   other parts ``holdings_in`` (what counts against a limit), ``grant_in`` (a queue entry's
   turn) and ``book_in`` (every allocation is written there).
 - ``allocations`` (``AllocationRecords``): an allocation's life after admission, and
-  ``_expire`` (leases run out; every writer calls it first).
-- ``queue`` (``QueueRecords``): waiting; ``_scene`` (the queue's order and plan),
-  ``_live_waiting``/``_end_stale`` (entries that still wait).
+  ``expire_in`` (leases run out; every writer calls it first).
+- ``queue`` (``QueueRecords``): waiting; ``scene_in`` (the queue's order and plan),
+  ``live_waiting_in``/``end_stale_in`` (entries that still wait).
 - ``borrowing`` (``LendingRecords``): ``borrow_allowance``, ``borrowed_part_in`` and
-  ``borrow_now_in`` (admission beyond the limit), notices, ``_preempt_reason``;
+  ``borrow_now_in`` (admission beyond the limit), notices, ``preempt_reason_in``;
   ``borrowing_reads`` (``LendingReads``): what the pages show of it.
-- ``takeback`` (``TakeBackRecords``): settling notices, ``_withdraw_unwanted``.
+- ``takeback`` (``TakeBackRecords``): settling notices, ``withdraw_unwanted_in``.
 - ``limits`` (``LimitRecords``): ``_rules`` (the limits in force).
 - ``gpus`` (``InventoryRecords``): ``_inventory``, ``_free``, ``_present`` (the GPUs).
-- ``usage`` (``UsageRecords``) and ``reclaims`` (``ReclaimRecords``: ``_reclaim_reason``,
-  ``_undo_if_used``).
+- ``usage`` (``UsageRecords``) and ``reclaims`` (``ReclaimRecords``: ``reclaim_reason_in``,
+  ``undo_if_used_in``).
 
 The records they answer with are :mod:`spawner.policy.records`'s.
 """

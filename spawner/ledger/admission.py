@@ -89,8 +89,8 @@ class AdmissionRecords:
 
     Uses ``_read``/``_write`` (``LedgerBase``, ``CombinedWrites``), ``_rules`` (``LimitRecords``),
     ``_inventory``/``_free``/``_present`` (``InventoryRecords``), ``_active`` (``LedgerBase``),
-    ``_expire`` (``AllocationRecords``), ``borrow_allowance``/``borrowed_part_in``/``borrow_now_in``
-    (``LendingRecords``), ``_live_waiting``/``_scene`` (``QueueRecords``)."""
+    ``expire_in`` (``AllocationRecords``), ``borrow_allowance``/``borrowed_part_in``/``borrow_now_in``
+    (``LendingRecords``), ``live_waiting_in``/``scene_in`` (``QueueRecords``)."""
 
     def holdings_in(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
         """What counts against the limit: GPUs held, less those borrowed beyond it (they have an
@@ -217,7 +217,7 @@ class AdmissionRecords:
 
     def _admit_in(self, s: Session, req: AllocationRequest) -> Admission:
         """``_admit``'s decision and write, in the writing transaction ``s``."""
-        self._expire(s)
+        self.expire_in(s)
         asked = placement_request(req)
         eff = policy.effective_limit(req.user, req.groups, self._rules(s))
         inventory, free = self._inventory(s), self._free(s)
@@ -260,7 +260,7 @@ class AdmissionRecords:
         """After the limit and feasibility checks: book now if the queue's plan starts this
         request now, else queue it (``req.wait``) or refuse it with the queue named."""
         now = self.clock()
-        live = self._live_waiting(s, now)[1]
+        live = self.live_waiting_in(s, now)[1]
         adopt = None
         if req.purpose == "server":  # this server's own entry (started again): it keeps its place
             mine = (req.user, "server", req.server_name, req.backend)
@@ -287,7 +287,7 @@ class AdmissionRecords:
             adopt.state = "left"
         # the plan sees the new request as one more waiting entry (the scene fills in its run length)
         cand = fairshare.Candidate(NEW, req.user, created, front)
-        scene = self._scene(s, now, (cand, queueplan.Waiting(NEW, asked, 0.0, nodes)), req.groups)
+        scene = self.scene_in(s, now, (cand, queueplan.Waiting(NEW, asked, 0.0, nodes)), req.groups)
         if adopt is not None:
             adopt.state = "waiting"
         gpus = scene.plan.grants.get(NEW)

@@ -49,9 +49,9 @@ class AllocationRecords:
     """Start, renew and release; the reads of allocations.
 
     Uses ``_tx``/``_write``/``_read``/``_end``/``_end_row``/``_active``/``_live_infos``
-    (``LedgerBase``, ``CombinedWrites``), ``_reclaim_reason``/``_undo_if_used``
-    (``ReclaimRecords``), ``_preempt_reason`` (``LendingRecords``), ``_withdraw_unwanted``
-    (``TakeBackRecords``), ``_end_stale`` (``QueueRecords``). Every other part calls ``_expire``."""
+    (``LedgerBase``, ``CombinedWrites``), ``reclaim_reason_in``/``undo_if_used_in``
+    (``ReclaimRecords``), ``preempt_reason_in`` (``LendingRecords``), ``withdraw_unwanted_in``
+    (``TakeBackRecords``), ``end_stale_in`` (``QueueRecords``). Every other part calls ``expire_in``."""
 
     def mark_running(self, allocation_id: int, backend_job_id: str | None = None) -> AllocationInfo:
         with self._tx() as s:
@@ -166,41 +166,41 @@ class AllocationRecords:
         it), unless ``active_at``, when its owner's code was last active, falls in the time
         the reclaim counted as idle: the reclaim was then decided on old news and is undone."""
         with self._tx() as s:
-            self._expire(s)
+            self.expire_in(s)
             a = s.get(Allocation, allocation_id)
             if a is None or a.state not in ACTIVE_STATES:
                 raise LookupError(f"allocation {allocation_id} is not active")
             if a.lease_expires is None:
                 raise ValueError(f"allocation {allocation_id} has no lease to renew")
-            reclaimed = self._reclaim_reason(s, a.id)
-            if reclaimed and not self._undo_if_used(s, a.id, active_at):
+            reclaimed = self.reclaim_reason_in(s, a.id)
+            if reclaimed and not self.undo_if_used_in(s, a.id, active_at):
                 raise LookupError(f"allocation {allocation_id} was {reclaimed}")
             now = self.clock()
-            preempted = self._preempt_reason(s, a.id, now)
+            preempted = self.preempt_reason_in(s, a.id, now)
             if preempted:  # due, but only for a request that still waits
-                self._end_stale(s, now)
-                self._withdraw_unwanted(s, now)
-                preempted = self._preempt_reason(s, a.id, now)
+                self.end_stale_in(s, now)
+                self.withdraw_unwanted_in(s, now)
+                preempted = self.preempt_reason_in(s, a.id, now)
             if preempted:  # due: its kernel must stop the engines and release it
                 raise LookupError(f"allocation {allocation_id} was {preempted}")
             a.lease_expires = self.clock() + timedelta(seconds=lease_seconds)
             return _info(a)
 
-    def _expire(self, s: Session) -> list[int]:
+    def expire_in(self, s: Session) -> list[int]:
         now = self.clock()
         if not s.info.pop("leases_due", True):  # none was due when the transaction began
             return []  # (read with the lock row): the usual answer, without loading anything
         expired = list(s.scalars(select(Allocation).where(is_live(), Allocation.lease_expires <= now)))
         for a in expired:
             # usage counts up to the end of the lease, not up to when someone noticed
-            taken = self._reclaim_reason(s, a.id) or self._preempt_reason(s, a.id, now)
+            taken = self.reclaim_reason_in(s, a.id) or self.preempt_reason_in(s, a.id, now)
             self._end(a, taken or "lease expired", when=a.lease_expires)
         return [a.id for a in expired]
 
     def expire_leases(self) -> list[int]:
         """Release every allocation whose lease ran out; returns their ids."""
         with self._tx() as s:
-            return self._expire(s)
+            return self.expire_in(s)
 
     def get(self, allocation_id: int) -> AllocationInfo | None:
         with self._read() as s:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from spawner import policy
 from spawner.ledger.models import Allocation, Preemption, QueueEntry, has_borrowed, is_live
-from spawner.ledger.queue import _nodes
+from spawner.ledger.queue import nodes_of
 from spawner.ledger.transactions import _gpu
 from spawner.policy import borrowing
 from spawner.policy.records import Admission, AllocationRequest, PreemptionInfo
@@ -71,8 +71,8 @@ class LendingRecords:
     """Borrowing beyond the limit (for admission: ``borrow_allowance``, ``borrowed_part_in``,
     ``borrow_now_in``) and notices for the queue's head.
 
-    Uses ``_tx``/``_read``/``_active`` (``LedgerBase``), ``_scene``/``_end_stale``
-    (``QueueRecords``), ``_free``/``_inventory`` (``InventoryRecords``), ``_expire``
+    Uses ``_tx``/``_read``/``_active`` (``LedgerBase``), ``scene_in``/``end_stale_in``
+    (``QueueRecords``), ``_free``/``_inventory`` (``InventoryRecords``), ``expire_in``
     (``AllocationRecords``), ``book_in`` (``AdmissionRecords``)."""
 
     def borrow_allowance(self, user: str, groups: Iterable[str]) -> tuple[int, str]:
@@ -114,7 +114,7 @@ class LendingRecords:
         """Book a request beyond the limit (``borrowed`` GPUs of it) on GPUs free now, or refuse
         it: GPUs are lent only while nobody waits (it never queues)."""
         now = self.clock()
-        self._end_stale(s, now)
+        self.end_stale_in(s, now)
         quiet = now - timedelta(seconds=self.queue_settings.keepalive_seconds)
         waiting = [
             e for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")) if e.seen >= quiet
@@ -160,16 +160,16 @@ class LendingRecords:
                 return []
         with self._tx() as s:
             now = self.clock()
-            self._expire(s)
-            self._end_stale(s, now)
-            scene = self._scene(s, now)
+            self.expire_in(s)
+            self.end_stale_in(s, now)
+            scene = self.scene_in(s, now)
             head = next((i for i in scene.order if i not in scene.plan.grants), None)
             if head is None:
                 return []
             e = s.get(QueueEntry, head)
             live = self._active(s)
             taken = [a for a in live if _standing(a) is not None]
-            nodes = _nodes(e.on_nodes)
+            nodes = nodes_of(e.on_nodes)
             inventory = [g for g in self._inventory(s) if nodes is None or g.node in nodes]
             coming = list(scene.free) + [_gpu(ag.gpu) for a in taken for ag in a.gpus if ag.held]
             coming = [g for g in coming if nodes is None or g.node in nodes]
@@ -204,7 +204,7 @@ class LendingRecords:
             s.flush()
             return [_preemption_info(p) for p in made]
 
-    def _preempt_reason(self, s: Session, allocation_id: int, now: datetime | None = None) -> str | None:
+    def preempt_reason_in(self, s: Session, allocation_id: int, now: datetime | None = None) -> str | None:
         """The preemption's reason once it is due (None before, or when there is none)."""
         p = s.scalar(
             select(Preemption).where(

@@ -41,7 +41,8 @@ OVERDUE_MIN = timedelta(minutes=5)
 SCENE_SECONDS = timedelta(seconds=1)  # how long a read-only answer may reuse a computed scene
 
 
-def _nodes(text: str | None) -> frozenset[str] | None:
+def nodes_of(text: str | None) -> frozenset[str] | None:
+    """The nodes a queue entry's ``on_nodes`` names (None: anywhere)."""
     return None if text is None else frozenset(n for n in text.split(",") if n)
 
 
@@ -93,16 +94,16 @@ class QueueRecords:
     """The queue's scene, a waiter's turn, leaving and reordering, and the queue's reads.
 
     Uses ``_tx``/``_read``/``_active``/``_generation`` (``LedgerBase``), ``_rules``
-    (``LimitRecords``), ``_inventory``/``_free`` (``InventoryRecords``), ``_expire``
+    (``LimitRecords``), ``_inventory``/``_free`` (``InventoryRecords``), ``expire_in``
     (``AllocationRecords``), ``holdings_in``/``grant_in`` (``AdmissionRecords``). Admission
-    calls ``_live_waiting`` and ``_scene``; borrowing and taking back call ``_end_stale``."""
+    calls ``live_waiting_in`` and ``scene_in``; borrowing and taking back call ``end_stale_in``."""
 
     # the scene ------------------------------------------------------------------------
 
-    def _end_stale(self, s: Session, now: datetime) -> list[int]:
-        return self._live_waiting(s, now)[0]
+    def end_stale_in(self, s: Session, now: datetime) -> list[int]:
+        return self.live_waiting_in(s, now)[0]
 
-    def _live_waiting(self, s: Session, now: datetime) -> tuple[list[int], list[QueueEntry]]:
+    def live_waiting_in(self, s: Session, now: datetime) -> tuple[list[int], list[QueueEntry]]:
         """End the entries past their keepalive or longest wait: their ids, and the entries
         that still wait."""
         qs = self.queue_settings
@@ -178,7 +179,7 @@ class QueueRecords:
         typical = {u: queueplan.typical_run_hours(r, least, RUNS_PER_USER) for u, r in runs.items()}
         return usage, {u: h for u, h in typical.items() if h is not None}
 
-    def _scene(
+    def scene_in(
         self,
         s: Session,
         now: datetime,
@@ -205,7 +206,7 @@ class QueueRecords:
                 e.id,
                 policy.Request(e.user, e.gpu_count, e.model, e.max_nodes, e.gpus_per_node),
                 runs.get(e.user, default_run),
-                _nodes(e.on_nodes),
+                nodes_of(e.on_nodes),
             )
             for e in rows
         }
@@ -258,7 +259,7 @@ class QueueRecords:
             gen, at, scene = cached
             if gen == generation and timedelta(0) <= now - at < SCENE_SECONDS:
                 return scene
-        scene = self._scene(s, now)
+        scene = self.scene_in(s, now)
         self._scene_cache = (generation, now, scene)
         return scene
 
@@ -297,9 +298,9 @@ class QueueRecords:
                     return Admission(entry=scene.info(entry_info(e)))
         with self._tx() as s:
             now = self.clock()
-            self._expire(s)
+            self.expire_in(s)
             e = s.get(QueueEntry, entry_id)
-            ended = self._end_stale(s, now)  # before this ask counts: a late waiter finds its entry ended
+            ended = self.end_stale_in(s, now)  # before this ask counts: a late waiter finds its entry ended
             if e.state == "waiting":
                 e.seen = now
             if e.state == "granted":
@@ -307,7 +308,7 @@ class QueueRecords:
                 return Admission(allocation=_info(a), entry=entry_info(e))
             if e.state == "left":
                 return Admission(entry=entry_info(e))
-            scene = self._scene(s, now)
+            scene = self.scene_in(s, now)
             gpus = scene.plan.grants.get(e.id)
             if gpus is None:
                 s.info["changed"] = bool(ended)  # a keepalive alone changes no decision
@@ -367,7 +368,7 @@ class QueueRecords:
                 return None
             if e.state != "waiting":
                 return entry_info(e)
-            return self._scene(s, self.clock()).info(entry_info(e))
+            return self.scene_in(s, self.clock()).info(entry_info(e))
 
     def queue(self, user: str | None = None) -> list[QueueInfo]:
         """Every waiting entry (or a user's), in the queue's order, with place and factors."""
@@ -376,7 +377,7 @@ class QueueRecords:
             rows = {e.id: e for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting"))}
             if not rows:  # nothing to order: no scene (it reads every user's usage)
                 return []
-            scene = self._scene(s, now)
+            scene = self.scene_in(s, now)
             out = [scene.info(entry_info(rows[i])) for i in scene.order]
         return [q for q in out if user is None or q.user == user]
 

@@ -68,7 +68,7 @@ class ReclaimRecords:
             s.flush()
             return _reclaim_info(r)
 
-    def _undo_if_used(self, s, allocation_id: int, active_at: datetime | None) -> bool:
+    def undo_if_used_in(self, s, allocation_id: int, active_at: datetime | None) -> bool:
         r = _record_of(s, allocation_id)
         if r is None or active_at is None or active_at <= r.created - timedelta(seconds=r.idle_seconds):
             return False
@@ -86,7 +86,7 @@ class ReclaimRecords:
             s.delete(r)
             return True
 
-    def _reclaim_reason(self, s, allocation_id: int) -> str | None:
+    def reclaim_reason_in(self, s, allocation_id: int) -> str | None:
         r = _record_of(s, allocation_id)
         return None if r is None else f"reclaimed: {r.reason}"
 

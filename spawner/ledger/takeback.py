@@ -24,10 +24,10 @@ from spawner.policy.records import Settled
 
 
 class TakeBackRecords:
-    """Methods of the Ledger (it provides ``_tx``, ``_read``, ``_expire``, ``_end``,
-    ``_end_stale``, ``clock``)."""
+    """Methods of the Ledger (it provides ``_tx``, ``_read``, ``expire_in``, ``_end``,
+    ``end_stale_in``, ``clock``)."""
 
-    def _withdraw_unwanted(self, s: Session, now: datetime) -> list[Preemption]:
+    def withdraw_unwanted_in(self, s: Session, now: datetime) -> list[Preemption]:
         """Withdraw the standing notices of live allocations whose request no longer waits."""
         rows = s.execute(
             select(Preemption, QueueEntry.state)
@@ -75,9 +75,9 @@ class TakeBackRecords:
         out = Settled()
         with self._tx() as s:
             now = self.clock()
-            self._expire(s)
-            self._end_stale(s, now)  # a waiter gone quiet no longer waits
-            withdrawn = self._withdraw_unwanted(s, now)
+            self.expire_in(s)
+            self.end_stale_in(s, now)  # a waiter gone quiet no longer waits
+            withdrawn = self.withdraw_unwanted_in(s, now)
             self._end_backfill(s)
             due = s.execute(select_due(now)).all()
             for p, a in due:
