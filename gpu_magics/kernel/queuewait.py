@@ -15,17 +15,11 @@ import time
 from collections.abc import Callable
 
 from gpu_magics.kernel.broker import BrokerClient, BrokerError
+from gpu_magics.kernel.outcome import DistributedInterrupt
 
 
-class QueueInterrupt(KeyboardInterrupt):
+class QueueInterrupt(DistributedInterrupt):
     """The stop button while waiting in the queue, shown as one plain report."""
-
-    def __init__(self, report: str):
-        super().__init__(report)
-        self.report = report
-
-    def _render_traceback_(self):
-        return ["KeyboardInterrupt: the cell was interrupted.", *self.report.splitlines()]
 
 
 QueueInterrupt.__name__ = QueueInterrupt.__qualname__ = "KeyboardInterrupt"  # as notebooks name it
