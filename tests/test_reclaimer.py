@@ -188,7 +188,7 @@ def test_an_engine_is_pinned_to_its_gpus_cpus_within_what_it_may_use(monkeypatch
     """gpu_magics.engine.rank.pin_to_gpu with NVML's affinity faked (the real one is in gpu_check)."""
     import os
 
-    from gpu_magics import engine
+    from gpu_magics.engine import rank as engine
     from gpu_magics.report import gpustats
 
     allowed = sorted(os.sched_getaffinity(0))
