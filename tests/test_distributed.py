@@ -247,7 +247,10 @@ for i in range(600):
     report = interrupted.traceback  # the ranks' report, in place of the magic's frames
     for rank in (0, 1):
         assert re.search(rf"rank {rank} \(.*\) was interrupted", report), report
-    assert "Every rank's variables are kept, in the same processes." in report and "magics.py" not in report
+    assert (
+        "Every rank's variables are kept, in the same processes." in report
+        and "gpu_magics/kernel/" not in report
+    )
     assert after.error is None and after.result == 2.0
 
 

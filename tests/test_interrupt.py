@@ -103,7 +103,9 @@ def test_an_interrupt_mid_training_keeps_every_rank_and_its_model(kernel, n):
     before = define(kernel, n)
     out = kernel.run(TRAIN_FOREVER.format(n=n), interrupt_when="training")
     assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
-    assert "gpu_magics" not in out["text"] and "magics.py" not in out["text"]  # the ranks' report only
+    assert (
+        "gpu_magics" not in out["text"] and "gpu_magics/kernel/" not in out["text"]
+    )  # the ranks' report only
     for rank in range(n):
         assert f"rank {rank} (" in out["text"]
     assert "died" not in out["text"] and "killed" not in out["text"]
@@ -156,7 +158,7 @@ def test_an_interrupt_while_the_engines_start_is_a_clean_report_and_takes_nothin
 
     out = kernel.run("%%distributed --gpus 2\n1", interrupt_when="Starting engines")
     assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
-    assert "Interrupted while the engines started" in out["text"] and "magics.py" not in out["text"]
+    assert "Interrupted while the engines started" in out["text"] and "gpu_magics/kernel/" not in out["text"]
     ledger = Ledger(hub.ledger_url)
     try:
         assert [a for a in ledger.active(user="alice") if a.purpose == "distributed"] == []  # released

@@ -7,7 +7,7 @@
   writers run at READ COMMITTED (each statement after the lock sees the last writer's
   commit); on PostgreSQL a reader engine's transactions are REPEATABLE READ and read-only,
   one snapshot for all their statements, as a WAL reader's on SQLite.
-- The schema is owned by Alembic (``spawner/migrations``). A new, empty database is
+- The schema is owned by Alembic (``spawner/ledger/migrations``). A new, empty database is
   created at head; a database behind head is refused with the command that upgrades it.
   Opening a ledger already at head (every open but the first) reads its version with one
   query against ``SCHEMA_HEAD``, without importing Alembic (tens of milliseconds of every
