@@ -1,7 +1,8 @@
 """The engine side of ``%distributed save|restore`` (``common/checkpoint.py`` has the format
 and the pure parts, ``kernel/checkpoints.py`` the kernel side): functions that run inside the
-ranks' engines through ipyparallel, on the names of the engine's IPython user namespace. They never raise for a
-user's mistake; they answer plain dicts that the kernel side turns into a ``UsageError``."""
+ranks' engines through ipyparallel, on the names of the engine's IPython user namespace. They
+never raise for a user's mistake; they answer plain dicts that the kernel side turns into a
+``UsageError``."""
 
 from __future__ import annotations
 
