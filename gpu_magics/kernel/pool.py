@@ -1,7 +1,7 @@
 """A warm pool of ipyparallel engines, one per rank, for ``%%distributed``.
 
 Engines are separate long-lived processes started by ipyparallel (never forks of the
-kernel). Each is set up once (``engine.setup_rank``: its GPU, torchrun's variables, the
+kernel). Each is set up once (``engine.rank.setup_rank``: its GPU, torchrun's variables, the
 process group) and then runs cell after cell, so imports, variables and models persist.
 
 Running a cell streams every rank's output as it arrives, prefixed by rank. When a rank

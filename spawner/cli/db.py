@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spawner.cli.hub import load_settings
+from spawner.cli.context import load_settings
 from spawner.cli.output import UsageError, first_line
 from spawner.cli.parsers import actions, command
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spawner.cli.hub import load_settings, open_ledger
+from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import format_table, iso, print_json
 from spawner.cli.parsers import command
 

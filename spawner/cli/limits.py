@@ -7,7 +7,7 @@ import argparse
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from spawner.cli.hub import load_settings, open_ledger
+from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import UsageError, format_table, parse_name, print_json
 from spawner.cli.parsers import actions, command
 from spawner.policy import values

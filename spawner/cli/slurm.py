@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from spawner.cli.hub import load_settings, open_ledger
+from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import UsageError, parse_name
 from spawner.cli.parsers import actions, command
 from spawner.policy import values

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from spawner.cli.hub import load_settings, open_ledger
+from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import UsageError, format_table, iso, parse_name, print_json
 from spawner.cli.parsers import command
 from spawner.policy import values
