@@ -16,7 +16,6 @@ own GPUs and burst), :func:`new_gpus` (a new pool's, local or Slurm), :func:`req
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -220,25 +219,14 @@ def acquire(terms: Terms, gpus: int, old: Burst | None = None) -> tuple[tuple[Sl
 
 
 def slurm_launcher(args):
-    """(launcher, GPUs of a burst job or 0): a step of this server's job when it holds the
-    GPUs, else a burst job of their own (admitted by the broker, placed by Slurm over
-    ``--nodes``). Checked before anything is stopped."""
-    from gpu_magics.launch.slurm import SlurmLauncher, plan_launch
+    """(launcher, GPUs of a burst job or 0) on the Slurm backend
+    (:func:`gpu_magics.launch.slurm.server_launcher`). Checked before anything is stopped."""
+    from gpu_magics.launch.slurm import server_launcher
 
-    own = len([g for g in os.environ.get("SLURM_JOB_GPUS", "").split(",") if g.strip()])
     try:
-        mode, nodes, per_node = plan_launch(own, args.gpus, args.nodes, args.gpus_per_node)
+        return server_launcher(args.gpus, args.nodes, args.gpus_per_node)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    launcher = SlurmLauncher(
-        mode,
-        nodes,
-        per_node,
-        os.path.expanduser("~"),
-        os.environ.get("SLURM_JOB_PARTITION", ""),
-        os.environ.get("GPUHUB_SLURM_ACCOUNT", ""),
-    )
-    return launcher, own
 
 
 def new_gpus(terms: Terms, args, on_slurm: bool, old: Burst | None):

@@ -446,3 +446,25 @@ def remote_signal_argv(job_id: str, name: str, pids_by_node: dict[str, list[int]
 def engine_argv(cluster) -> list[str]:
     """The engine's command as each Slurm task runs it, joined to this pool's cluster."""
     return [*ENGINE_CMD, f"--profile-dir={cluster.profile_dir}", f"--cluster-id={cluster.cluster_id}"]
+
+
+def server_launcher(
+    gpus: int, nodes: int | None, gpus_per_node: int | None, environ=None
+) -> tuple[SlurmLauncher, int]:
+    """(launcher, GPUs of this server's own job) for a pool of ``gpus`` ranks: a step of the
+    server's job when it holds the GPUs, else a burst job of their own (admitted by the broker,
+    placed by Slurm over ``--nodes``). What the server's job is, is read here, from what Slurm
+    and the spawner set in its environment. Raises ``ValueError`` for a shape that cannot be
+    launched (:func:`plan_launch`)."""
+    env = os.environ if environ is None else environ
+    own = len([g for g in env.get("SLURM_JOB_GPUS", "").split(",") if g.strip()])
+    mode, nodes, per_node = plan_launch(own, gpus, nodes, gpus_per_node)
+    launcher = SlurmLauncher(
+        mode,
+        nodes,
+        per_node,
+        os.path.expanduser("~"),
+        env.get("SLURM_JOB_PARTITION", ""),
+        env.get("GPUHUB_SLURM_ACCOUNT", ""),
+    )
+    return launcher, own
