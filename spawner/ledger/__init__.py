@@ -27,12 +27,12 @@ the underscored ones are the transactions' and the inventory's own machinery):
   ``expire_in`` (leases run out; every writer calls it first).
 - ``queue`` (``QueueRecords``): waiting; ``scene_in`` (the queue's order and plan),
   ``live_waiting_in``/``end_stale_in`` (entries that still wait).
-- ``borrowing`` (``LendingRecords``): ``borrow_allowance``, ``borrowed_part_in`` and
+- ``borrowing`` (``BorrowingRecords``): ``borrow_allowance``, ``borrowed_part_in`` and
   ``borrow_now_in`` (admission beyond the limit), notices, ``preempt_reason_in``;
-  ``borrowing_reads`` (``LendingReads``): what the pages show of it.
+  ``borrowing_reads`` (``BorrowingReads``): what the pages show of it.
 - ``takeback`` (``TakeBackRecords``): settling notices, ``withdraw_unwanted_in``.
 - ``limits`` (``LimitRecords``): ``_rules`` (the limits in force).
-- ``gpus`` (``InventoryRecords``): ``_inventory``, ``_free``, ``_present`` (the GPUs).
+- ``gpus`` (``GpuRecords``): ``_inventory``, ``_free``, ``_present`` (the GPUs).
 - ``usage`` (``UsageRecords``) and ``reclaims`` (``ReclaimRecords``: ``reclaim_reason_in``,
   ``undo_if_used_in``).
 
@@ -43,9 +43,9 @@ from __future__ import annotations
 
 from spawner.ledger.admission import AdmissionRecords
 from spawner.ledger.allocations import AllocationRecords
-from spawner.ledger.borrowing import LendingRecords
-from spawner.ledger.borrowing_reads import LendingReads
-from spawner.ledger.gpus import InventoryRecords
+from spawner.ledger.borrowing import BorrowingRecords
+from spawner.ledger.borrowing_reads import BorrowingReads
+from spawner.ledger.gpus import GpuRecords
 from spawner.ledger.limits import LimitRecords
 from spawner.ledger.queue import QueueRecords
 from spawner.ledger.reclaims import ReclaimRecords
@@ -60,11 +60,11 @@ class Ledger(
     AdmissionRecords,
     AllocationRecords,
     QueueRecords,
-    LendingRecords,
-    LendingReads,
+    BorrowingRecords,
+    BorrowingReads,
     TakeBackRecords,
     LimitRecords,
-    InventoryRecords,
+    GpuRecords,
     UsageRecords,
     ReclaimRecords,
     LedgerBase,

@@ -4,7 +4,7 @@
 :meth:`~AdmissionRecords.allocate` and :meth:`~AdmissionRecords.request` build one
 :class:`~spawner.policy.records.AllocationRequest` and hand it down: ``_admit`` checks its
 form, ``_admit_in`` decides in the writing transaction (the limit, what could ever fit, a
-deferred booking, borrowing beyond the limit: ``LendingRecords.borrow_now_in``), and
+deferred booking, borrowing beyond the limit: ``BorrowingRecords.borrow_now_in``), and
 ``_admit_or_queue`` books it where the queue's plan starts it now, or queues it, or refuses it
 with the queue named. :meth:`~AdmissionRecords.grant_in` books a queue entry whose turn has come
 (``QueueRecords.wait_turn``); :meth:`~AdmissionRecords.book_in` writes every allocation made.
@@ -88,9 +88,9 @@ class AdmissionRecords:
     """What a user holds and may take; allocate, request, and the bookings of both.
 
     Uses ``_read``/``_write`` (``LedgerBase``, ``CombinedWrites``), ``_rules`` (``LimitRecords``),
-    ``_inventory``/``_free``/``_present`` (``InventoryRecords``), ``_active`` (``LedgerBase``),
+    ``_inventory``/``_free``/``_present`` (``GpuRecords``), ``_active`` (``LedgerBase``),
     ``expire_in`` (``AllocationRecords``), ``borrow_allowance``/``borrowed_part_in``/``borrow_now_in``
-    (``LendingRecords``), ``live_waiting_in``/``scene_in`` (``QueueRecords``)."""
+    (``BorrowingRecords``), ``live_waiting_in``/``scene_in`` (``QueueRecords``)."""
 
     def holdings_in(self, s: Session, user: str, limit: policy.Limit) -> policy.Holdings:
         """What counts against the limit: GPUs held, less those borrowed beyond it (they have an

@@ -50,7 +50,7 @@ class AllocationRecords:
 
     Uses ``_tx``/``_write``/``_read``/``_end``/``_end_row``/``_active``/``_live_infos``
     (``LedgerBase``, ``CombinedWrites``), ``reclaim_reason_in``/``undo_if_used_in``
-    (``ReclaimRecords``), ``preempt_reason_in`` (``LendingRecords``), ``withdraw_unwanted_in``
+    (``ReclaimRecords``), ``preempt_reason_in`` (``BorrowingRecords``), ``withdraw_unwanted_in``
     (``TakeBackRecords``), ``end_stale_in`` (``QueueRecords``). Every other part calls ``expire_in``."""
 
     def mark_running(self, allocation_id: int, backend_job_id: str | None = None) -> AllocationInfo:

@@ -67,12 +67,12 @@ def _standing(a: Allocation) -> Preemption | None:
     return p if p is not None and p.withdrawn is None else None
 
 
-class LendingRecords:
+class BorrowingRecords:
     """Borrowing beyond the limit (for admission: ``borrow_allowance``, ``borrowed_part_in``,
     ``borrow_now_in``) and notices for the queue's head.
 
     Uses ``_tx``/``_read``/``_active`` (``LedgerBase``), ``scene_in``/``end_stale_in``
-    (``QueueRecords``), ``_free``/``_inventory`` (``InventoryRecords``), ``expire_in``
+    (``QueueRecords``), ``_free``/``_inventory`` (``GpuRecords``), ``expire_in``
     (``AllocationRecords``), ``book_in`` (``AdmissionRecords``)."""
 
     def borrow_allowance(self, user: str, groups: Iterable[str]) -> tuple[int, str]:

@@ -16,7 +16,7 @@ from spawner.ledger.models import Allocation, Preemption
 from spawner.policy.records import ACTIVE_STATES, PreemptionNotice
 
 
-class LendingReads:
+class BorrowingReads:
     """Methods of the Ledger (it provides ``_read`` and ``clock``)."""
 
     def preemption_notices(self, user: str, days: float = 7.0) -> list[PreemptionNotice]:

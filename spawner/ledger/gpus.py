@@ -36,7 +36,7 @@ class Present:
         return {(g.node, g.index): i for g, i in zip(self.gpus, self.ids, strict=True)}
 
 
-class InventoryRecords:
+class GpuRecords:
     """Which GPUs exist, and which are free."""
 
     def sync_inventory(self, gpus: Iterable[policy.Gpu], nodes: Iterable[str] | None = None) -> None:

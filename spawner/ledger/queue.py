@@ -94,7 +94,7 @@ class QueueRecords:
     """The queue's scene, a waiter's turn, leaving and reordering, and the queue's reads.
 
     Uses ``_tx``/``_read``/``_active``/``_generation`` (``LedgerBase``), ``_rules``
-    (``LimitRecords``), ``_inventory``/``_free`` (``InventoryRecords``), ``expire_in``
+    (``LimitRecords``), ``_inventory``/``_free`` (``GpuRecords``), ``expire_in``
     (``AllocationRecords``), ``holdings_in``/``grant_in`` (``AdmissionRecords``). Admission
     calls ``live_waiting_in`` and ``scene_in``; borrowing and taking back call ``end_stale_in``."""
 

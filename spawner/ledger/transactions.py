@@ -280,7 +280,7 @@ class LedgerBase(CombinedWrites):
         raise AssertionError("unreachable")
 
     def _committed(self, s: Session, before: int, after: int) -> None:
-        """Called after a writing transaction committed (``InventoryRecords`` keeps the
+        """Called after a writing transaction committed (``GpuRecords`` keeps the
         free GPUs with it)."""
 
     def _generation(self, s: Session) -> int:
