@@ -14,7 +14,7 @@ overrides the ledger URL. It never changes the inventory: the hub and its broker
 Run it as the hub's account: the ledger is readable only by the hub.
 
 Each command is one module of this package: its ``register`` adds the command's parsers and
-sets the function that runs it (:func:`.parsers.command`); :mod:`.output` and :mod:`.hub` are
+sets the function that runs it (:func:`.parsers.command`); :mod:`.output` and :mod:`.context` are
 what they share.
 """
 
