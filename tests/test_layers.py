@@ -2,7 +2,8 @@
 imported alone in a fresh interpreter, and what it pulled into ``sys.modules`` is checked.
 
 - ``spawner/policy/`` (pure decisions) may not load SQLAlchemy, JupyterHub, tornado, or any
-  gpuhub module outside ``spawner.policy``;
+  gpuhub module outside ``spawner.policy`` but ``gpu_magics.common`` (stdlib only: the words
+  and numbers every process writes the same way);
 - ``gpu_magics/common/`` (imported by every process) nothing outside the standard library;
 - ``gpu_magics/engine/`` (each ipyparallel engine) not IPython's magics, not the kernel's,
   launchers', reporter's or Dask's code, not the ledger.
@@ -53,12 +54,17 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 def policy_breaks(loaded: list[str]) -> list[str]:
     """What a pure policy module must not load: the database, the hub, the web server, or
-    gpuhub code outside the policy package (its parent package's ``__init__`` aside)."""
+    gpuhub code outside the policy package (its parent package's ``__init__`` aside) but the
+    stdlib-only ``gpu_magics.common``."""
     return [
         m
         for m in loaded
         if _under(m, ("sqlalchemy", "jupyterhub", "tornado"))
-        or (_under(m, ("spawner", "gpu_magics")) and m != "spawner" and not _under(m, ("spawner.policy",)))
+        or (
+            _under(m, ("spawner", "gpu_magics"))
+            and m not in ("spawner", "gpu_magics")
+            and not _under(m, ("spawner.policy", "gpu_magics.common"))
+        )
     ]
 
 
