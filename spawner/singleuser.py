@@ -41,6 +41,15 @@ could have made first.
 ``/proxy/<port>/`` to any loopback port, another account's included, on the hub's origin with
 the user's cookies. The launcher turns that extension off (:data:`SERVER_ARGS`).
 
+**A quiet log.** JupyterHub's request log writes every successful request at INFO, and an
+open JupyterLab polls the server every few seconds (kernels, sessions, terminals, contents):
+hundreds of lines an hour that say nothing. The launcher moves a successful ``GET``/``HEAD``
+that took under a second to DEBUG (:func:`is_routine`; ``--debug`` shows them); a slow
+request, a redirect, a refusal, an error and every other method stay as they were.
+ipyparallel 9 names its server extension the old way (``_jupyter_server_extension_paths``),
+which made the server warn at every start that the name is deprecated; the launcher gives
+it the new name for the same function (:func:`name_ipyparallel_extension`).
+
 The hub's spawners start ``gpuhub-singleuser`` by default (``c.Spawner.cmd``); it takes
 ``jupyterhub-singleuser``'s arguments. ``python -m spawner.singleuser`` is the same.
 """
@@ -50,7 +59,9 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import logging
 import os
+import re
 import runpy
 import shutil
 import sys
@@ -232,6 +243,52 @@ def server_argv(argv: list[str]) -> list[str]:
     return [*argv, *(a for a in SERVER_ARGS if a not in argv)]
 
 
+# JupyterHub's request line: "200 GET /user/alice/api/kernels?1 (alice@127.0.0.1) 3.21ms"
+_REQUEST = re.compile(r"(?P<status>\d{3}) (?P<method>[A-Z]+) \S.* (?P<ms>\d+(?:\.\d+)?)ms$")
+
+
+def is_routine(message: str) -> bool:
+    """Whether a request log line is a successful ``GET``/``HEAD`` answered in under a
+    second: JupyterLab's polls, not worth INFO (pure)."""
+    m = _REQUEST.match(message)
+    return bool(
+        m and 200 <= int(m["status"]) < 300 and m["method"] in ("GET", "HEAD") and float(m["ms"]) < 1000
+    )
+
+
+class RoutineToDebug(logging.Filter):
+    """On ``tornado.access``: a routine request is a DEBUG record, kept only when the log
+    shows DEBUG (the server's ``--debug``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or not is_routine(record.getMessage()):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def quiet_routine_requests() -> None:
+    access = logging.getLogger("tornado.access")
+    if not any(isinstance(f, RoutineToDebug) for f in access.filters):
+        access.addFilter(RoutineToDebug())
+
+
+def name_ipyparallel_extension() -> bool:
+    """Give ipyparallel's server extension the name Jupyter Server looks for first, so the
+    server does not warn at each start that the old name is deprecated (the same function)."""
+    try:
+        import ipyparallel
+    except ImportError:
+        return False
+    if hasattr(ipyparallel, "_jupyter_server_extension_points"):
+        return False
+    old = getattr(ipyparallel, "_jupyter_server_extension_paths", None)
+    if old is None:
+        return False
+    ipyparallel._jupyter_server_extension_points = old
+    return True
+
+
 def main() -> None:
     from gpu_magics.common.scratch import private_tmpdir
 
@@ -251,6 +308,8 @@ def main() -> None:
         return
     from jupyterhub.singleuser import main as singleuser_main
 
+    quiet_routine_requests()
+    name_ipyparallel_extension()
     sys.argv = server_argv(sys.argv)
     sys.exit(singleuser_main())
 

@@ -6,7 +6,9 @@
 - the spawner's own wait for the server (``spawner.spawners.readiness``) follows JupyterHub's rule,
   and a server that dies before it answers fails the spawn at once, its GPUs released;
 - the Slurm watcher's pause after a submit (``next_interval``), as a table;
-- a real hub's servers are started by the launcher and answer with their extensions.
+- a real hub's servers are started by the launcher and answer with their extensions, and
+  their log is quiet: JupyterLab's polls are not logged at INFO, ipyparallel's extension does
+  not warn at each start, and a refused request is still logged.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tornado import web
 from tornado.httpserver import HTTPServer
 
 from spawner.ledger import Ledger
+from spawner.singleuser import is_routine
 from spawner.slurm.reconcile import next_interval
 from spawner.spawners import readiness
 
@@ -263,6 +266,27 @@ def test_the_watcher_asks_sooner_right_after_a_submit(previous, changed, waiting
     assert got == pytest.approx(expected)
 
 
+# the launcher's quiet log ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "routine"),
+    [
+        ("200 GET /user/alice/api/kernels?1701 (alice@127.0.0.1) 3.21ms", True),
+        ("204 HEAD /user/alice/api/status (alice@127.0.0.1) 0.50ms", True),
+        ("200 GET /user/alice/api/contents (alice@127.0.0.1) 1500.00ms", False),  # slow: kept
+        ("302 GET /user/alice/ -> /user/alice/lab (alice@127.0.0.1) 1.00ms", False),
+        ("404 GET /user/alice/nothing (alice@127.0.0.1) 1.00ms", False),
+        ("201 POST /user/alice/api/sessions (alice@127.0.0.1) 20.00ms", False),
+        ("200 PUT /user/alice/api/contents/a.ipynb (alice@127.0.0.1) 9.00ms", False),
+        ("Kernel started: 1234", False),
+        ("", False),
+    ],
+)
+def test_only_a_quick_successful_read_is_routine(line, routine):
+    assert is_routine(line) is routine
+
+
 # on a real hub ---------------------------------------------------------------------------
 
 
@@ -281,6 +305,17 @@ def test_a_hub_server_is_started_by_the_launcher_and_answers_with_its_extensions
         assert hub.api_url_request("GET", "/user/alice/api/status").status_code == 200
         assert hub.api_url_request("GET", "/user/alice/lab").status_code == 200
         assert hub.api_url_request("GET", "/user/alice/server-proxy/servers-info").status_code == 404
+        for _ in range(3):  # what an open JupyterLab asks every few seconds
+            assert hub.api_url_request("GET", "/user/alice/api/kernels").status_code == 200
+        assert hub.api_url_request("GET", "/user/alice/api/no-such-route").status_code == 404
+        wait_for(
+            lambda: "/user/alice/api/no-such-route" in hub.log_path.read_text(errors="replace"),
+            30,
+            "the 404 logged",
+        )
+        log = hub.log_path.read_text(errors="replace")
+        assert "GET /user/alice/api/kernels" not in log
+        assert "_jupyter_server_extension_points" not in log
     finally:
         hub.stop_server("alice")
 
