@@ -120,6 +120,8 @@ class GpuHub(Configurable):
         help="""GPUs any user may hold at once unless a group or user limit says otherwise.
         An int (max GPUs), None (unlimited) or a dict with ``max_gpus``, ``gpu_hours`` and
         ``window_hours`` (GPU-hours over a rolling window, default 168 h). Default: 1.
+        A limit of 0 (here or in any group or user entry) means no GPUs at all, not even
+        borrowed ones, whatever the borrowing allowance (docs/borrowing.md).
         ``gpuhub limits set --default N`` overrides it from the ledger.
         ``c.GpuHub.default_limit = {"max_gpus": 2, "gpu_hours": 100}``
         """,
@@ -262,7 +264,8 @@ class GpuHub(Configurable):
         help="""GPUs any user may borrow beyond their limit, unless a group or user entry says
         otherwise: only GPUs free at that moment, only while nobody waits in the queue, and
         taken back (after a notice and ``preempt_grace_seconds``) when a request within its
-        limit needs them (docs/borrowing.md). 0: no borrowing. ``c.GpuHub.default_borrow = 2``
+        limit needs them (docs/borrowing.md). 0: no borrowing. A user whose limit is 0 borrows
+        nothing (0 means no GPUs at all). ``c.GpuHub.default_borrow = 2``
         """,
     ).tag(config=True)
 

@@ -22,10 +22,11 @@ from spawner.policy.borrowing import (
     effective_borrow,
     notice_reason,
     split,
+    usable_allowance,
     victims,
     withdrawal,
 )
-from spawner.policy.limits import Limit, LimitRules, Refusal
+from spawner.policy.limits import EffectiveLimit, Holdings, Limit, LimitRules, Refusal, check_request
 from spawner.policy.placement import Gpu, Request
 from spawner.settings import GpuHub
 
@@ -76,11 +77,43 @@ def test_effective_borrow_defaults_to_no_borrowing():
         (1, 3, 2, 2, 2, Split(1, 0)),  # 1 in the limit held: 1 more in it
         (2, 3, 2, 2, 2, None),  # ... but not 2: 3 beyond the limit, more than the allowance
         (100, 50, 0, None, 0, Split(100, 0)),  # unlimited: never borrowed
-        (1, 0, 0, 0, 1, Split(1, 1)),  # a limit of 0: all borrowed
+        (1, 0, 0, 0, 1, Split(1, 0)),  # a limit of 0 lends nothing: the limit refuses it
+        (3, 0, 0, 0, 8, Split(3, 0)),
     ],
 )
 def test_split(count, held, held_borrowed, max_gpus, allowance, want):
     assert split(count, held, held_borrowed, max_gpus, allowance) == want
+
+
+@pytest.mark.parametrize(
+    "max_gpus, allowance, want",
+    [(2, 3, 3), (1, 0, 0), (0, 3, 0), (0, 0, 0), (None, 3, 0)],  # 0 means none, not even borrowed
+)
+def test_usable_allowance(max_gpus, allowance, want):
+    assert usable_allowance(max_gpus, allowance) == want
+
+
+@pytest.mark.parametrize(
+    "count, source, refused",
+    [
+        (1, "group students", "You asked for 1 GPU, but your limit is 0 GPUs (group students)"),
+        (3, "user bob", "You asked for 3 GPUs, but your limit is 0 GPUs (user bob)"),
+        (0, "default", None),  # a server without GPUs is fine
+    ],
+)
+def test_a_limit_of_0_refuses_every_gpu_and_says_to_ask_an_admin(count, source, refused):
+    eff = EffectiveLimit(Limit(max_gpus=0), source)
+    inv = [Gpu("n1", i, "A100") for i in range(4)]
+    if refused is None:
+        check_request(Request("bob", count), eff, Holdings(), inv, inv)
+        return
+    with pytest.raises(Refusal) as err:
+        check_request(Request("bob", count), eff, Holdings(), inv, inv)
+    assert (err.value.reason, err.value.status_code, err.value.fits) == ("over_limit", 403, 0)
+    assert err.value.message == (
+        f"{refused}: no GPUs at all, not even idle ones lent beyond a limit. "
+        "Ask an admin of this hub to raise your limit."
+    )
 
 
 @pytest.mark.parametrize(
@@ -358,6 +391,26 @@ def test_the_allowance_on_the_spawn_form(led, clock):
     assert (facts.waiting, facts.may_borrow_now) == (1, 0)
 
 
+def test_a_limit_of_0_lends_nothing_even_with_an_allowance(open_ledger, clock):
+    """An admin who sets 0 means none: bob's spawn and carol's burst are refused, not borrowed."""
+    limits = LimitRules(default=Limit(max_gpus=2), groups={"students": Limit(max_gpus=0)})
+    led = open_ledger(limits=limits, rules=BorrowRules(default=2, groups={"students": 2}))
+    for user, purpose, lease in [("bob", "server", None), ("carol", "distributed", 600)]:
+        with pytest.raises(Refusal) as err:
+            led.allocate(user, ["students"], 1, purpose=purpose, lease_seconds=lease)
+        assert (
+            err.value.reason == "over_limit"
+            and "Ask an admin of this hub to raise your limit" in err.value.message
+        )
+        with pytest.raises(Refusal):  # nor does it wait in the queue
+            led.request(user, ["students"], 1, purpose=purpose, lease_seconds=lease)
+        facts = led.allowance(user, ["students"])  # the spawn form offers no borrowing
+        assert (facts.may_take, facts.borrow_allowance, facts.may_borrow_now) == (0, 0, 0)
+        assert led.active(user=user) == []
+    assert rows(led.url, "queue_entries") == []
+    assert led.allocate("alice", [], 3).borrowed == 1  # a limit above 0 still borrows
+
+
 def test_borrowing_is_refused_while_someone_waits_and_never_queued(led, clock):
     led.allocate("alice", [], 2)
     led.allocate("bob", [], 1)
@@ -462,12 +515,12 @@ def test_preempt_for_queue_takes_back_only_borrowed_gpus(led, clock, steps, pree
 def test_preempt_takes_the_fewest_gpus_that_will_do(open_ledger, clock):
     """Newest first would take alice's 1 GPU and then bob's 2 for carol's 2; bob's older
     2-GPU borrowing alone will do."""
-    limits = LimitRules(
-        default=Limit(max_gpus=1), users={"bob": Limit(max_gpus=0), "carol": Limit(max_gpus=2)}
-    )
+    limits = LimitRules(default=Limit(max_gpus=1), users={"carol": Limit(max_gpus=2)})
     led = open_ledger(limits=limits)
     clock.advance(minutes=1)
-    older = led.allocate("bob", [], 2)  # all borrowed
+    first = led.allocate("bob", [], 1)  # in his limit, given back below: bob keeps 2 borrowed
+    older = led.allocate("bob", [], 2, server_name="more")  # all borrowed
+    led.release(first.id)
     clock.advance(minutes=1)
     led.allocate("alice", [], 1)  # in her limit
     clock.advance(minutes=1)
@@ -867,13 +920,13 @@ def test_a_give_back_after_the_request_left_is_not_called_a_preemption(led, cloc
 def test_only_runs_their_user_ended_make_a_run_length(led, clock, ended_by):
     """erin's three 10-minute runs let her start ahead of bob; not when gpuhub ended them."""
     if ended_by == "preemption":
-        led.set_limit("user", "erin", Limit(max_gpus=0))  # all she takes is borrowed
+        led.set_limit("user", "erin", Limit(max_gpus=1))  # what she takes beyond 1 is borrowed
     for _ in range(3):
         clock.advance(minutes=1)
         if ended_by == "preemption":  # borrowed while nobody waits, taken back for dave's wait
             led.allocate("alice", [], 2)
             a = led.allocate("erin", [], 2, purpose="distributed", lease_seconds=3600)
-            assert a.borrowed == 2
+            assert a.borrowed == 1
             d = led.request("dave", [], 1).entry
             assert [p.allocation_id for p in led.preempt_for_queue()] == [a.id]
         else:

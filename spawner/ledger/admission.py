@@ -133,7 +133,7 @@ class AdmissionRecords:
             )
         room = policy.remaining(eff, holdings)
         free_now = policy.largest_placeable(free, model, 1)
-        allowance = self.borrow_allowance(user, groups)[0] if eff.limit.max_gpus is not None else 0
+        allowance = borrowing.usable_allowance(eff.limit.max_gpus, self.borrow_allowance(user, groups)[0])
         beyond = max(0, free_now - (room or 0))  # free GPUs one request could take past the limit
         quota_left = room != 0 or eff.limit.gpu_hours is None or holdings.gpu_hours < eff.limit.gpu_hours
         may_borrow_now = 0 if waiting or not quota_left else min(max(0, allowance - borrowed), beyond)

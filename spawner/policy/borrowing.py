@@ -3,6 +3,8 @@
 - A user at their limit may take up to their **borrowing allowance** more
   (``c.GpuHub.default_borrow``, ``group_borrow``, ``user_borrow``), but only GPUs that are free
   now and only while nobody waits in the queue: a borrowing request never waits.
+- A limit of 0 means no GPUs at all, not even borrowed ones: an admin who sets 0 means none
+  (:func:`usable_allowance`); the limit's refusal tells the user to ask for it to be raised.
 - An allocation records how many of its GPUs were borrowed when it was admitted. Borrowed
   allocations are the only ones ever preempted.
 - When a request waits that only borrowed GPUs could serve now, borrowed allocations are
@@ -43,6 +45,12 @@ def effective_borrow(user: str, groups: Iterable[str], rules: BorrowRules) -> tu
     return resolve(user, groups, rules)
 
 
+def usable_allowance(max_gpus: int | None, allowance: int) -> int:
+    """The allowance a user with limit ``max_gpus`` may borrow with: none when unlimited
+    (nothing is beyond the limit) or when the limit is 0 (0 means no GPUs, not even borrowed)."""
+    return 0 if not max_gpus else allowance
+
+
 @dataclass(frozen=True)
 class Split:
     """How a request of ``count`` GPUs stands against the limit: how many are borrowed."""
@@ -54,8 +62,10 @@ class Split:
 def split(count: int, held: int, held_borrowed: int, max_gpus: int | None, allowance: int) -> Split | None:
     """The request's borrowed part, or None when it is beyond even the allowance.
 
-    ``held`` counts every GPU the user holds, ``held_borrowed`` those of them borrowed."""
-    if max_gpus is None:
+    ``held`` counts every GPU the user holds, ``held_borrowed`` those of them borrowed. With a
+    limit of 0 nothing is lent (:func:`usable_allowance`): nothing of it is borrowed, and the
+    limit's own check refuses it."""
+    if not max_gpus:
         return Split(count, 0)
     over = max(0, held + count - max_gpus)  # beyond the limit once this is granted
     borrowed = max(0, over - held_borrowed)  # of which this request adds

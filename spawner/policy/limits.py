@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from gpu_magics.common import words
 from spawner.policy.placement import Gpu, Request, largest_placeable, models_in
 from spawner.policy.scoped import Scoped, resolve
 from spawner.policy.values import parse_count, parse_hours, parse_number, show
@@ -166,6 +167,14 @@ def describe_limit(eff: EffectiveLimit) -> str:
     return f"a limit of {eff.limit.max_gpus} ({eff.source})"
 
 
+def zero_limit_message(n: int, eff: EffectiveLimit) -> str:
+    """A limit of 0: no GPUs here at all, not even idle ones lent beyond a limit."""
+    return (
+        f"You asked for {words.count(n, 'GPU')}, but your limit is 0 GPUs ({eff.source}): no GPUs at all, "
+        "not even idle ones lent beyond a limit. Ask an admin of this hub to raise your limit."
+    )
+
+
 def remaining(eff: EffectiveLimit, holdings: Holdings) -> int | None:
     """How many more GPUs the limit allows; ``None`` when unlimited."""
     if eff.limit.gpu_hours is not None and holdings.gpu_hours >= eff.limit.gpu_hours:
@@ -214,6 +223,8 @@ def check_request(
         )
     if n == 0:
         return
+    if eff.limit.max_gpus == 0:  # none at all, not even borrowed (borrowing.usable_allowance)
+        raise Refusal(zero_limit_message(n, eff), reason="over_limit", fits=0)
     room = remaining(eff, holdings)
     free_now = largest_placeable(free, request.model, request.max_nodes)
     fits = free_now if room is None else min(room, free_now)
