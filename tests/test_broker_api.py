@@ -159,7 +159,9 @@ def test_limit_counts_server_and_burst_gpus_together(hub, tokens, ledger):
         assert r.status_code == 403
         body = r.json()
         assert body["reason"] == "over_limit" and body["fits"] == 1
-        assert "you hold 2 of a limit of 3 (user alice): at most 1 more" in body["message"]
+        assert (
+            "you hold 2 of a limit of 3 (user alice): your limit lets you hold 1 more GPU" in body["message"]
+        )
         ok = checked(hub.broker("POST", "allocations", tokens["alice"], json={"gpus": 1}))
         assert ok.status_code == 201
         me = checked(hub.broker("GET", "me", tokens["alice"])).json()

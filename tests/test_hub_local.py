@@ -141,14 +141,17 @@ def test_over_the_limit_is_refused_with_the_message(hub, ledger, clean):
     r = hub.spawn("dave", {"gpus": 2})
     assert r.status_code == 403, r.text
     msg = r.json()["message"]
-    assert "You asked for 2 GPUs, but you hold 0 of a limit of 1 (default): at most 1 more" in msg
+    assert (
+        "You asked for 2 GPUs, but you hold 0 of a limit of 1 (default): your limit lets you hold 1 more GPU"
+        in msg
+    )
     assert holders(ledger) == {}
     # and on the spawn page, in the form, without a traceback
     browser = hub.login("dave")
     page = browser.get(f"{hub.url}/hub/spawn")
     r = browser.post(f"{hub.url}/hub/spawn", data={"gpus": "2", "_xsrf": xsrf_from(page.text)})
     assert r.status_code == 403
-    assert "at most 1 more would fit now" in r.text
+    assert "your limit lets you hold 1 more GPU. Ask for 1 or fewer." in r.text
     assert "Traceback" not in r.text
     assert 'id="gpuhub-gpus"' in r.text  # the form is shown again
     assert holders(ledger) == {} and hub.server("dave") is None

@@ -133,7 +133,12 @@ SMALL = node("n1", 4)
             SMALL,
             "over_limit",
             2,
-            ["3 GPUs", "hold 0", "limit of 2 (group students)", "at most 2 more"],
+            [
+                "3 GPUs",
+                "hold 0",
+                "limit of 2 (group students): your limit lets you hold 2 more GPUs.",
+                "Ask for 2 or fewer.",
+            ],
         ),
         (
             1,
@@ -143,7 +148,11 @@ SMALL = node("n1", 4)
             SMALL[2:],
             "over_limit",
             0,
-            ["hold 2", "limit of 2 (default)", "at most 0 more"],
+            [
+                "hold 2",
+                "limit of 2 (default): your limit lets you hold no more.",
+                "Stop something you hold first",
+            ],
         ),
         (
             3,

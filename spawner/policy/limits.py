@@ -175,6 +175,14 @@ def zero_limit_message(n: int, eff: EffectiveLimit) -> str:
     )
 
 
+def over_limit_advice(room: int) -> str:
+    """What the limit still lets a user hold, and what to do (only the limit's fact: what is
+    free now is another, which the form says and the queue waits for)."""
+    if room <= 0:
+        return "your limit lets you hold no more. Stop something you hold first, or ask an admin to raise it."
+    return f"your limit lets you hold {words.count(room, 'more GPU')}. Ask for {room} or fewer."
+
+
 def remaining(eff: EffectiveLimit, holdings: Holdings) -> int | None:
     """How many more GPUs the limit allows; ``None`` when unlimited."""
     if eff.limit.gpu_hours is not None and holdings.gpu_hours >= eff.limit.gpu_hours:
@@ -240,7 +248,7 @@ def check_request(
     if room is not None and n > room:
         raise Refusal(
             f"You asked for {_plural(n)}, but you hold {holdings.held} of "
-            f"{describe_limit(eff)}: at most {fits} more would fit now.",
+            f"{describe_limit(eff)}: {over_limit_advice(room)}",
             reason="over_limit",
             fits=fits,
         )
