@@ -135,6 +135,134 @@ def test_user_names_leave_out_setup_ipython_modules_and_private_names():
     assert user_names(ns, hidden) == ["exit", "model", "opt"]
 
 
+def test_user_names_leave_out_what_was_imported_from_packages():
+    from collections import OrderedDict as DDP  # a class imported under another name
+    from json import dumps
+
+    class Net:  # defined in a cell: the namespace's own module
+        pass
+
+    Net.__module__ = "__main__"
+
+    def step():
+        pass
+
+    step.__module__ = "__main__"
+    ns = {"__name__": "__main__", "DDP": DDP, "dumps": dumps, "p": print, "Net": Net, "step": step, "x": 1}
+    assert user_names(ns, {}) == ["Net", "step", "x"]
+
+
+@pytest.mark.parametrize(
+    "settings, text",
+    [
+        ((2, None, None), "--gpus 2"),  # no --timeout typed: none quoted
+        ((2, "gloo", 60.0), "--gpus 2 --backend gloo --timeout 60"),
+        ((2, None, 300.0, None, None, 300.0), "--gpus 2 with the default timeout of 300 s"),
+        ((2, None, 60.0, 2, 1, 300.0), "--gpus 2 --nodes 2 --gpus-per-node 1 --timeout 60"),
+    ],
+)
+def test_describe_settings_quotes_only_what_was_typed(settings, text):
+    from gpu_magics.kernel.acquire import describe_settings
+
+    assert describe_settings(*settings[:5], **({"default": settings[5]} if len(settings) > 5 else {})) == text
+
+
+DUE = 1764747998.0  # 2025-12-03 07:46:38 UTC
+HUB = (
+    "preempted: 1 borrowed GPU(s) taken back for another user's request within its limit "
+    "(2 GPU(s), waiting since 07:45 UTC)"
+)
+BACKFILL = (
+    "preempted: 2 GPU(s) that started ahead of a waiting request (backfill) taken back at its turn "
+    "(1 GPU(s), waiting since 07:45 UTC)"
+)
+
+
+@pytest.mark.parametrize(
+    "borrowed, size, reason, text",
+    [
+        (
+            1,
+            1,
+            HUB,
+            "1 borrowed GPU of this pool (allocation #5) is taken back at 07:46:38 UTC for another "
+            "user's request within its limit (2 GPUs, waiting since 07:45 UTC).",
+        ),
+        (  # the hub's reason once it says only why
+            2,
+            3,
+            "for another user's request within its limit (1 GPU, waiting since 07:45 UTC)",
+            "2 borrowed GPUs of this pool (allocation #5) are taken back at 07:46:38 UTC for another "
+            "user's request within its limit (1 GPU, waiting since 07:45 UTC).",
+        ),
+        (
+            0,
+            2,
+            BACKFILL,
+            "2 GPUs of this pool that started ahead of the queue (allocation #5) are taken back at "
+            "07:46:38 UTC at the turn of the request they started ahead of (1 GPU, waiting since 07:45 UTC).",
+        ),
+        (1, 1, "preempted", "1 borrowed GPU of this pool (allocation #5) is taken back at 07:46:38 UTC."),
+    ],
+)
+def test_a_preemption_notice_says_what_when_and_why_once(borrowed, size, reason, text):
+    from gpu_magics.kernel.notices import taken, taken_back
+
+    said = taken_back(taken(borrowed, size), borrowed or size, 5, DUE, reason, "of this pool")
+    assert said == text
+    assert "GPU(s)" not in said and " in " not in said.split("UTC")[0]  # no stale "(in 54 s)"
+
+
+@pytest.mark.parametrize(
+    "labels, own, bursts, text",
+    [
+        (["vm:0", "vm:1"], ["vm:0", "vm:1"], [], "2 engines up: rank 0 on vm:0, rank 1 on vm:1"),
+        (
+            ["vm:0", "vm:1", "vm:2"],
+            ["vm:0", "vm:1"],
+            [{"id": 5, "gpus": [{"node": "vm", "index": 2}], "gpu_count": 1, "borrowed": 1}],
+            "3 engines up: rank 0 on vm:0, rank 1 on vm:1 (this server's own); rank 2 on vm:2 (burst "
+            "allocation #5, borrowed beyond your limit: may be taken back with notice)",
+        ),
+        (
+            ["vm:0", "vm:1", "vm:2"],
+            ["vm:0"],
+            [
+                {"id": 5, "gpus": [{"node": "vm", "index": 1}], "gpu_count": 1, "borrowed": 0},
+                {
+                    "id": 6,
+                    "gpus": [{"node": "vm", "index": 2}],
+                    "gpu_count": 1,
+                    "borrowed": 1,
+                    "notice_seconds": 60,
+                },
+            ],
+            "3 engines up: rank 0 on vm:0 (this server's own); rank 1 on vm:1 (burst allocation #5); "
+            "rank 2 on vm:2 (burst allocation #6, borrowed beyond your limit: may be taken back "
+            "with 60 s notice)",
+        ),
+        (
+            ["n1:0", "n1:1"],
+            [],
+            [{"id": 7, "gpus": [], "gpu_count": 2, "borrowed": 1}],  # a Slurm burst: GPUs named later
+            "2 engines up: rank 0 on n1:0, rank 1 on n1:1 (burst allocation #7, 1 of its 2 borrowed "
+            "beyond your limit: may be taken back with notice)",
+        ),
+        (
+            ["vm:0"],
+            [],
+            [{"id": 8, "gpus": [{"node": "vm", "index": 0}], "gpu_count": 1, "backfill": True}],
+            "1 engine up: rank 0 on vm:0 (burst allocation #8, started ahead of the queue: may be taken "
+            "back with notice at its turn)",
+        ),
+    ],
+)
+def test_engines_up_says_where_each_gpu_comes_from(labels, own, bursts, text):
+    from gpu_magics.kernel.notices import engines_up
+
+    assert engines_up(labels, own, bursts) == text
+
+
 # ------------------------------------------------------------------------------ the Burst
 
 
@@ -473,7 +601,7 @@ def test_a_withdrawn_notice_is_forgotten_and_said(magic, capsys):
     assert magic.preemption.notice is None
     said = capsys.readouterr()
     assert (
-        "gpuhub: the notice for 2 borrowed GPU(s) of this pool (allocation #7) was withdrawn: the "
+        "gpuhub: the notice for 2 borrowed GPUs of this pool (allocation #7) was withdrawn: the "
         "request it was for left the queue. Nothing is taken back: the pool keeps them."
     ) in said.out + said.err
 
@@ -484,4 +612,4 @@ def test_a_notice_acted_on_is_not_withdrawn(magic):
     magic.preemption.notice = n
     magic.preemption.on_notice(part, {"withdrawn": GONE})
     assert magic.preemption.notice is n  # the pool was already stopped for it: nothing to undo
-    assert preemptionmod._taken(part) == "3 GPU(s) that started ahead of the queue"
+    assert preemptionmod._taken(part) == "3 GPUs that started ahead of the queue"

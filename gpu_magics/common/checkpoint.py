@@ -49,6 +49,25 @@ def resolve_dir(directory: str | None) -> str:
     return os.path.abspath(os.path.expanduser(directory or DEFAULT_DIR))
 
 
+def dir_problem(directory: str) -> str | None:
+    """Why checkpoints could not be written to ``directory`` (absolute), or None: it is a
+    directory this user may write, or one that can be made in the nearest that exists."""
+    if os.path.exists(directory):
+        if not os.path.isdir(directory):
+            return f"{directory} is a file, not a directory"
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return f"{directory} is not writable by you"
+        return None
+    parent = os.path.dirname(directory)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{directory} cannot be made: {parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{directory} cannot be made: {parent} is not writable by you"
+    return None
+
+
 def checkpoint_path(directory: str, name: str) -> str:
     return os.path.join(directory, name + SUFFIX)
 

@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpu_magics.common.words import count
+
 
 @dataclass(frozen=True)
 class ServerGpus:
@@ -59,7 +61,7 @@ def describe(s: ServerGpus) -> str:
     for i, label in enumerate(s.gpus):
         rows.append(f"{label:<12}{i:<12}{s.model or ''}")
     head = (
-        f"Server allocation #{s.allocation_id}: {len(s.gpus)} GPU(s), "
+        f"Server allocation #{s.allocation_id}: {count(len(s.gpus), 'GPU')}, "
         f"CUDA_VISIBLE_DEVICES={s.cuda_visible_devices or ''}"
     )
     return "\n".join([head, *rows])

@@ -31,7 +31,7 @@ from traitlets import Float
 from gpu_magics.common.ranks import Slot, choose_slots
 from gpu_magics.common.session import backend, server_gpus
 from gpu_magics.dask.private import Private
-from gpu_magics.kernel.arguments import COUNT
+from gpu_magics.kernel.arguments import COUNT, parse_line
 from gpu_magics.kernel.burst import Burst
 from gpu_magics.report.gpustats import nvml_problem
 
@@ -275,10 +275,7 @@ class DaskMagics(Magics):
     @line_magic
     def dask_cuda(self, line: str = ""):
         """Start a Dask cluster with one worker per GPU (CPU affinity set by dask-cuda), or --cpu."""
-        try:
-            args = magic_arguments.parse_argstring(self.dask_cuda, line)
-        except UsageError as e:
-            raise UsageError(f"{e}\n{USAGE}") from None
+        args = parse_line(self.dask_cuda, line, USAGE)
         if args.command:
             if args.gpus is not None or args.cpu or args.workers is not None or args.name != "client":
                 raise UsageError(f"%dask_cuda {args.command} takes no options\n{USAGE}")

@@ -3,7 +3,9 @@
 ``engine.setup_rank`` puts ``device``, ``rank``, ``world_size``, ``local_rank``, ``dist`` and
 ``torch`` there, IPython its own (``In``, ``Out``, ``get_ipython``, ``exit``...), and
 ipyparallel its temporary ``_``-names; everything else a cell defined. Modules the user
-imported are not counted (importing again loses nothing), nor ``_``-names (as ``%who``).
+imported are not counted (importing again loses nothing), nor what the user imported from
+them (``from torch.nn.parallel import DistributedDataParallel as DDP``: a class, function
+or other importable object whose module is not the cell's), nor ``_``-names (as ``%who``).
 """
 
 from __future__ import annotations
@@ -29,4 +31,16 @@ def user_names(ns: dict | None = None, hidden: dict | None = None) -> list[str]:
         and name not in SETUP_NAMES
         and value is not hidden.get(name, missing)
         and not isinstance(value, types.ModuleType)
+        and not _imported(value, ns.get("__name__", "__main__"))
     )
+
+
+def _imported(value, here: str) -> bool:
+    """A class, function or other named object defined in a module (not in a cell: those
+    have the namespace's ``__name__``, ``__main__``): importing it again loses nothing."""
+    import inspect
+
+    if not (inspect.isclass(value) or inspect.isroutine(value)):
+        return False
+    module = getattr(value, "__module__", None)
+    return bool(module) and module not in (here, "__main__")

@@ -23,6 +23,7 @@ from IPython.core.error import UsageError
 
 from gpu_magics.common.ranks import Slot
 from gpu_magics.common.session import server_gpus
+from gpu_magics.common.words import count
 from gpu_magics.kernel.broker import BrokerClient
 from gpu_magics.kernel.burst import Burst, Part
 
@@ -114,8 +115,13 @@ def may_retry_after_release(reason: str, fits: int | None, old: int, need: int) 
     return fits + old >= need
 
 
-def describe_settings(gpus: int, backend: str | None, timeout: float, nodes=None, per_node=None) -> str:
-    """The pool's settings as the user writes them."""
+def describe_settings(
+    gpus: int, backend: str | None, timeout: float | None, nodes=None, per_node=None, default=None
+) -> str:
+    """The pool's settings as the user writes them: only the options given (``timeout``
+    None: not typed). ``default``: the magic's default timeout, named in words where
+    ``timeout`` is it (``--gpus 2 with the default timeout of 300 s``), never quoted as an option
+    the user did not type."""
     text = f"--gpus {gpus}"
     if nodes:
         text += f" --nodes {nodes}"
@@ -123,6 +129,10 @@ def describe_settings(gpus: int, backend: str | None, timeout: float, nodes=None
         text += f" --gpus-per-node {per_node}"
     if backend:
         text += f" --backend {backend}"
+    if timeout is None:
+        return text
+    if default is not None and timeout == default:
+        return text + f" with the default timeout of {timeout:g} s"
     return text + f" --timeout {timeout:g}"
 
 
@@ -187,7 +197,7 @@ def request_local_burst(terms: Terms, n: int, held: int, wanted: int, wait: bool
         first.release()
         text = str(e).split(": ", 1)[-1]
         err = UsageError(
-            f"gpuhub refused the {n - within} GPU(s) beyond your limit for %%distributed --gpus "
+            f"gpuhub refused the {count(n - within, 'GPU')} beyond your limit for %%distributed --gpus "
             f"{wanted} ({within} within it were granted and are given back): {text}"
         )
         err.refusal = getattr(e, "refusal", None)

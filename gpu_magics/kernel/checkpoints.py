@@ -18,6 +18,7 @@ from gpu_magics.common.checkpoint import (
     KINDS,
     SAVE_TIMEOUT,
     SUFFIX,
+    dir_problem,
     human_size,
     missing_message,
     os_error_message,
@@ -297,6 +298,12 @@ class CheckpointCommands:
             self.autosave = []
             return
         names, where = check_names(names, "--autosave"), resolve_dir(directory)
+        problem = dir_problem(where)
+        if problem:
+            raise UsageError(
+                f"--autosave: {problem}; choose another --dir (the checkpoints' directory, "
+                "made when first saved)"
+            )
         if (names, where) != (self.autosave, self.autosave_dir) and not quiet:
             say(
                 f"gpuhub: autosave of {', '.join(names)} to {where} before the engines stop "

@@ -28,7 +28,7 @@ from traitlets import Float
 
 from gpu_magics.common.checkpoint import DEFAULT_DIR
 from gpu_magics.common.session import backend, server_gpus
-from gpu_magics.kernel.arguments import COUNT, SECONDS
+from gpu_magics.kernel.arguments import COUNT, SECONDS, parse_line
 from gpu_magics.kernel.burst import Burst
 from gpu_magics.kernel.checkpoints import CheckpointCommands, check_names
 from gpu_magics.kernel.lifecycle import Lifecycle
@@ -40,6 +40,12 @@ from gpu_magics.kernel.outcome import (
     report,
 )
 from gpu_magics.kernel.pool import EnginePool
+
+USAGE = (
+    "usage: %%distributed --gpus N [--nodes M] [--backend gloo|nccl] [--timeout S] "
+    "[--output all|rank0] [--targets 0,2-3] [--restart] [--autosave NAME... [--dir D]]\n"
+    "       %distributed shutdown | status | save NAME... [--dir D] | restore NAME... [--dir D]"
+)
 
 
 @magics_class
@@ -223,13 +229,7 @@ class DistributedMagics(CheckpointCommands, Magics):
         parsed = self._parsed
         args = parsed.get(line)
         if args is None:
-            try:
-                args = magic_arguments.parse_argstring(self.distributed, line)
-            except UsageError as e:
-                raise UsageError(
-                    f"{e}\nusage: %%distributed --gpus N [--nodes M] [--backend gloo|nccl] "
-                    "[--timeout S] [--output all|rank0] [--targets 0,2-3]"
-                ) from None
+            args = parse_line(self.distributed, line, USAGE)
             if len(parsed) >= 64:
                 parsed.clear()
             parsed[line] = args

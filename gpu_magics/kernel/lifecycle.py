@@ -29,6 +29,7 @@ from gpu_magics.kernel.acquire import (
     why_new_engines,
 )
 from gpu_magics.kernel.burst import Burst
+from gpu_magics.kernel.notices import engines_up
 from gpu_magics.kernel.outcome import DistributedInterrupt
 from gpu_magics.kernel.pool import EnginePool
 from gpu_magics.kernel.preemption import Preemption
@@ -130,14 +131,22 @@ class Lifecycle:
                 autosave = bool(getattr(args, "autosave", None) or self.autosave.autosave)
                 if why == OTHER_SETTINGS and not autosave:
                     (gpus, nodes, per_node), backend_name, old_timeout = self.key
+                    default = self.settings.timeout
                     message = refuse_discard(
                         why,
                         self.user_names(),
                         restart=restart,
                         autosave=autosave,
-                        current=describe_settings(gpus, backend_name, old_timeout, nodes, per_node),
+                        current=describe_settings(  # its timeout where it is not this cell's default
+                            gpus,
+                            backend_name,
+                            None if old_timeout == timeout == default else old_timeout,
+                            nodes,
+                            per_node,
+                            default=default,
+                        ),
                         asked=describe_settings(
-                            args.gpus, args.backend, timeout, args.nodes, args.gpus_per_node
+                            args.gpus, args.backend, args.timeout, args.nodes, args.gpus_per_node
                         ),
                     )
                     if message:
@@ -233,8 +242,11 @@ class Lifecycle:
             raise
         update_display(
             _text(
-                f"{pool.size} engines up: "
-                + ", ".join(f"rank {s.rank} on {s.slot.label}" for s in pool.specs)
+                engines_up(
+                    [s.slot.label for s in pool.specs],
+                    [s.label for s in self.own],
+                    [p.allocation for p in self.burst.parts] if self.burst is not None else [],
+                )
             ),
             raw=True,
             display_id=handle.display_id,

@@ -8,11 +8,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from gpu_magics.common.words import clock
 from gpu_magics.kernel.burst import Part
 from gpu_magics.kernel.checkpoints import Saved, say
+from gpu_magics.kernel.notices import parse_due, taken, taken_back
 from gpu_magics.kernel.outcome import NOT_RUN, DistributedPreempted, report
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class Notice:
 
     @property
     def due_text(self) -> str:
-        return datetime.fromtimestamp(self.due, UTC).strftime("%H:%M:%S UTC")
+        return clock(self.due)
 
 
 class PreemptNow(KeyboardInterrupt):
@@ -44,19 +45,12 @@ class PreemptNow(KeyboardInterrupt):
 def _taken(part) -> str:
     """What of a burst may be taken back: its borrowed GPUs, or all of one that started ahead
     of the queue (backfill)."""
-    if part.borrowed:
-        return f"{part.borrowed} borrowed GPU(s)"
-    return f"{part.size} GPU(s) that started ahead of the queue"
+    return taken(part.borrowed, part.size)
 
 
-def parse_due(text: str | None) -> float:
-    """The broker's ISO time (UTC) as Unix time; now when there is none."""
-    if not text:
-        return time.time()
-    when = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.timestamp()
+def _notice(n: Notice, whose: str) -> str:
+    """``1 borrowed GPU of this pool (allocation #5) is taken back at 07:46:38 UTC for ...``."""
+    return taken_back(_taken(n.part), n.part.borrowed or n.part.size, n.part.id, n.due, n.reason, whose)
 
 
 def _names(names) -> str:
@@ -125,15 +119,11 @@ class Preemption:
         return None
 
     def text(self, n: Notice) -> str:
-        left = max(0, n.due - time.time())
-        head = (
-            f"gpuhub: NOTICE: {_taken(n.part)} of this pool (allocation #{n.part.id}) "
-            f"are taken back at {n.due_text} (in {left:.0f} s): {n.reason}."
-        )
+        head = "gpuhub: NOTICE: " + _notice(n, "of this pool")
         names = self.autosave.autosave
         if names:
             at = max(time.time(), self.act_at(n))
-            when = datetime.fromtimestamp(at, UTC).strftime("%H:%M:%S UTC")
+            when = clock(at)
             tail = (
                 f"A pool cannot go on without some of its ranks: at {when} a running cell is "
                 f"interrupted, {_names(names)} autosaved to {self.autosave.autosave_dir}, and the "
@@ -247,10 +237,7 @@ class Preemption:
         t.daemon = True
         t.start()
 
-        lines = [
-            f"gpuhub: the pool's {_taken(n.part)} (allocation #{n.part.id}) are taken "
-            f"back at {n.due_text}: {n.reason}."
-        ]
+        lines = ["gpuhub: " + _notice(n, "of the pool")]
         kept = [f["name"] for f in saved.files] if saved else []
         if saved:
             lines.append(f"Kept: {_names(kept)}, saved from rank {saved.rank} before the due time:")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from gpu_magics.common.words import count
 from gpu_magics.kernel.broker import BrokerClient, BrokerError
 from gpu_magics.kernel.outcome import DistributedInterrupt
 
@@ -83,7 +84,7 @@ def wait_for_turn(
 
 def leave(client: BrokerClient, entry: dict, magic: str) -> str:
     """Leave the queue, giving back GPUs granted at that very moment; the report to show."""
-    what = f"{entry['gpus']} GPU(s)"
+    what = count(entry["gpus"], "GPU")
     try:
         client.leave_queue(entry["id"])
         return f"{magic} stopped while waiting in the queue for {what}: it left the queue; nothing is held."

@@ -5,15 +5,26 @@ allocations hold borrowed GPUs and any notice that they are taken back, from the
 
 from __future__ import annotations
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
 from gpu_magics.common.session import describe, server_gpus
+from gpu_magics.common.words import stamp
 from gpu_magics.kernel.broker import BrokerClient, BrokerError
+from gpu_magics.kernel.burst import burst_size
+from gpu_magics.kernel.notices import parse_due, taken, taken_back
 
 
 def _minutes(seconds: float | None) -> str:
     s = seconds or 0
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min"
+
+
+def notice_text(a: dict, notice: dict) -> str:
+    """The broker's preemption notice of allocation ``a``, said once, at a UTC clock time."""
+    n = int(a.get("borrowed") or 0) or burst_size(a)
+    what = taken(int(a.get("borrowed") or 0), burst_size(a))
+    return taken_back(what, n, a["id"], parse_due(notice.get("due")), notice.get("reason"))
 
 
 def describe_use(me: dict, grid: dict) -> str:
@@ -42,13 +53,10 @@ def describe_use(me: dict, grid: dict) -> str:
             lines.append(f"  WARNING: allocation #{a['id']}: {idle.get('reason')}; {tail}")
         notice = a.get("preemption")
         if notice:
-            lines.append(
-                f"  NOTICE: allocation #{a['id']}: its {a.get('borrowed') or ''} borrowed GPU(s) are "
-                f"taken back at {notice['due']}: {notice['reason']}."
-            )
+            lines.append("  NOTICE: " + notice_text(a, notice))
     for r in me.get("reclaimed", []):
         name = f" {r['server_name']!r}" if r.get("server_name") else ""
-        lines.append(f"  Your server{name} was reclaimed at {r['created']}: {r['reason']}.")
+        lines.append(f"  Your server{name} was reclaimed at {stamp(parse_due(r['created']))}: {r['reason']}.")
     return "\n".join(["GPU use (latest reports):", *lines]) if lines else ""
 
 
@@ -61,6 +69,11 @@ class GpuMagics(Magics):
     @line_magic
     def gpus(self, line: str = ""):
         """Show the GPUs this session holds: the server's, and the %%distributed pool's."""
+        if line.strip():
+            raise UsageError(
+                f"%gpus takes no arguments (got {line.strip()!r}): it shows every GPU this session "
+                "holds.\nusage: %gpus   (the engines alone: %distributed status; Dask: %dask_cuda status)"
+            )
         print(describe(server_gpus()))
         d = self.distributed
         if d.pool is not None or d.burst is not None:

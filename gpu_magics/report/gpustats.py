@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_magics.common.session import backend
+from gpu_magics.common.words import count
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class NvmlSource:
         except nvml.NVMLError as e:
             raise NvmlUnavailable(
                 f"GPU {index} is not visible to NVML here ({_text(e)}); NVML sees "
-                f"{nvml.nvmlDeviceGetCount()} GPU(s)"
+                f"{count(nvml.nvmlDeviceGetCount(), 'GPU')}"
             ) from e
 
     def sample(self, node: str, indices: Iterable[int]) -> list[GpuSample]:
