@@ -102,28 +102,54 @@ def test_render_form_shows_free_allowance_and_escapes():
 
 
 @pytest.mark.parametrize(
-    "may_take, fits, default, value, says_queue",
+    "may_take, fits, default, value, says",
     [
-        (2, 0, 1, 1, "Ask for up to 2 and the start waits in the queue"),  # full: it waits
-        (2, 0, 3, 2, "Ask for up to 2 and the start waits in the queue"),  # capped by the limit
-        (2, 1, 2, 2, "Ask for up to 2 and the start waits in the queue"),  # 1 free, 2 allowed
-        (1, 1, 2, 1, None),  # all it may take is free: nothing waits
-        (0, 0, 1, 0, None),  # at the limit: nothing to wait for
+        # the limit's room and what can start now are two facts, said apart, never contradicting
+        (
+            2,
+            0,
+            1,
+            1,
+            'your limit lets you hold 2 more GPUs; <span data-gpuhub="fits">0</span> can start now, '
+            "so a request of up to 2 waits in the queue",
+        ),
+        (2, 0, 3, 2, "so a request of up to 2 waits in the queue"),  # the default capped by the limit
+        (
+            2,
+            1,
+            2,
+            2,
+            'your limit lets you hold 2 more GPUs; <span data-gpuhub="fits">1</span> can start now, so a '
+            "request of up to 1 starts at once and one of up to 2 waits in the queue",
+        ),
+        (1, 1, 2, 1, "your limit lets you hold 1 more GPU, and it is free now"),  # nothing waits
+        (2, 2, 2, 2, "your limit lets you hold 2 more GPUs, and they are free now"),
+        (0, 0, 1, 0, "your limit lets you hold no more GPUs."),  # at the limit: nothing to wait for
     ],
 )
-def test_the_form_says_a_larger_start_waits_in_the_queue(may_take, fits, default, value, says_queue):
+def test_the_form_says_the_limits_room_and_what_can_start_now_apart(may_take, fits, default, value, says):
     html = render_form(allowance(may_take=may_take, fits=fits), ["A100"], default_gpus=default)
     assert f'value="{value}"' in html
-    assert ("waits in the queue" in html) is (says_queue is not None)
-    if says_queue:
-        assert says_queue in html
+    assert says in html, html
+    assert ("waits in the queue" in html) is (fits < may_take)
+    assert "you may take" not in html and "GPU(s)" not in html
+
+
+def test_the_form_keeps_the_count_of_a_refused_start():
+    """Shown again after a refusal, the field holds what the user asked, not the default."""
+    a = allowance(
+        effective=EffectiveLimit(Limit(max_gpus=3), "user alice"), held=0, may_take=3, fits=0, free=0
+    )
+    html = render_form(a, ["A100"], default_gpus=1, asked=4)
+    assert 'value="4"' in html
+    assert "your limit lets you hold 3 more GPUs;" in html and "up to 3 waits in the queue" in html
 
 
 def test_render_form_single_model_has_no_select_and_shows_quota():
     a = allowance(effective=EffectiveLimit(Limit(max_gpus=None, gpu_hours=10), "default"), gpu_hours=2.5)
     html = render_form(a, ["A100"], default_gpus=1)
     assert "<select" not in html
-    assert "no limit (default)" in html and "2.5</span> of 10 GPU-hours" in html
+    assert "with no limit (default)" in html and "2.5</span> of 10 GPU-hours" in html
 
 
 # ---- borrowing beyond the limit -----------------------------------------------------------

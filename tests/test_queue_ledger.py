@@ -8,8 +8,9 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from spawner.ledger import Ledger, QueueSettings
+from spawner.policy import schedule as queueplan
 from spawner.policy.fairshare import Shares
-from spawner.policy.limits import Limit, LimitRules, Refusal
+from spawner.policy.limits import EffectiveLimit, Limit, LimitRules, Refusal
 from spawner.policy.placement import Gpu
 
 from .ledgertools import Clock
@@ -335,18 +336,65 @@ def test_move_to_front(led, clock):
         led.move_to_front(bob.id)  # granted: no longer waits
 
 
-def test_a_limit_lowered_while_waiting_ends_the_entry_at_its_turn(led, clock):
+def test_a_limit_lowered_below_a_waiting_request_ends_it_at_the_next_ask(led, clock):
+    a = led.allocate("alice", [], 4)
+    bob = led.request("bob", ["students"], 2).entry
+    carol = led.request("carol", [], 1).entry
+    assert [q.id for q in led.queue()] == [bob.id, carol.id]
+    led.set_limit("group", "students", Limit(max_gpus=1))
+    # not its turn, GPUs all held: it leaves anyway, with the new limit and what to do
+    ended = led.wait_turn(bob.id)
+    assert ended.allocation is None and ended.entry.state == "left"
+    assert ended.entry.end_reason == (
+        "your limit is now 1 GPU (group students); your request for 2 GPUs can never fit: "
+        "start again with 1 or fewer, or ask an admin to raise the limit"
+    )
+    # whoever waited behind it moves up
+    assert [(q.id, q.position) for q in led.queue()] == [(carol.id, 1)]
+    led.release(a.id)
+    assert led.wait_turn(carol.id).allocation is not None
+    assert held_by(led, "bob") == 0
+
+
+def test_a_request_that_fits_a_lowered_limit_waits_and_ends_at_its_turn_beside_what_is_held(led, clock):
     led.set_limit("user", "bob", Limit(max_gpus=3))
     led.allocate("bob", [], 1)
     a = led.allocate("alice", [], 3)
     bob = led.request("bob", [], 2).entry
-    led.set_limit("user", "bob", Limit(max_gpus=1))
-    assert led.wait_turn(bob.id).entry.state == "waiting"  # not its turn yet: it waits
+    led.set_limit("user", "bob", Limit(max_gpus=2))  # 2 still fits the limit: it may wait
+    assert led.wait_turn(bob.id).entry.state == "waiting"
     led.release(a.id)
-    ended = led.wait_turn(bob.id)
+    ended = led.wait_turn(bob.id)  # its turn, but beside the 1 bob holds it passes the limit
     assert ended.allocation is None and ended.entry.state == "left"
-    assert ended.entry.end_reason == "your limit no longer allows it: you hold 1 of a limit of 1 (user bob)"
+    assert ended.entry.end_reason == (
+        "your limit no longer leaves room for it: you hold 1 of a limit of 2 (user bob); stop "
+        "something you hold and start again, or start again with 1 or fewer"
+    )
     assert held_by(led, "bob") == 1 and led.queue() == []
+
+
+@pytest.mark.parametrize(
+    "gpus, limit, says",
+    [
+        (2, Limit(max_gpus=2), None),  # fits: it waits
+        (2, Limit(max_gpus=None), None),  # no limit
+        (2, Limit(max_gpus=5, gpu_hours=0.0), None),  # a quota used up frees in time: it waits
+        (
+            2,
+            Limit(max_gpus=1),
+            "your limit is now 1 GPU (group students); your request for 2 GPUs can never fit: "
+            "start again with 1 or fewer, or ask an admin to raise the limit",
+        ),
+        (
+            1,
+            Limit(max_gpus=0),
+            "your limit is now 0 GPUs (group students); your request for 1 GPU can never fit: "
+            "start again without GPUs (0), or ask an admin to raise the limit",
+        ),
+    ],
+)
+def test_limit_ends_wait(gpus, limit, says):
+    assert queueplan.limit_ends_wait(gpus, EffectiveLimit(limit, "group students")) == says
 
 
 def test_a_granted_entry_is_a_normal_allocation(led, clock):

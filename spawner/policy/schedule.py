@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from gpu_magics.common import words
 from spawner import policy
 
 SURENESS = ("now", "firm", "guess", "unknown")  # best to worst
@@ -197,3 +198,21 @@ def typical_run_hours(runs: Sequence[Run], min_seconds: float, keep: int = 20) -
 
     got = [(r.ended - r.started).total_seconds() / 3600.0 for r in runs if counts(r, min_seconds)]
     return statistics.median(got[:keep]) if got else None
+
+
+def limit_ends_wait(gpus: int, eff: policy.EffectiveLimit) -> str | None:
+    """Why a waiting request must leave the queue now: its user's limit, lowered while it
+    waited, can never let it start (None: it may still start, so it waits).
+
+    Only the limit on GPUs held at once decides it: GPUs the user holds now are given back in
+    time, and a GPU-hours quota used up frees as older use leaves the window, so a request
+    that fits the limit itself waits (what can wait waits; only what can never fit ends)."""
+    most = eff.limit.max_gpus
+    if most is None or gpus <= most:
+        return None
+    again = "without GPUs (0)" if most == 0 else f"with {most} or fewer"
+    return (
+        f"your limit is now {words.count(most, 'GPU')} ({eff.source}); your request for "
+        f"{words.count(gpus, 'GPU')} can never fit: start again {again}, or ask an admin to raise "
+        "the limit"
+    )

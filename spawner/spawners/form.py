@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
+from gpu_magics.common import words
 from spawner.policy import values
-from spawner.policy.limits import MAX_COUNT, Refusal
+from spawner.policy.limits import MAX_COUNT, Refusal, describe_limit
 from spawner.policy.records import Allowance
 
 OPTION_KEYS = ("gpus", "gpu_model")
@@ -96,31 +97,55 @@ def options_from_form(formdata: Mapping[str, list[str]]) -> dict[str, Any]:
     return {k: (v[0] if len(v) == 1 else v) for k, v in formdata.items() if not k.startswith("_")}
 
 
+def _is_are(n: int) -> str:
+    return "is" if n == 1 else "are"
+
+
 def _allowance_text(a: Allowance) -> str:
+    """What the user holds, what the limit still lets them hold, and what is free for them now:
+    two facts (the limit's room, the free GPUs) said apart, with what a request of each size does."""
     lim = a.effective.limit
-    if lim.max_gpus is None:
-        limit = f"no limit ({a.effective.source})"
+    held = f'You hold <span data-gpuhub="held">{a.held}</span> GPU{"" if a.held == 1 else "s"}'
+    fits = f'<span data-gpuhub="fits">{a.fits}</span>'
+    queue = "waits in the queue for GPUs to free up, its place shown"
+    beyond = f" (and {_gpus(a.borrowed)} borrowed beyond it)" if a.borrowed else ""
+    used_up = lim.gpu_hours is not None and a.gpu_hours >= lim.gpu_hours
+    if lim.max_gpus is None and not used_up:
+        head = f"{held}, with no limit ({escape(a.effective.source)}){beyond}: "
+        if a.fits:
+            room = f"{fits} can start now, so a request of up to {a.fits} starts at once and a larger one "
+            room += f"{queue}."
+        else:
+            room = f"{fits} can start now, so a request {queue}."
     else:
-        limit = f"a limit of {lim.max_gpus} ({a.effective.source})"
+        head = f"{held} of {escape(describe_limit(a.effective))}{beyond}: "
+        more = words.count(a.may_take or 0, "more GPU")
+        if used_up or not a.may_take:
+            room = (
+                "your GPU-hours are used up for now." if used_up else "your limit lets you hold no more GPUs."
+            )
+        elif a.fits >= a.may_take:
+            it = "it is" if a.fits == 1 else "they are"
+            room = f"your limit lets you hold {more}, and {it} free now ({fits} can start at once)."
+        elif a.fits:
+            room = (
+                f"your limit lets you hold {more}; {fits} can start now, so a request of up to {a.fits} "
+                f"starts at once and one of up to {a.may_take} {queue}."
+            )
+        else:
+            room = f"your limit lets you hold {more}; {fits} can start now, so a request of up to "
+            room += f"{a.may_take} {queue}."
     quota = ""
     if lim.gpu_hours is not None:
         quota = (
             f' You have used <span data-gpuhub="gpu-hours">{a.gpu_hours:.1f}</span> of '
             f"{lim.gpu_hours:g} GPU-hours over the last {lim.window_hours:g} hours."
         )
-    beyond = f" (and {a.borrowed} borrowed beyond it)" if a.borrowed else ""
-    waits = ""
-    if a.may_take is None or a.may_take > a.fits:  # more fits the limit than is free now
-        more = "more" if a.may_take is None else f"up to {a.may_take}"
-        waits = f" Ask for {more} and the start waits in the queue for GPUs to free up, its place shown."
-    return (
-        f'You hold <span data-gpuhub="held">{a.held}</span> GPU(s) of {escape(limit)}{beyond}: '
-        f'you may take <span data-gpuhub="fits">{a.fits}</span> now.{waits}{quota}'
-    )
+    return head + room + quota
 
 
 def _gpus(n: int) -> str:
-    return f"{n} GPU{'' if n == 1 else 's'}"
+    return words.count(n, "GPU")
 
 
 def borrow_text(a: Allowance, grace_seconds: float | None) -> str:
@@ -179,6 +204,7 @@ def render_form(
     partitions: Mapping[str, int] | None = None,
     default_partition: str = "",
     grace_seconds: float | None = None,
+    asked: int | None = None,
 ) -> str:
     """The spawn form's HTML (Bootstrap 5 classes, as JupyterHub 5+ pages use).
 
@@ -188,10 +214,15 @@ def render_form(
     ``grace_seconds``: ``c.GpuHub.preempt_grace_seconds``, the notice borrowed GPUs are taken
     back with (said in words when the user may borrow). The count has no ``max``: what the
     limit and the borrowing allowance allow is the server's call, and its refusal says why.
+
+    ``asked``: the count of a start just refused, shown again in the field with the refusal
+    (the user's own value, not the default).
     """
     # capped by the limit, not by what is free: a request that does not fit now waits its turn
     room = allowance.may_take
     value = min(default_gpus, allowance.fits if room is None else max(room, allowance.fits))
+    if asked is not None:
+        value = asked
     borrow = borrow_text(allowance, grace_seconds)
     parts = [
         '<div class="mb-3" id="gpuhub-form">',
