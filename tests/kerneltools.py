@@ -41,6 +41,19 @@ class Cell:
         return "".join(o.get("text", "") for o in self.outputs if o.get("name") == "stderr")
 
     @property
+    def shown(self) -> str:
+        """Everything the cell showed as text, in order: its streams, and its displays'
+        text (gpuhub's save and restore lines are displays, wrapped at spaces only)."""
+        out = []
+        for o in self.outputs:
+            if o.output_type == "stream":
+                out.append(o.get("text", ""))
+            elif o.output_type in ("display_data", "execute_result"):
+                text = o.get("data", {}).get("text/plain", "")
+                out.append(text if text.endswith("\n") else text + "\n")
+        return "".join(out)
+
+    @property
     def error(self) -> dict | None:
         return next((o for o in self.outputs if o.output_type == "error"), None)
 

@@ -226,7 +226,7 @@ print("STOPPED", magics.pool is None, sorted(os.listdir("{d}")))
     )
     for i, c in enumerate(cells):
         assert c.error is None, (i, c)
-    assert f"gpuhub: autosave of model, opt, sched to {d} before the engines stop" in cells[1].stdout
+    assert f"gpuhub: autosave of model, opt, sched to {d} before the engines stop" in cells[1].shown
     trained = digests(cells[3].stdout)
     stopped = cells[3].stdout + cells[4].stdout
     assert "idle for 2 s; stopping them" in stopped, stopped
@@ -236,7 +236,7 @@ print("STOPPED", magics.pool is None, sorted(os.listdir("{d}")))
     assert digests(cells[9].stdout) == trained  # restored into a new pool
     more = digests(cells[11].stdout)
     assert more != trained
-    assert f"gpuhub: autosaved before %distributed shutdown from rank 0 to {d}" in cells[12].stdout
+    assert f"gpuhub: autosaved before %distributed shutdown from rank 0 to {d}" in cells[12].shown
     assert "engines stopped" in cells[12].stdout
     assert digests(cells[15].stdout) == more
     last = digests(cells[17].stdout)
@@ -316,7 +316,7 @@ if rank == 0:
     assert f"restore: 'model': no checkpoint {d}/model.pt" in errors[10]
     assert f"Checkpoints in {d}: none." in errors[10]
     default = tmp_path / "home/.local/share/gpuhub/checkpoints"
-    assert f"saved from rank 0 to {default}" in cells[11].stdout
+    assert f"saved from rank 0 to {default}" in cells[11].shown
     assert os.stat(default).st_mode & 0o777 == 0o700 and os.listdir(default) == ["model.pt"]
     assert (
         "restore: 'model' (on rank 1): is not defined: re-run the cell that defines the module first, "
@@ -352,12 +352,23 @@ def test_a_resize_with_autosave_carries_the_objects_over(kernel_env, tmp_path):
     for i, c in enumerate(cells):
         assert c.error is None, (i, c)
     trained = digests(cells[2].stdout)[0][0]  # the model's
-    resize = cells[3].stdout + cells[3].stderr
-    assert f"gpuhub: autosaved before the resize from rank 0 to {d}" in resize, resize
-    assert f"gpuhub: restored into 3 ranks from {d}:\n  w: tensor (torch.Tensor), assigned" in resize
-    assert "gpuhub: not restored yet: model (DDP module): re-run the cells that define them" in resize
-    assert "autosave leaves out model until they are restored" in resize
+    resize = cells[3].shown
+    # a resize says what a user needs in three lines, before the user's own output
+    before_users = resize[: resize.index("[rank ")].splitlines()
+    assert len(before_users) == 3, resize
+    assert before_users[0].startswith(
+        f"gpuhub: restarting the engines (the pool had other settings): model, w autosaved to {d} ("
+    ), resize
+    assert before_users[1].startswith("3 engines up: rank 0 on t:0"), resize
+    assert before_users[2] == (
+        f"gpuhub: w restored into the 3 new ranks from {d}; not yet model (DDP module): re-run the "
+        f"cells that define it, then %distributed restore model --dir {d} (autosave leaves it out "
+        "until then)."
+    ), resize
+    # each as text and as HTML that wraps at spaces only (JupyterLab breaks stream text anywhere)
+    html = [o["data"]["text/html"] for o in cells[3].outputs if "text/html" in o.get("data", {})]
+    assert len(html) == 3 and all("word-break: normal" in h for h in html), cells[3].outputs
     assert cells[3].rank_lines() == {r: ["W [0.5, 1.5, 2.5, 3.5] False"] for r in range(3)}
     assert "autosave: model, w" in cells[5].stdout
-    assert "restored into 3 ranks" in cells[6].stdout
+    assert "restored into 3 ranks" in cells[6].shown
     assert [m for m, _, _ in digests(cells[7].stdout)] == [trained] * 3  # every rank, bit for bit

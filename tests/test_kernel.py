@@ -1,5 +1,7 @@
 """The "Python 3 (GPUs)" kernel, executed through a real Jupyter kernel with nbclient."""
 
+import os
+
 import nbformat
 import pytest
 from nbclient import NotebookClient
@@ -20,7 +22,7 @@ def test_gpu_kernel_loads_the_magics_and_sees_the_servers_gpus(monkeypatch):
     monkeypatch.setenv("GPUHUB_GPUS", "n1:2,n1:3")
     monkeypatch.setenv("GPUHUB_GPU_MODEL", "A100")
     out = run_notebook("%gpus", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
-    assert out[0].splitlines()[0] == "Server allocation #12: 2 GPU(s), CUDA_VISIBLE_DEVICES=2,3"
+    assert out[0].splitlines()[0] == "Server allocation #12: 2 GPUs, CUDA_VISIBLE_DEVICES=2,3"
     assert out[0].splitlines()[2].split() == ["n1:2", "0", "A100"]
     assert out[1].strip() == "2,3"
 
@@ -40,3 +42,49 @@ def test_gpus_outside_gpuhub(monkeypatch):
 )
 def test_describe(env, words):
     assert words in describe(server_gpus(env))
+
+
+def test_a_line_the_magics_cannot_read_is_a_usage_error_and_quotes_are_a_shells(tmp_path):
+    from .kerneltools import own_gpus_env
+    from .kerneltools import run_notebook as run_cells
+
+    afile = tmp_path / "a-file"
+    afile.write_text("not a directory")
+    runs = tmp_path / "my runs"
+    cells = run_cells(
+        [
+            "%distributed '",  # 0
+            "%%distributed --gpus 1 '\nx = 1",
+            "%dask_cuda '",
+            '%distributed status "',
+            "%gpus now",  # 4
+            f"%%distributed --gpus 1 --autosave x --dir {afile}\nx = 1",  # 5: refused at once
+            f"%%distributed --gpus 1 --autosave x --dir '{runs}'\nx = 1",  # 6
+            f'%distributed save x --dir "{runs}"',
+            "%gpus",
+        ],
+        own_gpus_env(tmp_path, "t:0"),
+        timeout=120,
+    )
+
+    def usage_error(cell) -> str:
+        """IPython shows a UsageError as one stderr message, with no traceback."""
+        assert cell.error is None and cell.stderr.startswith("UsageError: "), cell
+        assert "Traceback" not in cell.stderr and "gpu_magics" not in cell.stderr, cell
+        return cell.stderr
+
+    for i in range(4):
+        said = usage_error(cells[i])
+        assert "quote that is not closed" in said and "usage: %" in said, said
+        assert "No closing quotation" not in said and "ValueError" not in said
+    said = usage_error(cells[4])
+    assert "%gpus takes no arguments (got 'now')" in said and "usage: %gpus" in said, said
+    said = usage_error(cells[5])
+    assert f"--autosave: {afile} is a file, not a directory; choose another --dir" in said, said
+    assert "Starting engines" not in cells[5].shown  # refused when given, before any engine
+    assert cells[6].error is None, cells[6]
+    assert f"gpuhub: autosave of x to {runs} before the engines stop" in cells[6].shown
+    assert cells[7].error is None and f"saved from rank 0 to {runs} (" in cells[7].shown, cells[7]
+    assert sorted(p.name for p in tmp_path.iterdir() if "runs" in p.name) == ["my runs"]  # no quotes kept
+    assert os.listdir(runs) == ["x.pt"]
+    assert cells[8].error is None and "GPU(s)" not in cells[8].shown

@@ -7,6 +7,7 @@ from __future__ import annotations
 import keyword
 import os
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from gpu_magics.common.checkpoint import (
     unsaveable_message,
 )
 from gpu_magics.common.procs import alive
+from gpu_magics.common.words import stamp
 from gpu_magics.engine.checkpoints import (
     engine_apply_restore,
     engine_discard,
@@ -48,6 +50,25 @@ class Saved:
     unseen: dict[int, list[str]] = field(default_factory=dict)  # rank: files it cannot see
     skipped: dict[str, list[int]] = field(default_factory=dict)  # autosave: name: ranks lacking it
 
+    def warnings(self) -> list[str]:
+        """What the user must know of this save (names left out, ranks that cannot see it)."""
+        lines = [
+            f"  not saved: {name!r} is not defined on {ranks_text(ranks)}"
+            for name, ranks in self.skipped.items()
+        ]
+        for rank, paths in sorted(self.unseen.items()):
+            lines.append(
+                f"  warning: rank {rank} does not see {', '.join(map(os.path.basename, paths))}: restore "
+                "reads the files on every rank; choose a --dir that every node shares (on Slurm: your home)"
+            )
+        return lines
+
+    def brief(self) -> str:
+        """``model, w autosaved to DIR (1.2 KiB)``: one clause, for a resize's one line."""
+        total = sum(f["bytes"] for f in self.files)
+        names = ", ".join(f["name"] for f in self.files)
+        return f"{names} autosaved to {self.directory} ({human_size(total)})"
+
     def text(self, before: str | None = None) -> str:
         total = sum(f["bytes"] for f in self.files)
         head = "gpuhub: " + (f"autosaved before {before}" if before else "saved")
@@ -56,14 +77,7 @@ class Saved:
         for f in self.files:
             base = os.path.basename(f["path"])
             lines.append(f"  {base:<{width}}  {human_size(f['bytes']):>10}  {KINDS[f['kind']]} ({f['type']})")
-        for name, ranks in self.skipped.items():
-            lines.append(f"  not saved: {name!r} is not defined on {ranks_text(ranks)}")
-        for rank, paths in sorted(self.unseen.items()):
-            lines.append(
-                f"  warning: rank {rank} does not see {', '.join(map(os.path.basename, paths))}: restore "
-                "reads the files on every rank; choose a --dir that every node shares (on Slurm: your home)"
-            )
-        return "\n".join(lines)
+        return "\n".join(lines + self.warnings())
 
 
 @dataclass
@@ -74,13 +88,29 @@ class Restored:
     ways: dict[str, str]
     skipped: list[dict] = field(default_factory=list)  # state-dict kinds not defined yet
 
+    def brief(self) -> str:
+        """A resize's restore in one line: what the new ranks got back, and what waits for
+        the user's cells to define it again (left out of autosave until then)."""
+        parts = []
+        if self.records:
+            parts.append(
+                f"{', '.join(self.records)} restored into the {self.ranks} new ranks from {self.directory}"
+            )
+        if self.skipped:
+            names = " ".join(s["name"] for s in self.skipped)
+            which = ", ".join(f"{s['name']} ({KINDS[s['kind']]})" for s in self.skipped)
+            it = "it" if len(self.skipped) == 1 else "them"
+            parts.append(
+                f"not yet {which}: re-run the cells that define {it}, then %distributed restore {names} "
+                f"--dir {self.directory} (autosave leaves {it} out until then)"
+            )
+        return "gpuhub: " + "; ".join(parts) + "." if parts else ""
+
     def text(self) -> str:
         lines = [f"gpuhub: restored into {self.ranks} ranks from {self.directory}:"] if self.records else []
         for name, rec in self.records.items():
             way = "load_state_dict" if self.ways[name] == "load_state_dict" else "assigned"
-            saved = (
-                time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(rec["saved"])) if rec.get("saved") else "?"
-            )
+            saved = stamp(rec["saved"]) if rec.get("saved") else "?"
             lines.append(
                 f"  {name}: {KINDS[rec['kind']]} ({rec['type']}), {way}; "
                 f"saved {saved} from rank {rec.get('rank', 0)}"
@@ -224,6 +254,36 @@ def list_checkpoints(directory: str) -> list[str]:
         return []
 
 
+# JupyterLab shows a stream's text in a <pre> with ``word-break: break-all``, which breaks
+# long lines anywhere ("UT C", "checkpoi nts"); the same text as HTML wraps at spaces only
+WRAP_AT_SPACES = "margin: 0; white-space: pre-wrap; word-break: normal; overflow-wrap: normal"
+
+
+def as_html(text: str) -> str:
+    """``text`` as a <pre> that wraps long lines at spaces only (a long path scrolls instead)."""
+    import html
+
+    return f'<pre style="{WRAP_AT_SPACES}">{html.escape(text)}</pre>'
+
+
+def show(text: str) -> None:
+    """A message of the cell that runs now, wrapped at spaces only in the notebook: shown as
+    text and HTML in a kernel's main thread (where the output belongs to that cell), else
+    printed (a timer's thread, kernel exit, a terminal)."""
+    if threading.current_thread() is threading.main_thread():
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+
+            shell = get_ipython()
+            if shell is not None and getattr(shell, "kernel", None) is not None:
+                display({"text/plain": text, "text/html": as_html(text)}, raw=True)
+                return
+        except Exception:
+            pass
+    say(text)
+
+
 def say(text: str, err: bool = False) -> None:
     """Print, and never fail (at kernel exit the notebook's streams may be closed)."""
     try:
@@ -286,7 +346,7 @@ class CheckpointCommands:
             with self.lock:
                 self.busy -= 1
                 self._touch()
-        print(text)
+        show(text)
 
     def _set_autosave(self, names: list[str] | None, directory: str | None, quiet: bool = False) -> None:
         """A cell's ``--autosave NAME... [--dir D]`` (None: not given; []: ``--autosave`` alone, off)."""
@@ -305,7 +365,7 @@ class CheckpointCommands:
                 "made when first saved)"
             )
         if (names, where) != (self.autosave, self.autosave_dir) and not quiet:
-            say(
+            show(
                 f"gpuhub: autosave of {', '.join(names)} to {where} before the engines stop "
                 "(idle stop, reclaim, shutdown, resize, kernel exit)."
             )
@@ -339,11 +399,12 @@ class CheckpointCommands:
             return "resize"  # the resize saved first, then stops the pool
         return "restart"
 
-    def _save_before_stop(self, why: str) -> Saved | None:
+    def _save_before_stop(self, why: str, full: bool = True) -> Saved | None:
         """Save the autosave names of the pool before its processes end (``why``: a key of
         ``WHY``). Raises UsageError when it could not (the callers that stop anyway report it);
         saves once however often it is called while no cell ran. Answers what it wrote (the
-        earlier save when that one still holds; None when there was nothing to save)."""
+        earlier save when that one still holds; None when there was nothing to save).
+        ``full`` False: only its warnings are said (the caller says the save in its own line)."""
         pool, names = self.pool, [n for n in self.autosave if n not in self._pending]
         if self.autosave and not names:
             say(f"gpuhub: not autosaved: {', '.join(self.autosave)} not restored since the resize.", err=True)
@@ -362,7 +423,10 @@ class CheckpointCommands:
         self._autosaved = (pool, self.last_used, why)
         self._last_saved = saved
         self.last_autosave = ([f["name"] for f in saved.files], self.autosave_dir)
-        say(saved.text(before))
+        if full:
+            show(saved.text(before))
+        elif saved.warnings():
+            say("\n".join(saved.warnings()))
         if self._pending & set(self.autosave):
             later = ", ".join(sorted(self._pending & set(self.autosave)))
             say(f"  not saved: {later} (not restored since the resize: the checkpoints are kept)")
@@ -391,11 +455,12 @@ class CheckpointCommands:
             say(f"gpuhub: could not restore {', '.join(names)} into the new engines: {e}", err=True)
             self._pending = set(names)
             return
+        verbose = getattr(self, "verbose", True)
         if restored.text():
-            say(restored.text())
+            show(restored.text() if verbose else restored.brief())
         self._pending = {s["name"] for s in restored.skipped}
-        if self._pending & set(self.autosave):
-            say(f"gpuhub: autosave leaves out {', '.join(sorted(self._pending))} until they are restored.")
+        if self._pending & set(self.autosave) and verbose:
+            show(f"gpuhub: autosave leaves out {', '.join(sorted(self._pending))} until they are restored.")
 
     def _forget_autosave(self, why: str) -> None:
         if why != "resize":

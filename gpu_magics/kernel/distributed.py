@@ -24,7 +24,7 @@ import sys
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from traitlets import Float
+from traitlets import Bool, Float
 
 from gpu_magics.common.checkpoint import DEFAULT_DIR
 from gpu_magics.common.session import backend, server_gpus
@@ -79,6 +79,13 @@ class DistributedMagics(CheckpointCommands, Magics):
         help="With --autosave: how long before a preemption is due the running cell is interrupted "
         "and the names saved (at once when the notice leaves less). "
         "%config DistributedMagics.preempt_save_seconds = 60",
+    ).tag(config=True)
+
+    verbose = Bool(
+        False,
+        help="Show every line of a resize's autosave and restore (each file, each name's kind); "
+        "by default a resize says what it saved and restored in a line each. "
+        "%config DistributedMagics.verbose = True",
     ).tag(config=True)
 
     def __init__(self, shell=None, **kw):

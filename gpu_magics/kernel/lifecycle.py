@@ -29,6 +29,7 @@ from gpu_magics.kernel.acquire import (
     why_new_engines,
 )
 from gpu_magics.kernel.burst import Burst
+from gpu_magics.kernel.checkpoints import as_html, show
 from gpu_magics.kernel.notices import engines_up
 from gpu_magics.kernel.outcome import DistributedInterrupt
 from gpu_magics.kernel.pool import EnginePool
@@ -36,8 +37,9 @@ from gpu_magics.kernel.preemption import Preemption
 
 
 def _text(line: str) -> dict:
-    """A status line shown as plain text (a str passed to display() shows as its repr)."""
-    return {"text/plain": line}
+    """A status line shown as text (a str passed to display() shows as its repr), and as HTML
+    that wraps at spaces only."""
+    return {"text/plain": line, "text/html": as_html(line)}
 
 
 def free_port() -> int:
@@ -272,14 +274,17 @@ class Lifecycle:
         """Stop the current pool (saved first where autosave is on) so that new engines can
         start; ``release``: its burst goes too."""
         if self.pool is not None:
+            verbose = self.settings.verbose
+            saved = None
             if autosave:
                 try:
-                    self.autosave._save_before_stop("resize")
+                    saved = self.autosave._save_before_stop("resize", full=verbose)
                 except Exception as e:
                     if why == OTHER_SETTINGS:
                         raise  # the pool still works: nothing is stopped unsaved
                     print(f"gpuhub: could not save before restarting the engines: {e}", file=sys.stderr)
-            print(f"gpuhub: restarting the engines ({why}).")
+            first = f": {saved.brief()} first" if saved is not None and not verbose else ""
+            show(f"gpuhub: restarting the engines ({why}){first}.")
             self.stop_pool(release=release)
         elif release:
             self.release_burst()
