@@ -146,7 +146,7 @@ def checked_playwright(response):
 def test_admins_see_reorder_and_cancel_the_queue_and_users_leave_it(hub, tokens, ledger, browser, tmp_path):
     page = login(browser, hub, "admin", ADMIN_PASSWORD)
     page.goto(f"{hub.broker_url}/admin")
-    expect(page.locator("#queue tbody")).to_contain_text("Nobody is waiting for GPUs.")
+    expect(page.locator('[data-empty="queue"]')).to_have_text("Nobody is waiting for GPUs now.")
     left_before = wait_count(hub, tokens, "left")
 
     fill(hub, tokens, ledger)
@@ -228,11 +228,11 @@ def test_admins_see_reorder_and_cancel_the_queue_and_users_leave_it(hub, tokens,
     mine.screenshot(path=str(tmp_path / "my-queue.png"), full_page=True)
     mine.locator(f'#my-queue tr[data-queue-entry="{carol["id"]}"] button[data-queue-leave]').click()
     expect_rows(mine, "#my-queue", [])
-    expect(mine.locator("#my-queue tbody")).to_contain_text("You are not waiting for GPUs.")
+    expect(mine.locator('[data-empty="my-queue"]')).to_have_text("You are not waiting for GPUs.")
     gone = ledger.queue_entry(carol["id"])
     assert gone.state == "left" and gone.end_reason == "its owner left the queue"
     assert len(ledger.active(user="carol")) == 1  # her burst is untouched
-    expect(page.locator("#queue tbody")).to_contain_text("Nobody is waiting for GPUs.")
+    expect(page.locator('[data-empty="queue"]')).to_have_text("Nobody is waiting for GPUs now.")
 
     # the metrics: nothing waits, and the two waits that ended were observed once each
     m = metrics(hub, tokens)

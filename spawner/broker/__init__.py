@@ -15,11 +15,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 from spawner.broker.access import ADMIN_SCOPE, OWN_SCOPE, SAMPLE_SCOPE
 from spawner.spawners.notices import ReclaimNotice
 
-SERVICE = "gpuhub"
+SERVICE = "gpuhub"  # the service's name: its URL (/services/gpuhub/) and scopes depend on it
+DISPLAY_NAME = "My GPUs"  # what the hub's Services menu shows (templates/hub/page.html)
+HUB_TEMPLATES = str(Path(__file__).with_name("templates") / "hub")
 SAMPLER_SERVICE = "gpuhub-sampler"  # the nodes' samplers (gpuhub sampler), with sampler_token_file
 
 
@@ -79,6 +82,8 @@ def enable_broker(
         "oauth_client_allowed_scopes": [OWN_SCOPE, ADMIN_SCOPE],
         "oauth_no_confirm": True,
         "display": True,
+        # JupyterHub's Services menu shows the name; templates/hub/page.html shows this instead
+        "info": {"display_name": DISPLAY_NAME, "admin_page": "admin"},
     }
     services = _replace(list(c.JupyterHub.get("services", [])), service)
     if sampler_token_file is not None:
@@ -127,11 +132,19 @@ def enable_broker(
         **c.Spawner.get("environment", {}),
         "GPUHUB_BROKER_URL": f"{url.rstrip('/')}/services/{SERVICE}/api/v1/",
     }
-    # the home page tells a user why their server was reclaimed
+    # the Services menu reads "My GPUs" (and "GPU admin" for gpuhub's admins)
+    paths = list(c.JupyterHub.get("template_paths", []))
+    if HUB_TEMPLATES not in paths:
+        c.JupyterHub.template_paths = [*paths, HUB_TEMPLATES]
+    # the home page tells a user why their server was reclaimed, and an admin where GPU admin is
     template_vars = dict(c.JupyterHub.get("template_vars", {}))
     previous = template_vars.get("announcement_home")
-    if not isinstance(previous, ReclaimNotice):
-        template_vars["announcement_home"] = ReclaimNotice(c, previous)
+    base_url = c.JupyterHub.get("base_url", "/") or "/"
+    admin_url = f"{base_url.rstrip('/')}/services/{SERVICE}/admin"
+    if isinstance(previous, ReclaimNotice):
+        previous.admins, previous.admin_url = set(admins), admin_url
+    else:
+        template_vars["announcement_home"] = ReclaimNotice(c, previous, admins=admins, admin_url=admin_url)
     c.JupyterHub.template_vars = template_vars
     c.Spawner.server_token_scopes = [
         "users:activity!user",

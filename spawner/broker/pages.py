@@ -7,12 +7,14 @@ JupyterHub's XSRF token.
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tornado import web
 
+from gpu_magics.common import words
 from spawner.broker import access
 from spawner.broker import responses as views
 from spawner.broker.handlers import BaseHandler
@@ -21,6 +23,19 @@ TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
     autoescape=True,
 )
+
+
+def utc(iso: str | None) -> str:
+    """The API's ``2026-12-03T07:34:40Z`` as people read it: ``2026-12-03 07:34:40 UTC``."""
+    return "" if not iso else words.stamp(datetime.fromisoformat(iso.removesuffix("Z")))
+
+
+def gpu_noun(n: int) -> str:
+    """The noun after a number shown on its own: ``GPU`` for 1, ``GPUs`` otherwise."""
+    return words.count(n, "GPU").split(" ", 1)[1]
+
+
+TEMPLATES.filters.update(utc=utc, gpus=lambda n: words.count(n, "GPU"), gpu_noun=gpu_noun)
 
 
 class PageHandler(BaseHandler):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+from gpu_magics.common.words import clock, count
 from spawner.broker.reclaimer import stop_server
 
 log = logging.getLogger("gpuhub.broker")
@@ -48,14 +49,14 @@ class Preempter:
         for p in made:
             broker.metrics.preemptions.labels(purpose=p.purpose).inc()
             log.warning(
-                "preempting allocation %s of %s (%s, %s GPU(s), %s borrowed) for %s; due %s UTC",
+                "preempting allocation %s of %s (%s, %s, %s borrowed) for %s; due %s",
                 p.allocation_id,
                 p.user,
                 p.purpose,
-                p.gpus,
+                count(p.gpus, "GPU"),
                 p.borrowed,
                 p.for_user,
-                f"{p.due:%H:%M:%S}",
+                clock(p.due),
             )
         live = {p.allocation_id for p in settled.servers}
         for gone in set(self._asked) - live:

@@ -82,6 +82,17 @@ document.addEventListener("click", async (ev) => {
   }
 });
 
+// the limits editor: a row's GPU-hours window shows only where a GPU-hours quota is set
+document.addEventListener("input", (ev) => {
+  const t = ev.target;
+  if (t.name !== "gpu_hours") return;
+  const cell = t.closest("tr").querySelector("[data-window]");
+  if (!cell) return;
+  const quota = t.value !== "";
+  cell.querySelector('[name="window_hours"]').classList.toggle("d-none", !quota);
+  cell.querySelector("[data-no-quota]").classList.toggle("d-none", quota);
+});
+
 function fmt(v) {
   if (v === 0) return "0";
   return v >= 10 ? v.toFixed(0) : v >= 0.1 ? v.toFixed(1) : v.toPrecision(2);
@@ -100,6 +111,8 @@ function usageQuery(container) {
   return params;
 }
 
+const TOO_LITTLE_TO_CHART = 0.05; // GPU-hours, in all: below it the bars would not show
+
 // GPU-hours per day per user as stacked bars (Chart.js, served by the broker itself:
 // static/vendor/chart.umd.min.js); hovering a day shows each user's GPU-hours that day.
 function drawPlot(container, usage) {
@@ -108,6 +121,12 @@ function drawPlot(container, usage) {
     href: `${API}usage?${usageQuery(container)}&format=csv` }, "Download CSV");
   if (!users.length) {
     container.replaceChildren(csv, el("p", { class: "text-muted", id: "usage-plot" }, "No GPU usage in this period."));
+    return;
+  }
+  const sum = Object.values(usage.total).reduce((a, b) => a + b, 0);
+  if (sum < TOO_LITTLE_TO_CHART) { // bars too small to see: an empty chart says nothing
+    container.replaceChildren(csv, el("p", { class: "text-muted", id: "usage-plot" },
+      `${fmt(sum)} GPU-hours in this period so far: too little to chart yet.`));
     return;
   }
   if (!window.Chart) {
@@ -204,7 +223,17 @@ function pct(v) {
 }
 
 function utcTime(iso) {
+  // as gpu_magics.common.words.stamp: "2026-12-03 07:36:41 UTC"
   return iso ? `${iso.replace("T", " ").replace("Z", "")} UTC` : "";
+}
+
+function timeEl(iso) {  // a stamp in a table cell: on one line
+  return el("span", { class: "text-nowrap" }, utcTime(iso) || "–");
+}
+
+function utcClock(d) {
+  // as gpu_magics.common.words.clock: "07:36:41 UTC" (never the browser's local time)
+  return `${d.toISOString().slice(11, 19)} UTC`;
 }
 
 function allocationWhat(a) {
@@ -238,7 +267,7 @@ function badgeEl(idle) {
   return span;
 }
 
-function borrowBadges(h) {
+function borrowBadges(h, short = false) {
   // an allocation's borrowed GPUs ("2 of 3 borrowed") and its preemption ("taken back at ...")
   const out = [];
   if (!h) return out;
@@ -249,24 +278,35 @@ function borrowBadges(h) {
   }
   if (h.preemption) {
     out.push(el("span", { class: "badge text-bg-danger gpu-preempted", "data-preempt-due": h.preemption.due,
-      title: h.preemption.reason }, `taken back at ${utcTime(h.preemption.due)}`));
+      title: `${utcTime(h.preemption.due)}: ${h.preemption.reason}` },
+    `taken back at ${short ? utcClock(new Date(h.preemption.due)) : utcTime(h.preemption.due)}`));
   }
   return out;
 }
 
-function sparkline(history) {
-  // utilization (0-100 %) over the readings the broker keeps, newest at the right
+function sparkline(history, seconds) {
+  // utilization (0-100 %) over the readings the broker keeps, newest at the right, with its
+  // caption; no line at all before the first reading
+  const minutes = Math.max(1, Math.round(seconds / 60));
+  if (!history.length) {
+    return el("div", { class: "gpu-spark-caption small text-muted" }, "utilization: no samples yet");
+  }
+  const box = el("div", { class: "gpu-spark-box" });
+  box.append(sparkSvg(history), el("div", { class: "gpu-spark-caption small text-muted" },
+    `utilization, last ${minutes} min (0–100%)`));
+  return box;
+}
+
+function sparkSvg(history) {
   const W = 120, H = 24;
   const root = svg("svg", { class: "gpu-spark", viewBox: `0 0 ${W} ${H}`, width: W, height: H,
-    role: "img", "aria-label": "utilization history" });
-  svg("line", { x1: 0, y1: H - 0.5, x2: W, y2: H - 0.5, stroke: "#ccc", "stroke-width": 1 }, root);
-  if (history.length) {
-    const span = Math.max(1, -Math.min(...history.map((p) => p[0])));
-    const x = (t) => W * (1 + t / span);
-    const y = (v) => H - 1 - (Math.min(100, Math.max(0, v)) / 100) * (H - 2);
-    const d = history.map(([t, v], i) => `${i ? "L" : "M"}${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
-    svg("path", { class: "spark-line", d, fill: "none", stroke: "#0d6efd", "stroke-width": 1.5 }, root);
-  }
+    role: "img", "aria-label": "utilization history, 0 to 100%" });
+  svg("rect", { x: 0.5, y: 0.5, width: W - 1, height: H - 1, fill: "none", stroke: "#dee2e6", "stroke-width": 1 }, root);
+  const span = Math.max(1, -Math.min(...history.map((p) => p[0])));
+  const x = (t) => W * (1 + t / span);
+  const y = (v) => H - 1 - (Math.min(100, Math.max(0, v)) / 100) * (H - 2);
+  const d = history.map(([t, v], i) => `${i ? "L" : "M"}${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
+  svg("path", { class: "spark-line", d, fill: "none", stroke: "#0d6efd", "stroke-width": 1.5 }, root);
   return root;
 }
 
@@ -286,7 +326,7 @@ function memoryText(g) {
   return `${g.memory_used_mib} / ${total ?? "?"} MiB`;
 }
 
-function gpuCell(g, idle) {
+function gpuCell(g, idle, seconds) {
   const label = `${g.node}:${g.index}`;
   const state = !g.present ? "absent" : g.holder ? "held" : "free";
   const cell = el("div", { class: "card gpu-cell", "data-gpu": label, "data-state": state });
@@ -296,7 +336,7 @@ function gpuCell(g, idle) {
   const badge = badgeEl(idle);
   if (badge) head.append(badge);
   body.append(head, el("div", { class: "gpu-model small text-muted" }, g.present ? g.model : `${g.model} (gone)`));
-  const lent = borrowBadges(g.holder);
+  const lent = borrowBadges(g.holder, true);
   if (lent.length) {
     const box = el("div", { class: "gpu-borrow" });
     box.append(...lent);
@@ -312,10 +352,16 @@ function gpuCell(g, idle) {
   } else {
     holder.append(el("span", { class: "gpu-holder-free text-success" }, "free"));
   }
-  const util = el("div", { class: "gpu-util" });
-  util.append(el("span", { class: "gpu-util-value fs-5" }, pct(g.utilization)), "%");
-  body.append(holder, util, utilBar(g.utilization, idle && idle.state === "warned"),
-    el("div", { class: "gpu-mem small" }, memoryText(g)), sparkline(g.history));
+  body.append(holder);
+  if (g.utilization === null || g.utilization === undefined) {
+    body.append(el("div", { class: "gpu-no-reading small text-muted" }, "no reading now"));
+  } else {
+    const util = el("div", { class: "gpu-util" });
+    util.append(el("span", { class: "gpu-util-value fs-5" }, pct(g.utilization)), "%");
+    body.append(util, utilBar(g.utilization, idle && idle.state === "warned"),
+      el("div", { class: "gpu-mem small" }, memoryText(g)));
+  }
+  body.append(sparkline(g.history, seconds));
   cell.append(body);
   return cell;
 }
@@ -333,7 +379,7 @@ function drawGrid(container, util) {
     const title = el("h3", { class: "h6" }, node);
     title.append(" ", el("small", { class: "text-muted" }, `${free} of ${gpus.length} free`));
     const cells = el("div", { class: "d-flex flex-wrap gap-2" });
-    cells.append(...gpus.map((g) => gpuCell(g, g.holder ? idle.get(g.holder.allocation_id) : null)));
+    cells.append(...gpus.map((g) => gpuCell(g, g.holder ? idle.get(g.holder.allocation_id) : null, util.history_seconds)));
     section.append(title, cells);
     return section;
   });
@@ -353,6 +399,15 @@ function row(cells, attrs = {}) {
   return tr;
 }
 
+function showSection(name, full, count) {
+  // a section with nothing to show says so in one line ([data-empty]) instead of its tables;
+  // the page's table of contents says how many entries it has
+  for (const e of document.querySelectorAll(`[data-empty="${name}"]`)) e.classList.toggle("d-none", full);
+  for (const e of document.querySelectorAll(`[data-when-full="${name}"]`)) e.classList.toggle("d-none", !full);
+  const toc = document.querySelector(`[data-toc="${name}"]`);
+  if (toc) toc.textContent = full ? `(${count})` : "(none)";
+}
+
 function emptyRow(columns, text) {
   const tr = el("tr");
   tr.append(el("td", { colspan: columns, class: "text-muted" }, text));
@@ -365,19 +420,21 @@ function fillUserUtilization(util) {
   const rows = util.users.map((u) => row(
     [u.user, u.gpus, u.mean_utilization === null ? "–" : `${pct(u.mean_utilization)} %`],
     { "data-user": u.user }));
-  body.replaceChildren(...(rows.length ? rows : [emptyRow(3, "Nobody holds a GPU.")]));
+  body.replaceChildren(...rows);
+  showSection("user-utilization", rows.length > 0, rows.length);
 }
 
 function fillReclaims(rec) {
   const body = document.querySelector("#reclaims tbody");
   if (!body) return;
   const rows = rec.reclaims.map((r) => row(
-    [utcTime(r.created), r.user, allocationWhat(r), r.gpus, duration(r.idle_seconds), fmt(r.gpu_hours), r.reason],
+    [timeEl(r.created), r.user, allocationWhat(r), r.gpus, duration(r.idle_seconds), fmt(r.gpu_hours), r.reason],
     { "data-reclaim": r.id, "data-user": r.user }));
-  body.replaceChildren(...(rows.length ? rows : [emptyRow(7, "No reclaims in this period.")]));
+  body.replaceChildren(...rows);
+  showSection("reclaims", rows.length > 0, rows.length);
   const users = document.querySelector("#reclaim-users tbody");
   const userRows = Object.entries(rec.users).map(([u, t]) => row([u, t.reclaims, fmt(t.gpu_hours)], { "data-user": u }));
-  users.replaceChildren(...(userRows.length ? userRows : [emptyRow(3, "None.")]));
+  users.replaceChildren(...userRows);
   const total = document.getElementById("reclaim-total");
   total.replaceChildren(el("th", {}, "Total"), el("th", {}, rec.total.reclaims), el("th", {}, fmt(rec.total.gpu_hours)));
 }
@@ -386,10 +443,13 @@ function fillPreemptions(pre) {
   const body = document.querySelector("#preemptions tbody");
   if (!body) return;
   const rows = pre.preemptions.map((p) => row(
-    [utcTime(p.created), p.user, allocationWhat(p), `${p.borrowed} of ${p.gpus}`, p.for_user, utcTime(p.due),
-      p.withdrawn ? `notice withdrawn at ${utcTime(p.withdrawn)}` : (p.ended ? utcTime(p.ended) : "not yet"), p.reason],
+    [timeEl(p.created), p.user, allocationWhat(p), `${p.borrowed} of ${p.gpus}`, p.for_user, timeEl(p.due),
+      p.withdrawn ? `notice withdrawn at ${utcTime(p.withdrawn)}` : (p.ended ? timeEl(p.ended) : "not yet"), p.reason],
     { "data-preemption": p.id, "data-user": p.user }));
   body.replaceChildren(...(rows.length ? rows : [emptyRow(8, "No preemptions in this period.")]));
+  const lent = Object.keys(pre.users).length;
+  showSection("borrowing", lent > 0 || rows.length > 0, rows.length ? `${rows.length} preempted` : `${lent} borrowed`);
+  document.getElementById("preemptions").classList.toggle("d-none", !rows.length);
   const users = document.querySelector("#borrowing-users tbody");
   const userRows = Object.entries(pre.users).map(([u, t]) => row(
     [u, el("span", { class: "borrowed-hours" }, fmt(t.borrowed_gpu_hours)),
@@ -410,7 +470,7 @@ function livePoll(container, update) {
     try {
       await update();
       if (status) {
-        status.textContent = `updated ${new Date().toLocaleTimeString()}`;
+        status.textContent = `updated ${utcClock(new Date())}`;
         status.classList.remove("text-danger");
       }
     } catch (err) {
@@ -476,7 +536,7 @@ function fillQueue(queue) {
       button("Cancel", "btn-outline-danger", { queueCancel: q.id }),
     );
     const tr = row([
-      el("span", { class: "queue-position" }, q.position), user, queueGpus(q), queueWhat(q), utcTime(q.created),
+      el("span", { class: "queue-position" }, q.position), user, queueGpus(q), queueWhat(q), timeEl(q.created),
       duration(q.waited_seconds), expectedEl(q), el("span", { class: "queue-priority" }, factor(q, "priority")),
       el("span", { class: "queue-fairshare" }, factor(q, "fairshare")),
       el("span", { class: "queue-age" }, factor(q, "age")), el("span", { class: "queue-share" }, factor(q, "share")),
@@ -484,17 +544,19 @@ function fillQueue(queue) {
     ], { "data-queue-entry": q.id, "data-user": q.user });
     return tr;
   });
-  body.replaceChildren(...(rows.length ? rows : [emptyRow(13, "Nobody is waiting for GPUs.")]));
+  body.replaceChildren(...rows);
+  showSection("queue", rows.length > 0, `${rows.length} waiting`);
 }
 
 function fillMyQueue(queue) {
   const body = document.querySelector("#my-queue tbody");
   if (!body) return;
   const rows = queue.map((q) => row(
-    [`#${q.id}`, queueWhat(q), queueGpus(q), el("span", { class: "queue-line" }, q.line), utcTime(q.created),
+    [`#${q.id}`, queueWhat(q), queueGpus(q), el("span", { class: "queue-line" }, q.line), timeEl(q.created),
       button("Leave", "btn-outline-danger", { queueLeave: q.id })],
     { "data-queue-entry": q.id }));
-  body.replaceChildren(...(rows.length ? rows : [emptyRow(6, "You are not waiting for GPUs.")]));
+  body.replaceChildren(...rows);
+  showSection("my-queue", rows.length > 0, rows.length);
 }
 
 function startAdminGrid(grid) {
@@ -541,10 +603,11 @@ function preemptionNotice(p) {
     : `Your burst #${p.allocation_id}'s`;
   const n = p.borrowed || p.gpus; // borrowed GPUs, or all of one that started ahead of the queue
   const gpus = p.borrowed ? `${p.borrowed} borrowed GPU${p.borrowed === 1 ? "" : "s"}`
-    : `${p.gpus} GPU${p.gpus === 1 ? "" : "s"} (started ahead of the queue)`;
+    : `${p.gpus} GPU${p.gpus === 1 ? "" : "s"}, which started ahead of the queue,`;
   let text;
   if (p.withdrawn) { // the ledger's row says so: nothing is taken back
-    text = `${which} ${gpus} will not be taken back: the notice of ${utcTime(p.created)} was withdrawn at ${utcTime(p.withdrawn)} (${p.withdrawn_reason}).`;
+    const why = (p.withdrawn_reason || "").replace(/^withdrawn: /, "");
+    text = `${which} ${gpus} will not be taken back: the notice of ${utcTime(p.created)} was withdrawn at ${utcTime(p.withdrawn)}${why ? ": " + why : ""}.`;
     const box = el("div", { class: "alert alert-info", role: "status", "data-preemption": p.id, "data-state": "withdrawn" });
     box.append(el("strong", {}, text));
     return box;
@@ -554,13 +617,13 @@ function preemptionNotice(p) {
       (p.purpose === "server" ? ": gpuhub stopped the server. Your notebooks and files are saved." : ".");
   } else {
     const left = (Date.parse(p.due) - Date.now()) / 1000;
-    const when = left > 0 ? `will be taken back at ${utcTime(p.due)} (in ${duration(left)})` : `${n === 1 ? "is" : "are"} being taken back now`;
+    const when = left > 0 ? `will be taken back at ${utcTime(p.due)}, in ${duration(left)},` : `${n === 1 ? "is" : "are"} being taken back now`;
     const then = p.purpose === "server" ? "gpuhub stops the server then" : "its engines stop then";
     text = `${which} ${gpus} ${when} for a request within its limit: ${then}. Save your work now.`;
   }
   const box = el("div", { class: `alert ${p.ended ? "alert-info" : "alert-warning"}`, role: "status",
     "data-preemption": p.id, "data-state": p.ended ? "done" : "pending" });
-  box.append(el("strong", {}, text), el("div", { class: "small preemption-reason" }, p.reason));
+  box.append(el("strong", {}, text));  // p.reason says the same again: the admins' table shows it
   return box;
 }
 
@@ -576,8 +639,12 @@ function fillMyUse(me, util) {
     const gpus = util.gpus.filter((g) => g.holder && g.holder.allocation_id === id);
     const parts = gpus.map((g) => {
       const line = el("div", { class: "gpu-use", "data-gpu": `${g.node}:${g.index}` });
-      line.append(el("span", { class: "gpu-label" }, `${g.node}:${g.index}`), " ",
-        el("span", { class: "gpu-util-value fw-semibold" }, pct(g.utilization)), "% · ",
+      line.append(el("span", { class: "gpu-label" }, `${g.node}:${g.index}`), " ");
+      if (g.utilization === null || g.utilization === undefined) {
+        line.append(el("span", { class: "gpu-no-samples text-muted" }, "no samples yet"));
+        return line;
+      }
+      line.append(el("span", { class: "gpu-util-value fw-semibold" }, pct(g.utilization)), "% · ",
         el("span", { class: "gpu-mem" }, memoryText(g)));
       line.append(utilBar(g.utilization, a.idle && a.idle.state === "warned"));
       return line;
