@@ -45,7 +45,7 @@ def test_model_choice_and_progress_messages(tmp_path):
         assert r.status_code == 202
         messages = [e.get("message", "") for e in progress_events(hub, "alice")]
         assert "Checking your GPU allowance" in messages
-        assert "Allocated 2 GPU(s): sim2:0, sim2:1" in messages
+        assert "Allocated 2 GPUs: sim2:0, sim2:1" in messages
         assert any("ready" in m.lower() for m in messages[-1:]), messages
         env = hub.server_env("alice")
         assert env["GPUHUB_GPU_MODEL"] == "H100" and env["GPUHUB_GPUS"] == "sim2:0,sim2:1"

@@ -97,7 +97,7 @@ def test_a_full_cluster_queues_shows_why_and_starts_when_gpus_free(hub, ledger, 
     [pending] = ledger.active(user="carol")
     assert pending.state == "starting" and pending.gpus == () and pending.gpu_count == 2
     assert job_state(pending.backend_job_id) == "PENDING"
-    assert any("Admitted 2 GPU(s)" in m for m in messages)
+    assert any("Admitted 2 GPUs" in m for m in messages)
     # the queued request counts against carol's limit (students: 2) at once
     assert ledger.allowance("carol", ["students"]).may_take == 0
 

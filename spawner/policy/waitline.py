@@ -57,3 +57,32 @@ def wait_line(
     when = f"about {local_clock(expected)}" if left > 60 else "any moment"
     words = minutes_in_words(left)
     return f"{head}, expected start {when} (in {words}; {SURE_WORDS.get(sure, sure)}, not a promise)"
+
+
+QUEUE_PROGRESS = (10, 50)  # the spawn page's bar while waiting: from last in the queue to first
+
+
+def queue_progress(position: int, waiting: int) -> int:
+    """The spawn page's bar (percent) at ``position`` of ``waiting``: it grows as the place
+    nears the first, and stands at the top of the queue's part of the bar when first."""
+    lo, hi = QUEUE_PROGRESS
+    if position <= 0 or waiting <= 0:
+        return lo
+    position = min(position, waiting)
+    return lo + round((hi - lo) * (waiting - position + 1) / waiting)
+
+
+def queue_heading(position: int, waiting: int) -> str:
+    """The spawn page's heading while a start waits, e.g. ``Waiting for GPUs: 2nd of 3 in
+    the queue``."""
+    if position <= 0 or waiting <= 0:
+        return "Waiting for GPUs in the queue"
+    return f"Waiting for GPUs: {ordinal(position)} of {waiting} in the queue"
+
+
+def left_message(gpus: int, reason: str | None) -> str:
+    """What a start says when its request left the queue without its GPUs: the reason, and,
+    unless the reason already says what to do, that a new start waits anew."""
+    reason = reason or "it left the queue"
+    advice = "" if "start again" in reason else " Start the server again to wait anew."
+    return f"Your request for {_plural(gpus)} no longer waits: {reason}.{advice}"

@@ -21,14 +21,16 @@ import os
 import sys
 
 from jupyterhub.spawner import SpawnException
-from traitlets import Any, Float, Instance, Int, List, default
+from traitlets import Any, Float, Int, List, Set, default
 from traitlets.config import Configurable
 
+from gpu_magics.common import words
 from spawner import policy
 from spawner.ledger import Ledger, utcnow
+from spawner.policy import waitline
 from spawner.policy.records import AllocationInfo
 from spawner.settings import GpuHub
-from spawner.spawners import form, readiness
+from spawner.spawners import form, pending, readiness
 from spawner.spawners.refusals import install_log_filter, make_refusal
 
 STATE_KEY = "gpuhub_allocation_id"
@@ -75,10 +77,11 @@ class GpuSpawnerMixin(Configurable):
     allocation_id = Int(0, help="The ledger allocation of the running server (0: none).")
     queue_entry_id = Int(0, help="The queue entry this server's start waits in (0: none).")
     _gpuhub_stopped = False
+    _gpuhub_asked: int | None = None  # the count of a start just refused (the form shows it again)
     gpu_allocation = Any(None, allow_none=True, help="The running server's AllocationInfo.")
     gpu_options = Any(None, allow_none=True, help="This start's checked user_options (form.GpuOptions).")
     _gpuhub_events = List()
-    _gpuhub_changed = Instance(asyncio.Event, allow_none=True)
+    _gpuhub_listeners = Set()
 
     ready_poll_seconds = Float(
         0.05,
@@ -98,6 +101,8 @@ class GpuSpawnerMixin(Configurable):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         install_log_filter(self.log)
+        # the spawn-pending page that says a start waits in the queue, with its place
+        pending.install_templates(getattr(getattr(self, "user", None), "settings", None))
         # JupyterHub gives start() start_timeout seconds from the click. A start that waits
         # in gpuhub's queue may wait up to c.GpuHub.queue_max_wait_hours before the server
         # starts: JupyterHub's timer gets that much more, and the admin's start_timeout is
@@ -146,25 +151,36 @@ class GpuSpawnerMixin(Configurable):
     def _groups(self) -> list[str]:
         return [g.name for g in getattr(self.user, "groups", [])]
 
-    def _progress(self, progress: int, message: str) -> None:
-        self._gpuhub_events.append({"progress": progress, "message": message})
-        if self._gpuhub_changed is not None:
-            self._gpuhub_changed.set()
+    def _progress(self, progress: int, message: str, heading: str | None = None, **queue) -> None:
+        """One progress event for the spawn page. ``heading`` (and the queue's ``position``
+        and ``waiting``) go in a ``gpuhub`` field, which gpuhub's spawn-pending template
+        shows as the page's heading (:mod:`.pending`); JupyterHub passes it through."""
+        event = {"progress": progress, "message": message}
+        if heading is not None:
+            event["gpuhub"] = {"heading": heading, **queue}
+        self._gpuhub_events.append(event)
+        for changed in self._gpuhub_listeners:
+            changed.set()
 
     async def progress(self):
-        changed = self._gpuhub_changed = asyncio.Event()
+        # each reader (the spawn page, a second tab, the REST progress API) waits on its own
+        changed = asyncio.Event()
+        self._gpuhub_listeners.add(changed)
         sent = 0
-        while True:
-            changed.clear()
-            while sent < len(self._gpuhub_events):
-                yield self._gpuhub_events[sent]
-                sent += 1
-            if not self._spawn_pending:
-                return
-            try:
-                await asyncio.wait_for(changed.wait(), timeout=1)
-            except TimeoutError:
-                pass
+        try:
+            while True:
+                changed.clear()
+                while sent < len(self._gpuhub_events):
+                    yield self._gpuhub_events[sent]
+                    sent += 1
+                if not self._spawn_pending:
+                    return
+                try:
+                    await asyncio.wait_for(changed.wait(), timeout=1)
+                except TimeoutError:
+                    pass
+        finally:
+            self._gpuhub_listeners.discard(changed)
 
     async def _in_ledger(self, method: str, *args, **kw):
         """Call a Ledger method in a worker thread: opening the ledger (schema check,
@@ -201,8 +217,25 @@ class GpuSpawnerMixin(Configurable):
             lambda: (self.ledger.allowance(self.user.name, groups), self.ledger.models())
         )
         return form.render_form(
-            allowance, models, self.default_gpus, grace_seconds=self.gpuhub.preempt_grace_seconds
+            allowance,
+            models,
+            self.default_gpus,
+            grace_seconds=self.gpuhub.preempt_grace_seconds,
+            asked=self.refused_count(),
         )
+
+    def refused_count(self) -> int | None:
+        """The GPU count of the start just refused, once: the form shown again with the
+        refusal keeps the user's value in its field (None: none refused, or not a count)."""
+        asked, self._gpuhub_asked = self._gpuhub_asked, None
+        return asked
+
+    def _remember_refused_count(self) -> None:
+        try:
+            raw = (self.user_options or {}).get("gpus")
+            self._gpuhub_asked = None if raw is None else form.parse_count(raw)
+        except policy.Refusal:
+            self._gpuhub_asked = None
 
     # lifecycle ------------------------------------------------------------------------
 
@@ -301,6 +334,7 @@ class GpuSpawnerMixin(Configurable):
                 return got.allocation
             return await self._wait_in_queue(got.entry)
         except policy.Refusal as e:
+            self._remember_refused_count()
             install_log_filter(self.log)  # before JupyterHub logs this refusal
             raise make_refusal(e.message, e.reason, e.status_code) from None
 
@@ -323,13 +357,17 @@ class GpuSpawnerMixin(Configurable):
             while True:
                 if entry.state == "left":
                     raise policy.Refusal(
-                        f"Your request for {entry.gpu_count} GPU(s) no longer waits: {entry.end_reason}. "
-                        "Start the server again to wait anew.",
-                        reason="left_queue",
+                        waitline.left_message(entry.gpu_count, entry.end_reason), reason="left_queue"
                     )
                 line = entry.line(utcnow())
                 if line != shown:
-                    self._progress(10, line)
+                    self._progress(
+                        waitline.queue_progress(entry.position, entry.waiting),
+                        line,
+                        heading=waitline.queue_heading(entry.position, entry.waiting),
+                        position=entry.position,
+                        waiting=entry.waiting,
+                    )
                     shown = line
                 if self._gpuhub_stopped:
                     raise asyncio.CancelledError()
@@ -342,7 +380,11 @@ class GpuSpawnerMixin(Configurable):
                         await self._in_ledger("release", got.allocation.id, "server stopped while it waited")
                         raise asyncio.CancelledError()
                     waited = (got.allocation.created - entry.created).total_seconds()
-                    self._progress(15, f"Your turn came after {waited:.0f} s in the queue")
+                    self._progress(
+                        52,
+                        f"Your turn came after {waited:.0f} s in the queue",
+                        heading="Your GPUs are free: your server is starting up",
+                    )
                     return got.allocation
                 entry = got.entry
         except asyncio.CancelledError:
@@ -373,13 +415,15 @@ class GpuSpawnerMixin(Configurable):
         allocation = await self._admit()
         self.gpu_allocation = allocation
         self.allocation_id = allocation.id if allocation else 0
+        # past a wait in the queue the bar stands beyond the queue's part (waitline.QUEUE_PROGRESS)
+        at = 55 if self._gpuhub_events and self._gpuhub_events[-1]["progress"] > 20 else 20
         if allocation and allocation.gpus:
             gpus = ", ".join(g.label for g in allocation.gpus)
-            self._progress(20, f"Allocated {len(allocation.gpus)} GPU(s): {gpus}")
+            self._progress(at, f"Allocated {words.count(len(allocation.gpus), 'GPU')}: {gpus}")
         elif allocation:
-            self._progress(20, f"Admitted {allocation.gpu_count} GPU(s) within your limit")
+            self._progress(at, f"Admitted {words.count(allocation.gpu_count, 'GPU')} within your limit")
         else:
-            self._progress(20, "Starting without GPUs")
+            self._progress(at, "Starting without GPUs")
         try:
             # JupyterHub's own timer counts the queue's wait too (see __init__); the admin's
             # start_timeout is for the server's start, so it is applied here, after the wait
