@@ -46,10 +46,17 @@ def test_a_server_with_one_gpu_runs_distributed_on_two(hub, ledger):
     assert len(burst.gpus) == 1 and not set(burst.gpus) & set(server_alloc.gpus)
     assert {g.node for g in burst.gpus} == {g.node for g in server_alloc.gpus}
     assert [gpu for _, gpu, _ in result(out)] == sorted(g.label for g in [*server_alloc.gpus, *burst.gpus])
+    # the engines-up line says which GPU is the server's and which a burst's (not borrowed: in her limit)
+    own, extra = server_alloc.gpus[0].label, burst.gpus[0].label
+    assert (
+        f"2 engines up: rank 0 on {own} (this server's own); rank 1 on {extra} (burst allocation #{burst.id})"
+        in out
+    ), out
 
     status, out = run(kc, "%gpus")
-    assert f"Server allocation #{server_alloc.id}: 1 GPU(s)" in out
-    assert f"burst allocation #{burst.id}: 1 GPUs" in out and "rank 1: GPU" in out
+    assert f"Server allocation #{server_alloc.id}: 1 GPU," in out
+    assert f"burst allocation #{burst.id}: 1 GPU," in out and "rank 1: GPU" in out
+    assert "GPU(s)" not in out and "1 GPUs" not in out
 
     status, out = run(kc, "%distributed shutdown")
     assert "burst GPUs released" in out

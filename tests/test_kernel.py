@@ -88,3 +88,35 @@ def test_a_line_the_magics_cannot_read_is_a_usage_error_and_quotes_are_a_shells(
     assert sorted(p.name for p in tmp_path.iterdir() if "runs" in p.name) == ["my runs"]  # no quotes kept
     assert os.listdir(runs) == ["x.pt"]
     assert cells[8].error is None and "GPU(s)" not in cells[8].shown
+
+
+def test_a_resize_refusal_quotes_what_was_typed_and_lists_only_the_users_data(tmp_path):
+    from .kerneltools import own_gpus_env
+    from .kerneltools import run_notebook as run_cells
+
+    cells = run_cells(
+        [
+            "%%distributed --gpus 2\n"
+            "import torch.nn as nn\n"
+            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "from json import dumps\n"
+            "def step():\n    pass\n"
+            "w = 1",
+            "%%distributed --gpus 1\nw",  # 1
+            "%%distributed --gpus 2 --timeout 60\nw",  # 2
+        ],
+        own_gpus_env(tmp_path, "t:0,t:1"),
+        timeout=120,
+    )
+    assert cells[0].error is None and not cells[0].stderr, cells[0]
+    said = cells[1].stderr
+    assert said.startswith(
+        "UsageError: %%distributed --gpus 1 needs new engines (the pool runs --gpus 2), and the pool "
+        "holds your variables (step, w); nothing was changed."
+    ), said
+    assert "--timeout" not in said and "DDP" not in said and "dumps" not in said
+    said = cells[2].stderr
+    assert said.startswith(
+        "UsageError: %%distributed --gpus 2 --timeout 60 needs new engines (the pool runs --gpus 2 "
+        "with the default timeout of 300 s), and the pool holds your variables (step, w)"
+    ), said

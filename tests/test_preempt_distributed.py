@@ -12,6 +12,7 @@ starts; `%distributed restore model` in a new 2-rank pool gives exactly the save
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -85,6 +86,7 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
         assert out["status"] == "ok", out["text"]
         out = kernel.run(DEFINE.format(dir=ckpt))
         assert out["status"] == "ok", out["text"]
+        defined = out["text"]
 
         # two bursts: 2 GPUs within alice's limit, 2 borrowed beyond it
         held = sorted(ledger.active(user="alice"), key=lambda a: a.borrowed or 0)
@@ -93,6 +95,12 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
             (2, 2, "distributed"),
         ]
         in_limit, borrowed = held
+        # the engines-up line says which GPUs are borrowed and may be taken back
+        assert f"(burst allocation #{in_limit.id}); rank 2 on " in defined, defined
+        assert (
+            f"(burst allocation #{borrowed.id}, borrowed beyond your limit: may be taken back with notice)"
+            in defined
+        ), defined
         out = kernel.run("%gpus")
         assert f"burst allocation #{borrowed.id}: 2 GPUs, 2 borrowed beyond your limit" in out["text"]
         assert f"burst allocation #{in_limit.id}: 2 GPUs, lease" in out["text"]
@@ -107,7 +115,13 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
         text = out["text"]
         assert spawned["status"] == 202 and "waiting for 2 GPUs" in spawned["line"], spawned
         # the notice, in the running cell's output
-        assert f"NOTICE: 2 borrowed GPU(s) of this pool (allocation #{borrowed.id})" in text, text
+        [notice] = [ln for ln in text.splitlines() if "NOTICE:" in ln]
+        assert re.search(
+            rf"NOTICE: 2 borrowed GPUs of this pool \(allocation #{borrowed.id}\) are taken back at "
+            r"\d\d:\d\d:\d\d UTC for another user's request within its limit \(2 GPUs, waiting since ",
+            notice,
+        ), notice
+        assert notice.count("taken back") == 1 and "(in " not in notice and "GPU(s)" not in notice, notice
         assert "interrupting the cell to save model before the borrowed GPUs are taken back" in text
         assert "autosaved before the borrowed GPUs are taken back from rank 0" in text
         assert out["status"] == "error" and out["ename"] == "Preempted", text

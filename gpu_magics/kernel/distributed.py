@@ -28,6 +28,7 @@ from traitlets import Bool, Float
 
 from gpu_magics.common.checkpoint import DEFAULT_DIR
 from gpu_magics.common.session import backend, server_gpus
+from gpu_magics.common.words import count
 from gpu_magics.kernel.arguments import COUNT, SECONDS, parse_line
 from gpu_magics.kernel.burst import Burst
 from gpu_magics.kernel.checkpoints import CheckpointCommands, check_names
@@ -262,7 +263,7 @@ class DistributedMagics(CheckpointCommands, Magics):
                     else ""
                 )
                 lines.append(
-                    f"burst allocation #{a['id']}: {part.size} GPUs"
+                    f"burst allocation #{a['id']}: {count(part.size, 'GPU')}"
                     + (f" (Slurm job {a['backend_job_id']})" if a.get("backend_job_id") else "")
                     + borrowed
                     + f", lease until {part.expires}"
