@@ -20,6 +20,23 @@ The demo's code (passwords, Unix accounts, its spawner) is ``spawner/spawners/de
   there, stops at once and names them. ``$GPUHUB_DEMO_ACCOUNT_PREFIX`` (``gpuhub-demo-`` unless
   set) gives a second demo on the machine accounts of its own.
 - Started as any other user: every server runs as that user, homes in ``homes/`` too.
+- ``scripts/demo -f extra.py`` (or ``--config``, any number of times) loads your own
+  ``jupyterhub_config.py`` after this one: what it sets replaces the setting here. scripts/demo
+  writes the state directory's ``jupyterhub_config.py``, which loads this file and then yours;
+  the hub reads it, and so does ``gpuhub`` run there (``.venv/bin/gpuhub limits show``).
+
+The showcase: 4 GPUs for users with limits of 3 (alice), 2 (bob and carol, group students) and
+1 (dave), so each thing gpuhub does is a few clicks away:
+
+- the queue: when the GPUs are all taken a start within its limit waits, its place on the
+  spawn page (``slow_spawn_timeout`` 1 s shows that page at once);
+- borrowing and preemption: everyone may borrow 2 idle GPUs beyond their limit
+  (``default_borrow``; only while nobody waits, docs/borrowing.md); when a request within its
+  limit waits for them, they are taken back after a notice of 60 s (``preempt_grace_seconds``,
+  300 s unless set) in which a ``%%distributed --autosave`` pool saves;
+- idle reclaim: a GPU below 5 % with no kernel activity is warned about after 5 minutes and
+  taken back after 10 (``c.GpuReclaim``; 15 and 60 unless set, docs/reclaim.md); write
+  ``gpuhub-simulated-utilization.json`` in the state directory to make a simulated GPU busy.
 """
 
 import sys
@@ -49,6 +66,11 @@ c.GpuHub.db_url = "sqlite:///gpuhub.sqlite"
 c.GpuHub.default_limit = 1
 c.GpuHub.group_limits = {"students": 2}
 c.GpuHub.user_limits = {"alice": 3}
+# the showcase (the docstring above): borrowing with a short notice, idle reclaim in minutes
+c.GpuHub.default_borrow = 2
+c.GpuHub.preempt_grace_seconds = 60
+c.GpuReclaim.warn_after_seconds = 5 * 60
+c.GpuReclaim.reclaim_after_seconds = 10 * 60
 
 # single-user servers: the hub's own Python (scripts/setup makes it readable by other users),
 # jupyterhub-singleuser started by gpuhub's launcher, which spares it a parser import that
@@ -72,4 +94,4 @@ else:
 # it passes the settings above to the service)
 enable_broker(c)
 
-site.welcome(passwords)
+site.welcome(passwords, c)

@@ -54,8 +54,11 @@ def demo_state(tmp_path):
 class Demo:
     """``scripts/demo`` in ``state``, on free ports, its output in ``log``."""
 
-    def __init__(self, state: Path, log: Path, refused: bool = False, prefix: str = UNIX_PREFIX):
-        """``refused``: the demo is expected to stop before it serves (then ``printed`` says why)."""
+    def __init__(
+        self, state: Path, log: Path, refused: bool = False, prefix: str = UNIX_PREFIX, args: tuple = ()
+    ):
+        """``refused``: the demo is expected to stop before it serves (then ``printed`` says why).
+        ``args``: more of scripts/demo's arguments (``-f extra.py``)."""
         self.state, self.log_path = state, log
         self.url = f"http://127.0.0.1:{free_port()}"
         self.hub_port, api_port = free_port(), free_port()
@@ -66,6 +69,7 @@ class Demo:
                     f"--JupyterHub.bind_url={self.url}",
                     f"--JupyterHub.hub_port={self.hub_port}",
                     f"--ConfigurableHTTPProxy.api_url=http://127.0.0.1:{api_port}",
+                    *args,
                 ],
                 env=dict(os.environ, GPUHUB_DEMO_STATE=str(state), GPUHUB_DEMO_ACCOUNT_PREFIX=prefix),
                 stdout=out,
@@ -89,8 +93,9 @@ class Demo:
 
     def printed_passwords(self) -> tuple[str, str]:
         out = self.printed()
-        user = re.search(r"with the password '([^']+)'", out).group(1)
-        admin = re.search(r"or admin with '([^']+)'", out).group(1)
+        # each bare on a line of its own: nothing around it is part of it
+        user = re.search(r"^    users' password: (\S+)$", out, re.M).group(1)
+        admin = re.search(r"^    admin password:  (\S+)$", out, re.M).group(1)
         return user, admin
 
     def login(self, user: str, password: str):
@@ -167,15 +172,38 @@ def server_processes(demo: Demo, user: str) -> list[tuple[int, dict[str, str]]]:
 
 
 def test_demo_command_starts_a_hub_where_a_user_gets_gpus(tmp_path, demo_state):
-    demo = Demo(demo_state, tmp_path / "demo.log")
+    extra = tmp_path / "extra.py"  # the admin's own file, loaded after the demo's
+    extra.write_text('c = get_config()\nc.GpuHub.user_limits = {"alice": 3, "dave": 2}\n')
+    demo = Demo(demo_state, tmp_path / "demo.log", args=("-f", str(extra)))
     try:
         printed = demo.printed()
         assert "log in as" in printed and "alice (up to 3 GPUs)" in printed
-        password, _ = demo.printed_passwords()
+        password, admin_password = demo.printed_passwords()
+        assert f"'{password}'" not in printed and f"'{admin_password}'" not in printed
+        gpuhub = REPO / ".venv" / "bin" / "gpuhub"
+        assert f"cd {demo_state} && {gpuhub.resolve()} limits show" in printed  # the CLI's exact path
+        assert f"gpuhub demo: also read {extra}" in printed
+        assert "each user may borrow 2 idle GPUs beyond their limit (1 minute of notice" in printed
 
         s, r, ok = demo.login("alice", password)
         assert ok and r.url.endswith("/hub/spawn"), r.url  # the GPU form
         assert 'data-gpuhub="free">4<' in r.text and 'data-gpuhub="fits">3<' in r.text
+        assert 'data-gpuhub="may-borrow">1<' in r.text  # the demo lends idle GPUs beyond the limit
+        _, r, ok = demo.login("dave", password)  # the extra file's limit, on the hub
+        assert ok and 'data-gpuhub="fits">2<' in r.text
+        # the CLI in the state directory reads the same config as the hub, and says so
+        shown = subprocess.run(
+            [str(gpuhub), "limits", "show"], cwd=demo_state, capture_output=True, text=True, check=True
+        )
+        rows = [line.split() for line in shown.stdout.splitlines()[2:]]
+        assert ["group", "students", "2", "-", "config"] in rows and [
+            "user",
+            "dave",
+            "2",
+            "-",
+            "config",
+        ] in rows
+        assert shown.stderr == f"gpuhub: read {demo_state / 'jupyterhub_config.py'}\n"
         s = demo.start_server("alice", password, 3)
         # the server answers through the proxy, behind the hub's login
         lab = s.get(f"{demo.url}/user/alice/lab")
@@ -198,6 +226,15 @@ def test_demo_command_starts_a_hub_where_a_user_gets_gpus(tmp_path, demo_state):
         assert envs and {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"0,1,2"}
     finally:
         demo.stop()
+
+
+def test_an_extra_config_that_is_not_there_stops_the_demo_at_once(tmp_path):
+    r = subprocess.run(
+        [str(REPO / "scripts" / "demo"), "-f", str(tmp_path / "nope.py")], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and f"no config file at {tmp_path / 'nope.py'}" in r.stderr
+    r = subprocess.run([str(REPO / "scripts" / "demo"), "--config"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--config needs a file" in r.stderr
 
 
 def test_demo_passwords_are_the_state_directorys_own_and_survive_a_restart(tmp_path, demo_state):
@@ -328,5 +365,15 @@ def test_demo_as_root_runs_every_server_as_its_users_own_account(tmp_path, demo_
         taken = assert_runs_as_its_own_account(other, "alice")
         assert taken.pw_uid == alice.pw_uid and taken.pw_dir == str(other_state / "homes" / "alice")
         assert not (Path(taken.pw_dir) / "probe.txt").exists()
+        assert "scripts/demo --remove-accounts   removes them" in other.printed()
     finally:
         other.stop()
+    # the command the banner names removes the accounts the demo leaves
+    env = dict(os.environ, GPUHUB_DEMO_STATE=str(other_state), GPUHUB_DEMO_ACCOUNT_PREFIX=UNIX_PREFIX)
+    wait_for(lambda: not any(uids_of_processes() & {taken.pw_uid}), 60, "the demo's servers to end")
+    removed = subprocess.run(
+        [str(REPO / "scripts" / "demo"), "--remove-accounts"], env=env, capture_output=True, text=True
+    )
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    assert f"gpuhub demo: removed {UNIX_PREFIX}alice" in removed.stdout
+    assert not [a for a in pwd.getpwall() if a.pw_name.startswith(UNIX_PREFIX)]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from traitlets import Unicode
 
+from gpu_magics.common import words
 from spawner.spawners.local import GpuLocalProcessSpawner
 
 DEMO_USERS = ("alice", "bob", "carol", "dave")
@@ -246,24 +247,73 @@ class DemoSite:
             f" {self.passwords_file} (readable by {hub_account()} only)."
         )
 
-    def welcome(self, passwords: Mapping[str, str]) -> None:
+    def welcome(self, passwords: Mapping[str, str], c=None) -> None:
         """Where to log in and with which passwords, on the hub's stderr (only when JupyterHub
-        loads the configuration)."""
+        loads the configuration). ``c``: the demo's config, for the borrowing and reclaim times."""
         if not loaded_by_the_hub():
             return
-        print(
-            "gpuhub demo: open http://127.0.0.1:8000 and log in as\n"
-            f"  alice (up to 3 GPUs), bob or carol (group students, 2), dave (default, 1)"
-            f" with the password {passwords['user_password']!r},\n"
-            f"  or admin with {passwords['admin_password']!r}.\n"
-            f"  The passwords are this state directory's, in {self.passwords_file} (readable by"
-            f" {hub_account()} only).\n"
-            f"  Servers run as {self.servers_as}.\n"
-            "  4 simulated GPUs; `gpuhub gpus` in the state directory shows who holds them;\n"
-            "  pages: http://127.0.0.1:8000/services/gpuhub/ (and /services/gpuhub/admin for admin).",
-            file=sys.stderr,
-            flush=True,
+        print(welcome_text(self, passwords, gpuhub_command(), c), file=sys.stderr, flush=True)
+
+
+def gpuhub_command() -> str:
+    """The ``gpuhub`` command beside the hub's Python (the checkout's ``.venv/bin/gpuhub``),
+    which need not be on anyone's PATH."""
+    beside = Path(sys.executable).with_name("gpuhub")
+    return str(beside) if beside.exists() else "gpuhub"
+
+
+def _minutes(seconds: float) -> str:
+    return (
+        words.count(round(seconds / 60), "minute") if seconds >= 60 else words.count(round(seconds), "second")
+    )
+
+
+def showcase_text(c) -> str:
+    """What the demo's config lends and takes back, in a line (nothing when it says nothing)."""
+    if c is None:
+        return ""
+    hub, reclaim = c.GpuHub, c.GpuReclaim
+    borrow = hub.get("default_borrow", 0)
+    parts = []
+    if borrow:
+        grace = _minutes(hub.get("preempt_grace_seconds", 300.0))
+        parts.append(
+            f"each user may borrow {words.count(borrow, 'idle GPU')} beyond their limit"
+            f" ({grace} of notice before they are taken back for someone who waits)"
         )
+    if "warn_after_seconds" in reclaim or "reclaim_after_seconds" in reclaim:
+        warn = _minutes(reclaim.get("warn_after_seconds", 900.0))
+        take = _minutes(reclaim.get("reclaim_after_seconds", 3600.0))
+        parts.append(f"idle GPUs are warned about after {warn} and taken back after {take}")
+    return f"  The demo's config: {'; '.join(parts)}.\n" if parts else ""
+
+
+def welcome_text(site: DemoSite, passwords: Mapping[str, str], gpuhub: str, c=None) -> str:
+    """The demo's banner: the passwords bare, each on a line of its own (nothing around them is
+    part of them), the CLI's exact path, and how to remove what the demo leaves behind."""
+    if site.as_root:
+        leftovers = (
+            f"  Stopped, it leaves the Unix accounts {site.prefix}<user> (made as their servers"
+            " first start):\n"
+            "    scripts/demo --remove-accounts   removes them (the same GPUHUB_DEMO_STATE and prefix)\n"
+        )
+    else:
+        leftovers = "  Stopped, it leaves only its state directory: delete it for a fresh demo.\n"
+    return (
+        "gpuhub demo: open http://127.0.0.1:8000 and log in as\n"
+        "  alice (up to 3 GPUs), bob or carol (group students, 2), dave (default, 1)"
+        " with the users' password, or as admin with the admin password:\n"
+        f"    users' password: {passwords['user_password']}\n"
+        f"    admin password:  {passwords['admin_password']}\n"
+        f"  The passwords are this state directory's, in {site.passwords_file} (readable by"
+        f" {hub_account()} only).\n"
+        f"  Servers run as {site.servers_as}.\n"
+        + showcase_text(c)
+        + f"  The admin's command line reads the demo's config in {site.state}:\n"
+        f"    cd {site.state} && {gpuhub} limits show   (also gpus, queue show, usage)\n"
+        "  My GPUs: http://127.0.0.1:8000/services/gpuhub/ (GPU admin, for admin: /services/gpuhub/admin).\n"
+        + leftovers
+    )
 
 
 class DemoUnixSpawner(GpuLocalProcessSpawner):
@@ -288,3 +338,122 @@ class DemoUnixSpawner(GpuLocalProcessSpawner):
         account = pwd.getpwnam(self.site.unix_account(self.user.name))
         env.update(USER=account.pw_name, HOME=account.pw_dir, SHELL=account.pw_shell)
         return env
+
+
+# the state directory's own jupyterhub_config.py -------------------------------------------
+
+STATE_CONFIG = "jupyterhub_config.py"
+
+
+def state_config_text(state: Path, demo_config: Path, extras: list[Path]) -> str:
+    """What ``scripts/demo`` writes as ``jupyterhub_config.py`` in the state directory: the hub
+    reads it, and so does ``gpuhub`` run there, so both see the same settings."""
+    files = [str(demo_config), *(str(e) for e in extras)]
+    return (
+        '"""Written by scripts/demo at each start; edits here are lost. The demo hub reads it, and so\n'
+        "does `gpuhub` run in this directory: the demo's own config, then the files given to\n"
+        'scripts/demo with -f/--config, in order (a setting in a later file replaces an earlier one)."""\n\n'
+        "from spawner.spawners.demo import load_demo_configs\n\n"
+        "c = get_config()  # noqa: F821 - provided by JupyterHub (and gpuhub) when they load this file\n"
+        f"load_demo_configs(c, load_subconfig, {str(state)!r}, {files!r})  # noqa: F821\n"
+    )
+
+
+def load_demo_configs(c, load_subconfig, state: str, files: list[str]) -> None:
+    """Load the demo's config and then each extra file into ``c``, then pass the result to
+    the broker once more (what an extra file sets reaches it too). The demo's ledger is named
+    by its full path (``gpuhub --config`` from anywhere reads the same one)."""
+    from spawner.broker import enable_broker
+    from spawner.spawners.notices import ReclaimNotice
+
+    for i, path in enumerate(files):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"gpuhub demo: no config file at {path}: give scripts/demo a file that exists"
+            )
+        load_subconfig(path)
+        if i == 0:
+            c.GpuHub.db_url = f"sqlite:///{Path(state) / 'gpuhub.sqlite'}"
+        elif loaded_by_the_hub():
+            print(f"gpuhub demo: also read {path} (its settings replace the demo's)", file=sys.stderr)
+    notice = dict(c.JupyterHub.get("template_vars", {})).get("announcement_home")
+    if isinstance(notice, ReclaimNotice):
+        notice.config = c  # the home page's notices read the ledger the settings name now
+    enable_broker(c)
+
+
+def write_state_config(state: Path, demo_config: Path, extras: list[Path]) -> Path:
+    """Write the state directory's ``jupyterhub_config.py`` (mode 0644, replacing any link
+    or file there, never following one)."""
+    for e in extras:
+        if not e.is_file():
+            _fail(
+                f"no config file at {e}: scripts/demo -f takes a jupyterhub_config.py to load"
+                " after the demo's"
+            )
+    target = state / STATE_CONFIG
+    tmp = state / f".{STATE_CONFIG}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(state_config_text(state, demo_config, extras))
+    os.replace(tmp, target)
+    return target
+
+
+def remove_unix_accounts(site: DemoSite) -> list[str]:
+    """``userdel`` every Unix account of this demo (its prefix, made by the demo, its home in
+    this state directory or gone), and say what was done with each; run as root, the demo stopped."""
+    lines = []
+    for user in (*DEMO_USERS, DEMO_ADMIN):
+        name = site.unix_account(user)
+        try:
+            account = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        home = Path(account.pw_dir)
+        if not account.pw_gecos.startswith(UNIX_MARK) or account.pw_uid == 0:
+            lines.append(f"kept {name}: not made by the demo")
+            continue
+        if home != site.homes / user and os.path.lexists(home):
+            lines.append(f"kept {name}: it belongs to the demo in {home.parent.parent}")
+            continue
+        r = subprocess.run(["userdel", name], capture_output=True, text=True)
+        if r.returncode:
+            why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+            lines.append(f"could not remove {name} ({why}): stop the demo first, then run this again")
+        else:
+            lines.append(f"removed {name}")
+    if not lines:
+        lines.append(f"no Unix accounts {site.prefix}<user> to remove")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    """``scripts/demo``'s helpers, run in the state directory: ``config DEMO [EXTRA...]``
+    writes its ``jupyterhub_config.py``; ``remove-accounts`` removes the demo's Unix accounts."""
+    site = DemoSite.here()
+    try:
+        if argv[:1] == ["config"] and len(argv) >= 2:
+            write_state_config(site.state, Path(argv[1]).resolve(), [Path(a).resolve() for a in argv[2:]])
+            return 0
+        if argv == ["remove-accounts"]:
+            if not site.as_root:
+                print("gpuhub demo: not started as root, the demo makes no Unix accounts: nothing to remove")
+                return 0
+            check_prefix(site.prefix)
+            lines = remove_unix_accounts(site)
+            print("\n".join(f"gpuhub demo: {line}" for line in lines))
+            print(f"gpuhub demo: their homes stay in {site.homes}: delete {site.state} for a fresh demo")
+            return 1 if any(line.startswith("could not") for line in lines) else 0
+    except DemoError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(
+        "usage: python -m spawner.spawners.demo config DEMO_CONFIG [EXTRA...] | remove-accounts",
+        file=sys.stderr,
+    )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
