@@ -1,6 +1,7 @@
 """The `gpuhub` console script, run as an admin would, against a real ledger file."""
 
 import json
+import re
 import subprocess
 import sys
 from datetime import datetime
@@ -274,3 +275,106 @@ def test_queue_show_cancel_and_front(hubdir):
     assert gpuhub(hubdir, "queue", "cancel", "x", ok=False).returncode == 2  # argparse: a whole number
     ledger.leave_queue(carol.id)
     assert gpuhub(hubdir, "queue", "show").stdout.strip() == "nobody waits for GPUs"
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def demo_state_dir(path: Path, *extras: Path) -> Path:
+    """A state directory as scripts/demo leaves it: its jupyterhub_config.py loads the demo's
+    config, then ``extras`` (written by the demo's own helper, run as scripts/demo runs it)."""
+    path.mkdir()
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spawner.spawners.demo",
+            "config",
+            str(REPO / "hub_config" / "demo.py"),
+            *map(str, extras),
+        ],
+        cwd=path,
+        check=True,
+    )
+    return path
+
+
+def test_in_the_demos_state_directory_the_cli_reads_the_demos_config_and_says_so(tmp_path):
+    state = demo_state_dir(tmp_path / "demo-state")
+    r = gpuhub(state, "limits", "show")
+    rows = [line.split() for line in r.stdout.splitlines()[2:]]
+    assert rows == [
+        ["default", "*", "1", "-", "config"],
+        ["group", "students", "2", "-", "config"],
+        ["user", "alice", "3", "-", "config"],
+    ], r.stdout
+    assert r.stderr == f"gpuhub: read {state / 'jupyterhub_config.py'}\n"
+    # from anywhere with --config: the same limits, and the same ledger (the state directory's)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    gpuhub(elsewhere, "--config", str(state / "jupyterhub_config.py"), "limits", "set", "--user", "dave", "2")
+    assert not (elsewhere / "gpuhub.sqlite").exists()
+    shown = gpuhub(state, "limits", "show").stdout
+    assert ["user", "dave", "2", "-", "ledger"] in [line.split() for line in shown.splitlines()]
+    # with no config anywhere: it says so, and what it shows instead
+    r = gpuhub(elsewhere, "limits", "show")
+    assert [line.split() for line in r.stdout.splitlines()[2:]] == [["default", "*", "1", "-", "config"]]
+    assert r.stderr.startswith("gpuhub: no hub config read (no ./jupyterhub_config.py here, no --config)")
+    assert len(r.stderr.splitlines()) == 1
+
+
+def test_an_extra_config_of_the_demo_is_read_after_its_own(tmp_path):
+    extra = tmp_path / "extra.py"
+    extra.write_text('c = get_config()\nc.GpuHub.group_limits = {"students": 1, "staff": 4}\n')
+    state = demo_state_dir(tmp_path / "demo-state", extra)
+    rows = [line.split() for line in gpuhub(state, "limits", "show").stdout.splitlines()[2:]]
+    assert ["group", "students", "1", "-", "config"] in rows and [
+        "group",
+        "staff",
+        "4",
+        "-",
+        "config",
+    ] in rows
+    assert ["user", "alice", "3", "-", "config"] in rows  # the demo's own, kept
+    extra.unlink()  # gone since: an error that names it, not a silent default
+    r = gpuhub(state, "limits", "show", ok=False)
+    assert r.returncode == 2 and f"no config file at {extra}" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["gpus"], ["usage"], ["queue", "show"], ["limits", "show"], ["db", "upgrade"], ["slurm", "priority"]],
+)
+def test_every_command_that_reads_the_settings_says_which_config(hubdir, tmp_path_factory, args):
+    r = gpuhub(hubdir, *args)
+    assert r.stderr.splitlines()[0] == f"gpuhub: read {hubdir / 'jupyterhub_config.py'}", r.stderr
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    r = gpuhub(elsewhere, "--db-url", f"sqlite:///{hubdir / 'gpuhub.sqlite'}", *args)
+    assert r.stderr.splitlines()[0].startswith("gpuhub: no hub config read"), r.stderr
+
+
+def test_counts_and_times_are_written_for_people(hubdir):
+    """ "1 GPU", never "1 GPUs"; UTC stamps in tables, ISO only in --json."""
+    assert gpuhub(hubdir, "limits", "set", "--group", "students", "1").stdout == (
+        "group limit for students: 1 GPU, no GPU-hours quota\n"
+    )
+    assert gpuhub(hubdir, "limits", "set", "--user", "bob", "3", "--gpu-hours", "5").stdout == (
+        "user limit for bob: 3 GPUs, 5 GPU-hours per 168 h\n"
+    )
+    from spawner.ledger import QueueSettings
+    from spawner.policy.limits import LimitRules
+
+    ledger = Ledger(
+        f"sqlite:///{hubdir / 'gpuhub.sqlite'}",
+        config_rules=LimitRules(default=Limit(2)),
+        queue=QueueSettings(keepalive_seconds=3600),
+    )
+    ledger.sync_inventory(parse_simulated([{"node": "n1", "count": 2, "model": "A100"}]))
+    a = ledger.allocate("carol", [], 2)
+    since = ledger.get(a.id).created
+    out = gpuhub(hubdir, "gpus").stdout
+    assert f" {since:%Y-%m-%d %H:%M:%S} UTC " in out and not re.search(r"\dT\d|\dZ\b", out)
+    usage = gpuhub(hubdir, "usage", "--since", "2026-11-01").stdout.splitlines()[0]
+    assert usage.startswith("GPU-hours from 2026-11-01 00:00:00 UTC to ") and usage.endswith(" UTC")
+    entry = ledger.request("dave", [], 2, purpose="distributed", lease_seconds=60).entry
+    assert "(dave, 2 GPUs)" in gpuhub(hubdir, "queue", "cancel", str(entry.id)).stdout

@@ -1,11 +1,14 @@
 """What a ``gpuhub`` command reads of the hub: its ``c.GpuHub`` settings (``--config``, by
-default ``./jupyterhub_config.py``) and its ledger (``--db-url`` or ``$GPUHUB_DB_URL`` over
-``c.GpuHub.db_url``), each failure one :class:`~.output.UsageError`."""
+default ``./jupyterhub_config.py``, as ``jupyterhub`` itself finds it) and its ledger
+(``--db-url`` or ``$GPUHUB_DB_URL`` over ``c.GpuHub.db_url``), each failure one
+:class:`~.output.UsageError`. Every command that reads the settings says on stderr, in one
+line, which config it read or that it read none."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from spawner.cli.output import UsageError, first_line
@@ -23,7 +26,13 @@ def load_settings(args: argparse.Namespace) -> GpuHub:
     if path is None and os.path.exists("jupyterhub_config.py"):
         path = "jupyterhub_config.py"
     config = Config()
-    if path:
+    if not path:
+        print(
+            "gpuhub: no hub config read (no ./jupyterhub_config.py here, no --config): c.GpuHub's "
+            "built-in defaults only; run it in the hub's directory or name the hub's config with --config",
+            file=sys.stderr,
+        )
+    else:
         if not os.path.isfile(path):
             raise UsageError(f"no config file at {path}: name a jupyterhub_config.py with --config")
         loader = PyFileConfigLoader(os.path.basename(path), path=os.path.dirname(os.path.abspath(path)))
@@ -31,6 +40,7 @@ def load_settings(args: argparse.Namespace) -> GpuHub:
             config = loader.load_config()
         except Exception as e:  # the admin's own Python: any error it raises is theirs to fix
             raise UsageError(f"cannot read {path}: {type(e).__name__}: {first_line(e)}") from None
+        print(f"gpuhub: read {os.path.abspath(path)}", file=sys.stderr)
     from spawner.settings import GpuHub
 
     try:

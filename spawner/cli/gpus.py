@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpu_magics.common import words
 from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import format_table, iso, print_json
 from spawner.cli.parsers import command
@@ -44,9 +45,9 @@ def run(args, out) -> int:
                 st.gpu.model,
                 "" if st.present else "gone",
                 h.user if h else "free",
-                (h.started or h.created).strftime("%Y-%m-%d %H:%M") if h else "",
+                words.stamp(h.started or h.created) if h else "",
                 f"{h.purpose} {h.server_name}".strip() + f" (#{h.id})" if h else "",
             )
         )
-    print(format_table(("NODE", "GPU", "MODEL", "", "HOLDER", "SINCE (UTC)", "FOR"), rows), file=out)
+    print(format_table(("NODE", "GPU", "MODEL", "", "HOLDER", "SINCE", "FOR"), rows), file=out)
     return 0

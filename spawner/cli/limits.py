@@ -7,6 +7,7 @@ import argparse
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from gpu_magics.common import words
 from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import UsageError, format_table, parse_name, print_json
 from spawner.cli.parsers import actions, command
@@ -131,8 +132,13 @@ def _limits(args: argparse.Namespace, ledger: Ledger, out) -> int:
         ledger.set_limit(scope, name, limit)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    gpus, hours = _fmt_limit(limit)
-    print(f"{scope} limit{' for ' + name if name else ''}: {gpus} GPUs, GPU-hours {hours}", file=out)
+    gpus = "unlimited GPUs" if limit.max_gpus is None else words.count(limit.max_gpus, "GPU")
+    hours = (
+        "no GPU-hours quota"
+        if limit.gpu_hours is None
+        else f"{limit.gpu_hours:g} GPU-hours per {limit.window_hours:g} h"
+    )
+    print(f"{scope} limit{' for ' + name if name else ''}: {gpus}, {hours}", file=out)
     return 0
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from gpu_magics.common import words
 from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import UsageError, format_table, print_json
 from spawner.cli.parsers import actions, command
 from spawner.policy import values
 from spawner.policy.values import minutes_in_words
-from spawner.policy.waitline import local_clock
 
 
 def register(sub) -> None:
@@ -44,7 +44,7 @@ def run(args, out) -> int:
         rows = []
         for q in entries:
             f = q.factors
-            expected = "" if q.expected is None else f"{local_clock(q.expected)} ({q.sure})"
+            expected = "" if q.expected is None else f"{words.stamp(q.expected)} ({q.sure})"
             rows.append(
                 (
                     q.position,
@@ -71,7 +71,10 @@ def run(args, out) -> int:
         raise UsageError(f"queue entry {args.entry} {why}")
     if args.action == "cancel":
         ledger.leave_queue(args.entry, "cancelled by an admin (gpuhub queue cancel)")
-        print(f"cancelled queue entry {args.entry} ({entry.user}, {entry.gpu_count} GPU(s))", file=out)
+        print(
+            f"cancelled queue entry {args.entry} ({entry.user}, {words.count(entry.gpu_count, 'GPU')})",
+            file=out,
+        )
         return 0
     ledger.move_to_front(args.entry)
     print(f"queue entry {args.entry} ({entry.user}) goes ahead of every other", file=out)

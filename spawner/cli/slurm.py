@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from gpu_magics.common import words
 from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import UsageError, parse_name
 from spawner.cli.parsers import actions, command
@@ -65,7 +66,7 @@ def sync(args, out) -> int:
         raise UsageError(str(e)) from None
     for argv in commands:
         print("slurm: " + " ".join(argv[2:]), file=out)
-    print(f"{len(commands)} change(s) written to Slurm's accounting", file=out)
+    print(f"{words.count(len(commands), 'change')} written to Slurm's accounting", file=out)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from gpu_magics.common import words
 from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import UsageError, format_table, iso, parse_name, print_json
 from spawner.cli.parsers import command
@@ -40,6 +41,6 @@ def run(args, out) -> int:
         per_user = {u: round(h, 4) for u, h in sorted(hours.items())}
         return print_json({"since": iso(since), "until": iso(until), "gpu_hours": per_user}, out)
     rows = [(u, f"{h:.2f}") for u, h in sorted(hours.items())]
-    print(f"GPU-hours from {since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M} UTC", file=out)
+    print(f"GPU-hours from {words.stamp(since)} to {words.stamp(until)}", file=out)
     print(format_table(("USER", "GPU-HOURS"), rows), file=out)
     return 0
