@@ -152,7 +152,7 @@ def test_a_direct_allocate_does_not_pass_the_queue(led, clock):
     with pytest.raises(Refusal) as err:
         led.allocate("bob", [], 1)
     assert err.value.reason == "no_capacity"
-    assert "1 request(s) wait for GPUs ahead of yours (a fair-share queue)" in err.value.message
+    assert "1 request waits for GPUs ahead of yours (a fair-share queue)" in err.value.message
     assert held_by(led, "bob") == 0
     led.leave_queue(carol.id)
     assert led.allocate("bob", [], 1).gpus

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import bindparam, insert, or_, select
 from sqlalchemy.orm import Session
 
+from gpu_magics.common import words
 from spawner import policy
 from spawner.ledger.db import connection
 from spawner.ledger.freeset import CHANGES
@@ -76,7 +77,7 @@ def check_limit_with_waiting(asked: policy.Request, eff, held: int, waiting: int
     room = policy.remaining(eff, policy.Holdings(held=held + waiting))
     if waiting and room is not None and asked.count > room:
         raise policy.Refusal(
-            f"You asked for {asked.count} GPU(s), but you hold {held} and already wait for "
+            f"You asked for {words.count(asked.count, 'GPU')}, but you hold {held} and already wait for "
             f"{waiting} of {policy.describe_limit(eff)}. Leave the other wait, or ask for "
             f"{room} or fewer.",
             reason="over_limit",
@@ -309,7 +310,8 @@ class AdmissionRecords:
                     reason="no_capacity",
                 )
             raise policy.Refusal(
-                f"{ahead} request(s) wait for GPUs ahead of yours (a fair-share queue); "
+                f"{words.count(ahead, 'request')} {'waits' if ahead == 1 else 'wait'} for GPUs ahead "
+                "of yours (a fair-share queue); "
                 "ask again with waiting allowed to take your place in it.",
                 reason="no_capacity",
                 fits=0,
