@@ -409,6 +409,7 @@ class GpuSpawnerMixin(Configurable):
     async def start(self):
         self._gpuhub_events = []
         self._gpuhub_stopped = False
+        self._gpuhub_asked = None  # set again if this start is refused
         if self.allocation_id:  # left over from a start that never reached stop()
             await self._release(self.allocation_id, "replaced by a new start")
         self._progress(5, "Checking your GPU allowance")
