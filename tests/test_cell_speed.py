@@ -128,12 +128,12 @@ def magics():
 
 
 def test_a_lines_arguments_are_parsed_once_and_each_cell_gets_its_own(magics, monkeypatch):
-    from IPython.core import magic_arguments
+    from gpu_magics.kernel import distributed
 
     calls = []
-    real = magic_arguments.parse_argstring
+    real = distributed.parse_line
     monkeypatch.setattr(
-        magic_arguments, "parse_argstring", lambda f, line: calls.append(line) or real(f, line)
+        distributed, "parse_line", lambda f, line, usage: calls.append(line) or real(f, line, usage)
     )
     line = "--gpus 2 --timeout 30 --autosave model opt --targets 0"
     first = magics._arguments(line)
