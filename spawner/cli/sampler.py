@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 
+from gpu_magics.common import words
 from spawner.cli.output import UsageError
 
 log = logging.getLogger("gpuhub.sampler")
@@ -111,7 +112,7 @@ def run(args, stop: threading.Event | None = None, post=None) -> int:
             )
 
     stop = stop or threading.Event()
-    log.info("reporting %d GPUs of %s to %s every %g s", count, args.node, url, args.interval)
+    log.info("reporting %s of %s to %s every %g s", words.count(count, "GPU"), args.node, url, args.interval)
     failed = 0
     while True:
         try:
