@@ -125,6 +125,11 @@ class Hub:
             f"""
 c = get_config()
 load_subconfig({str(self.base_config)!r})
+# the demo's showcase (borrowing, a 60 s notice, idle reclaim in minutes) is not the test
+# hubs': each test sets what it tests, over gpuhub's defaults
+for section, key in [("GpuHub", "default_borrow"), ("GpuHub", "preempt_grace_seconds"),
+                     ("GpuReclaim", "warn_after_seconds"), ("GpuReclaim", "reclaim_after_seconds")]:
+    c[section].pop(key, None)
 # a test hub: the tests' passwords, and servers as the tests' own user (root in CI), wherever
 # the demo would run them (as root it runs them as Unix accounts of its own)
 c.SharedPasswordAuthenticator.user_password = {DEMO_PASSWORD!r}
