@@ -498,7 +498,7 @@ def test_autosave_saves_before_the_stop_and_restores_after(magic, broker):
     pool.names = ["model"]
     steps = []
     magic.autosave = ["model"]
-    magic._save_before_stop = lambda why: steps.append(("save", why, pool.stopped))
+    magic._save_before_stop = lambda why, full=True: steps.append(("save", why, pool.stopped))
     magic._restore_after_resize = lambda: steps.append(("restore", magic.pool is not pool))
     ensure(magic, args(3))
     # saved for the resize while the old pool still ran (a stop may ask again: saved once),
@@ -512,7 +512,7 @@ def test_a_failed_autosave_keeps_the_pool_and_gives_the_new_burst_back(magic, br
     pool.names = ["model"]
     magic.autosave = ["model"]
 
-    def fail(why):
+    def fail(why, full=True):
         raise UsageError("cannot save model")
 
     magic._save_before_stop = fail
@@ -613,3 +613,28 @@ def test_a_notice_acted_on_is_not_withdrawn(magic):
     magic.preemption.on_notice(part, {"withdrawn": GONE})
     assert magic.preemption.notice is n  # the pool was already stopped for it: nothing to undo
     assert preemptionmod._taken(part) == "3 GPUs that started ahead of the queue"
+
+
+def test_gpus_says_a_notice_once_at_a_utc_time_and_a_reclaim_as_a_stamp():
+    from gpu_magics.kernel.status import describe_use
+
+    me = {
+        "allocations": [
+            {
+                "id": 5,
+                "purpose": "distributed",
+                "borrowed": 1,
+                "gpu_count": 1,
+                "gpus": [{"node": "vm", "index": 2}],
+                "preemption": {"due": "2025-12-03T07:46:38Z", "reason": HUB},
+            }
+        ],
+        "reclaimed": [{"server_name": "", "created": "2025-12-03T07:30:00Z", "reason": "idle"}],
+    }
+    text = describe_use(me, {"gpus": []})
+    assert (
+        "  NOTICE: 1 borrowed GPU (allocation #5) is taken back at 07:46:38 UTC for another user's "
+        "request within its limit (2 GPUs, waiting since 07:45 UTC)." in text
+    ), text
+    assert "Your server was reclaimed at 2025-12-03 07:30:00 UTC: idle." in text
+    assert "GPU(s)" not in text and "T07" not in text
