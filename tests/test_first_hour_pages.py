@@ -127,6 +127,7 @@ def test_a_busy_hour_reads_right_to_a_user_and_an_admin(hub, tokens, ledger, bro
     expect(bob.locator("#my-allocations th", has_text="Lease until")).to_have_count(0)
     expect(bob.locator("#usage-plot")).to_contain_text("too little to chart yet")
     expect(bob.locator("canvas#usage-plot")).to_have_count(0)
+    shot(bob, tmp_path, "my-gpus-bob")
 
     # the hub's home page: the Services menu names the pages as the README does; alice's
     # notice there has no parentheses inside parentheses and says it once
@@ -142,6 +143,7 @@ def test_a_busy_hour_reads_right_to_a_user_and_an_admin(hub, tokens, ledger, bro
     told = home.locator(f'.gpuhub-preemption[data-preemption="{p.id}"]').inner_text()
     assert "preempted:" not in told and "GPU(s)" not in told and max_depth(told) <= 1, told
     expect(home.locator(".gpuhub-admin-link")).to_have_count(0)
+    shot(home, tmp_path, "hub-home-alice")
 
     # the admin: GPU admin from the home page and the Services menu
     admin = login(browser, hub, "admin", ADMIN_PASSWORD)
