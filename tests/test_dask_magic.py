@@ -264,7 +264,7 @@ def test_a_burst_is_kept_alive_and_released_at_shutdown(magics, broker, cuda_clu
     magics.dask_cuda("status")
     status = capsys.readouterr().out
     assert "dask-cuda LocalCUDACluster: 2 workers" in status and "GPUs: n1:4, n1:6" in status
-    assert "burst allocation #7: lease until 2030-01-01T00:05:00Z" in status
+    assert "burst allocation #7: lease until 2030-01-01 00:05:00 UTC" in status
     keeper = magics.burst.lease
     magics.dask_cuda("shutdown")
     assert "Dask cluster closed and burst GPUs released." in capsys.readouterr().out

@@ -57,6 +57,7 @@ def test_a_server_with_one_gpu_runs_distributed_on_two(hub, ledger):
     assert f"Server allocation #{server_alloc.id}: 1 GPU," in out
     assert f"burst allocation #{burst.id}: 1 GPU," in out and "rank 1: GPU" in out
     assert "GPU(s)" not in out and "1 GPUs" not in out
+    assert re.search(r", lease until \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", out), out  # never ISO "T...Z"
 
     status, out = run(kc, "%distributed shutdown")
     assert "burst GPUs released" in out

@@ -33,6 +33,7 @@ from gpu_magics.common.session import backend, server_gpus
 from gpu_magics.dask.private import Private
 from gpu_magics.kernel.arguments import COUNT, parse_line
 from gpu_magics.kernel.burst import Burst
+from gpu_magics.kernel.notices import when
 from gpu_magics.report.gpustats import nvml_problem
 
 USAGE = (
@@ -259,7 +260,8 @@ class DaskMagics(Magics):
             ]
             if self.burst:
                 lost = " (lost: the hub released it)" if self.burst.lost else ""
-                lines.append(f"burst allocation #{self.burst.id}: lease until {self.burst.expires}{lost}")
+                until = when(self.burst.expires) or "unknown"
+                lines.append(f"burst allocation #{self.burst.id}: lease until {until}{lost}")
             return "\n".join(lines)
 
     @magic_arguments.magic_arguments()

@@ -24,6 +24,7 @@ from IPython.core.error import UsageError
 
 from gpu_magics.common.ranks import Slot
 from gpu_magics.kernel.broker import BrokerClient, BrokerError, LeaseKeeper
+from gpu_magics.kernel.notices import when
 
 
 def burst_size(allocation: Mapping) -> int:
@@ -123,7 +124,7 @@ class Part:
             if self.log:
                 self.log(
                     f"gpuhub: could not release allocation {self.id}: {e}; its lease ends it "
-                    f"by {self.expires or 'its expiry'}."
+                    f"by {when(self.expires) or 'its expiry'}."
                 )
         return True
 

@@ -33,6 +33,7 @@ from gpu_magics.kernel.arguments import COUNT, SECONDS, parse_line
 from gpu_magics.kernel.burst import Burst
 from gpu_magics.kernel.checkpoints import CheckpointCommands, check_names
 from gpu_magics.kernel.lifecycle import Lifecycle
+from gpu_magics.kernel.notices import when
 from gpu_magics.kernel.outcome import (
     DistributedError,
     DistributedInterrupt,
@@ -266,7 +267,7 @@ class DistributedMagics(CheckpointCommands, Magics):
                     f"burst allocation #{a['id']}: {count(part.size, 'GPU')}"
                     + (f" (Slurm job {a['backend_job_id']})" if a.get("backend_job_id") else "")
                     + borrowed
-                    + f", lease until {part.expires}"
+                    + f", lease until {when(part.expires) or 'unknown'}"
                 )
         notice = self.preemption.pending_text()
         if notice:

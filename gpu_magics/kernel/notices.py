@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
-from gpu_magics.common.words import clock, count
+from gpu_magics.common.words import clock, count, stamp
 
 # the hub's reason repeats what is taken back before why: "preempted: 1 borrowed GPU(s) taken
 # back for another user's request ..." (spawner.policy.borrowing.notice_reason)
@@ -32,6 +32,11 @@ def parse_due(text: str | None) -> float:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return when.timestamp()
+
+
+def when(iso: str | None) -> str | None:
+    """The broker's ISO time as people read it, ``2026-12-03 07:36:41 UTC`` (None: none)."""
+    return stamp(parse_due(iso)) if iso else None
 
 
 def why(reason: str | None) -> str:
