@@ -85,20 +85,22 @@ def test_admin_page_shows_every_gpu_edits_limits_and_plots_usage(hub, ledger, br
     g = held["gpus"][0]
     expect(page.locator(f'tr[data-gpu="{g["node"]}:{g["index"]}"] .holder')).to_have_text("bob")
 
-    # dave (default limit 1) is refused 2 GPUs; the admin raises his limit in the page
-    assert hub.spawn("dave", {"gpus": 2}).status_code == 403
+    # dave (default limit 1, and the demo's 2 to borrow) is refused 4 GPUs; the admin raises
+    # his limit in the page
+    assert hub.spawn("dave", {"gpus": 4}).status_code == 403
     new = page.locator('tr[data-limit="new"]')
     new.locator('[name="scope"]').select_option("user")
     new.locator('[name="name"]').fill("dave")
-    new.locator('[name="max_gpus"]').fill("2")
+    new.locator('[name="max_gpus"]').fill("3")
     new.locator("button[data-save-limit]").click()
     saved = page.locator('tr[data-limit="user/dave"]')
     expect(saved).to_contain_text("ledger")
-    expect(saved.locator('[name="max_gpus"]')).to_have_value("2")
-    # enforced on the next spawn
-    assert hub.spawn("dave", {"gpus": 2}).status_code in (201, 202)
+    expect(saved.locator('[name="max_gpus"]')).to_have_value("3")
+    # enforced on the next spawn: 3 within the limit (bob holds the fourth GPU)
+    assert hub.spawn("dave", {"gpus": 3}).status_code in (201, 202)
     hub.wait_ready("dave")
-    assert len(hub.server_env("dave")["CUDA_VISIBLE_DEVICES"].split(",")) == 2
+    assert len(hub.server_env("dave")["CUDA_VISIBLE_DEVICES"].split(",")) == 3
+    assert [a.borrowed for a in ledger.active(user="dave")] == [0]
 
     hub.stop_server("dave")
     hub.broker("DELETE", "limits/user/dave", hub.user_token("admin"))
@@ -150,11 +152,11 @@ def test_a_user_cannot_open_the_admin_page(hub, browser):
 def test_a_refusal_on_the_spawn_form_is_the_message_alone(hub, ledger, browser):
     page = login(browser, hub, "dave", DEMO_PASSWORD)
     page.goto(f"{hub.url}/hub/spawn")
-    page.fill("#gpuhub-gpus", "2")  # dave's limit is 1
+    page.fill("#gpuhub-gpus", "4")  # dave's limit is 1, and he may borrow 2 beyond it
     page.locator("#spawn_form input[type=submit], #spawn_form button[type=submit]").first.click()
     error = page.locator(".spawn-error-msg")
-    expect(error).to_contain_text("You asked for 2 GPUs, but you hold 0 of a limit of 1 (default)")
+    expect(error).to_contain_text("but you hold 0 of a limit of 1 (default)")
     text = error.inner_text()
     assert "SpawnException" not in text and "gpuhub_" not in text and "403" not in text, text
-    assert text.startswith("Error: You asked for 2 GPUs"), text  # JupyterHub's prefix, then the message
+    assert text.startswith("Error: You asked for 4 GPU"), text  # JupyterHub's prefix, then the message
     assert ledger.active(user="dave") == [] and hub.server("dave") is None

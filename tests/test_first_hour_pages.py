@@ -34,6 +34,14 @@ c.GpuHub.queue_keepalive_seconds = 600
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d")  # the API's form, never for people
 TWELVE_HOUR = re.compile(r"\d:\d\d(:\d\d)?\s?[AP]M\b")  # the browser's local 12-hour clock
 UPDATED = re.compile(r"^updated \d\d:\d\d:\d\d UTC$")
+SCALE = """() => {
+  const chart = Chart.getChart(document.getElementById("usage-plot"));
+  return [chart.scales.y.max, Math.max(...chart.data.datasets.flatMap((d) => d.data))];
+}"""
+# the page's own drawPlot with what the API answers for GPUs held only for moments
+ZEROS = """() => drawPlot(document.querySelector(".usage-plot"), {
+  series: {bob: [0, 0]}, total: {bob: 0}, buckets: ["2026-12-03T00:00:00Z", "2026-12-04T00:00:00Z"],
+  until: "2026-12-05T00:00:00Z"})"""
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +133,15 @@ def test_a_busy_hour_reads_right_to_a_user_and_an_admin(hub, tokens, ledger, bro
     readable(bob)
     expect(bob.locator("#allowance")).to_contain_text("You hold 1 GPU of your limit of 1 (default)")
     expect(bob.locator("#my-allocations th", has_text="Lease until")).to_have_count(0)
-    expect(bob.locator("#usage-plot")).to_contain_text("too little to chart yet")
-    expect(bob.locator("canvas#usage-plot")).to_have_count(0)
+    # his chart's scale is his usage's, not an empty 0-1; all zeros would be a line instead
+    expect(bob.locator("canvas#usage-plot")).to_be_visible()
+    top, most = bob.evaluate(SCALE)
+    assert 0 < most <= top < 1, (top, most)
     shot(bob, tmp_path, "my-gpus-bob")
+    bob.evaluate(ZEROS)
+    expect(bob.locator("#usage-plot")).to_have_text(
+        "No GPU-hours to chart in this period yet (under 0.0001)."
+    )
 
     # the hub's home page: the Services menu names the pages as the README does; alice's
     # notice there has no parentheses inside parentheses and says it once

@@ -111,8 +111,6 @@ function usageQuery(container) {
   return params;
 }
 
-const TOO_LITTLE_TO_CHART = 0.05; // GPU-hours, in all: below it the bars would not show
-
 // GPU-hours per day per user as stacked bars (Chart.js, served by the broker itself:
 // static/vendor/chart.umd.min.js); hovering a day shows each user's GPU-hours that day.
 function drawPlot(container, usage) {
@@ -123,10 +121,10 @@ function drawPlot(container, usage) {
     container.replaceChildren(csv, el("p", { class: "text-muted", id: "usage-plot" }, "No GPU usage in this period."));
     return;
   }
-  const sum = Object.values(usage.total).reduce((a, b) => a + b, 0);
-  if (sum < TOO_LITTLE_TO_CHART) { // bars too small to see: an empty chart says nothing
+  const values = Object.values(usage.series).flat();
+  if (!values.some((v) => v > 0)) { // all bars 0 (GPUs held for moments): an empty 0-1 chart says nothing
     container.replaceChildren(csv, el("p", { class: "text-muted", id: "usage-plot" },
-      `${fmt(sum)} GPU-hours in this period so far: too little to chart yet.`));
+      "No GPU-hours to chart in this period yet (under 0.0001)."));
     return;
   }
   if (!window.Chart) {
