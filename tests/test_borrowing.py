@@ -340,7 +340,7 @@ def test_borrowing_is_bounded_by_limit_plus_allowance(led, clock):
         led.allocate("alice", [], 4, server_name="too many")  # 1 + 4 > 2 + 2
     assert (err.value.reason, err.value.status_code, err.value.fits) == ("over_limit", 403, 3)
     assert err.value.message == (
-        "You asked for 4 GPU(s), but you hold 1 of a limit of 2 (default) and may borrow at most "
+        "You asked for 4 GPUs, but you hold 1 of a limit of 2 (default) and may borrow at most "
         "2 beyond it (default): at most 3 more."
     )
     with pytest.raises(Refusal) as err:  # request() refuses it too, without queueing
@@ -421,7 +421,7 @@ def test_borrowing_is_refused_while_someone_waits_and_never_queued(led, clock):
         with pytest.raises(Refusal) as err:
             ask("alice", [], 1, server_name="more")
         assert (err.value.reason, err.value.status_code, err.value.fits) == ("no_borrowing", 409, 0)
-        assert "lent beyond a limit only while nobody waits for them, and 1 request(s) wait now" in (
+        assert "lent beyond a limit only while nobody waits for them, and 1 request waits now" in (
             err.value.message
         )
     with pytest.raises(Refusal) as err:  # partly in the limit: bob may wait for 1

@@ -776,7 +776,8 @@ def test_slurm_seconds(text, want):
     ({"a": 2, "b": 4}, {"a": 2, "b": 1}, 5),
     ({"a": 2}, {}, 0),  # nobody may borrow
     ({"a": None}, {"a": 3}, 0),  # unlimited users never borrow
-    ({"a": 0}, {"a": 1}, 1),
+    ({"a": 0}, {"a": 1}, 0),  # a limit of 0 is no GPUs at all, not even borrowed
+    ({"a": 0, "b": 1}, {"a": 5, "b": 1}, 2),
 ])  # fmt: skip
 def test_borrow_ceiling(limits, allowances, want):
     assert accounting.borrow_ceiling({u: eff(n) for u, n in limits.items()}, allowances) == want

@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
+from gpu_magics.common import words
 from spawner import policy
 from spawner.ledger.models import Allocation, Preemption, QueueEntry, has_borrowed, is_live
 from spawner.ledger.queue import nodes_of
@@ -92,7 +93,7 @@ class BorrowingRecords:
             most = max(0, max_gpus - holdings.held) + max(0, allowance - held_borrowed)
             also = f" and {held_borrowed} borrowed" if held_borrowed else ""
             raise policy.Refusal(
-                f"You asked for {count} GPU(s), but you hold {holdings.held}{also} of "
+                f"You asked for {words.count(count, 'GPU')}, but you hold {holdings.held}{also} of "
                 f"{policy.describe_limit(eff)} and may borrow at most {allowance} beyond it "
                 f"({source}): at most {most} more.",
                 reason="over_limit",
@@ -121,9 +122,11 @@ class BorrowingRecords:
         ]
         if waiting:
             raise policy.Refusal(
-                f"{borrowed} of the {request.count} GPU(s) you asked for are beyond your limit: GPUs "
-                f"are lent beyond a limit only while nobody waits for them, and {len(waiting)} "
-                f"request(s) wait now. Ask for {within} or fewer to wait in the queue within your limit.",
+                f"{borrowed} of the {words.count(request.count, 'GPU')} you asked for "
+                f"{'is' if borrowed == 1 else 'are'} beyond your limit: GPUs are lent beyond a limit only "
+                f"while nobody waits for them, and {words.count(len(waiting), 'request')} "
+                f"{'waits' if len(waiting) == 1 else 'wait'} now. Ask for {within} or fewer to wait "
+                "in the queue within your limit.",
                 reason="no_borrowing",
                 fits=within,
             )
@@ -131,7 +134,8 @@ class BorrowingRecords:
         if placed is None:
             fits = policy.largest_placeable(free, request.model, request.max_nodes)
             raise policy.Refusal(
-                f"{borrowed} of the {request.count} GPU(s) you asked for are beyond your limit, and "
+                f"{borrowed} of the {words.count(request.count, 'GPU')} you asked for "
+                f"{'is' if borrowed == 1 else 'are'} beyond your limit, and "
                 f"only GPUs free now are lent: {fits} {'is' if fits == 1 else 'are'} free. Ask for "
                 f"{min(fits, request.count)} or fewer, or for {within} or fewer to wait in the queue.",
                 reason="no_borrowing",

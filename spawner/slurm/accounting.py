@@ -193,11 +193,13 @@ def parse_qos(text: str) -> dict[str, Qos]:
 def borrow_ceiling(limits: Mapping[str, EffectiveLimit], allowances: Mapping[str, int]) -> int:
     """The borrow QOS's ``MaxTRESPerUser``: the largest limit + allowance of a user who may
     borrow (one QOS serves everyone; gpuhub's own admission holds each user to theirs). 0:
-    nobody may borrow."""
+    nobody may borrow. A user whose limit is 0 borrows nothing, whatever their allowance."""
+    from spawner.policy.borrowing import usable_allowance
+
     most = 0
     for user, eff in limits.items():
-        allowance = allowances.get(user, 0)
-        if allowance > 0 and eff.limit.max_gpus is not None:
+        allowance = usable_allowance(eff.limit.max_gpus, allowances.get(user, 0))
+        if allowance > 0:
             most = max(most, eff.limit.max_gpus + allowance)
     return most
 
