@@ -15,9 +15,9 @@ GPUs only where a new entry would start at once, so nobody passes the queue by n
 Entries end (state ``left``, with the reason) when their waiter leaves (stop button,
 Ctrl-C), when nobody asked about them for ``queue_keepalive_seconds`` (the spawn was lost
 to a hub restart, the kernel died), after ``queue_max_wait_hours``, when an admin cancels
-them, or when a limit lowered meanwhile can never let them start (at the next ask, with
-the new limit and what to do: ``schedule.limit_ends_wait``; one that fits the new limit but
-not beside what its user holds at its turn ends then).
+them, or when a limit lowered meanwhile can never let them start (at the waiter's next ask,
+with the new limit and what to do: ``schedule.limit_ends_wait``; one that fits the new limit
+but not beside what its user holds at its turn ends then).
 """
 
 from __future__ import annotations
@@ -105,23 +105,24 @@ class QueueRecords:
     def end_stale_in(self, s: Session, now: datetime) -> list[int]:
         return self.live_waiting_in(s, now)[0]
 
-    def never_fits_in(self, s: Session, e: QueueEntry, rules: policy.LimitRules | None = None) -> str | None:
+    def never_fits_in(self, s: Session, e: QueueEntry) -> str | None:
         """Why ``e`` can never start under its user's limit as it is now (a limit lowered
         while it waited, by the CLI, the API or the config), or None
         (:func:`spawner.policy.schedule.limit_ends_wait`)."""
-        eff = policy.effective_limit(e.user, _groups(e.groups), rules or self._rules(s))
+        eff = policy.effective_limit(e.user, _groups(e.groups), self._rules(s))
         return queueplan.limit_ends_wait(e.gpu_count, eff)
 
     def live_waiting_in(self, s: Session, now: datetime) -> tuple[list[int], list[QueueEntry]]:
-        """End the entries past their keepalive or longest wait, or that their limit can never
-        let start: their ids, and the entries that still wait."""
+        """End the entries past their keepalive or longest wait: their ids, and the entries
+        that still wait. (One that its limit can never let start ends at its waiter's ask,
+        :meth:`wait_turn`: that process has the hub's configured limits, which a bare
+        ``Ledger`` of a script may not.)"""
         qs = self.queue_settings
         quiet = now - timedelta(seconds=qs.keepalive_seconds)
         oldest = now - timedelta(hours=qs.max_wait_hours)
         ended, live = [], []
         if not s.info.pop("waiting", True) and not (s.new or s.dirty or s.deleted):
             return ended, live  # nobody waited when the transaction began (read with the lock row)
-        rules = None
         for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting")):
             if e.seen < quiet:
                 self._leave(
@@ -132,8 +133,6 @@ class QueueRecords:
                     e,
                     f"it waited the longest allowed ({qs.max_wait_hours:g} h, c.GpuHub.queue_max_wait_hours)",
                 )
-            elif (never := self.never_fits_in(s, e, rules := rules or self._rules(s))) is not None:
-                self._leave(e, never)
             else:
                 live.append(e)
                 continue
@@ -203,11 +202,10 @@ class QueueRecords:
         # ended it yet: a read-only answer must not plan around it
         quiet = now - timedelta(seconds=qs.keepalive_seconds)
         oldest = now - timedelta(hours=qs.max_wait_hours)
-        rules = self._rules(s)
         rows = [
             e
             for e in s.scalars(select(QueueEntry).where(QueueEntry.state == "waiting"))
-            if e.seen >= quiet and e.created >= oldest and self.never_fits_in(s, e, rules) is None
+            if e.seen >= quiet and e.created >= oldest
         ]
         usage, runs = self._usage_and_runs(s, now)
         known = {u.name: _groups(u.groups) for u in s.scalars(select(KnownUser))}
@@ -316,6 +314,9 @@ class QueueRecords:
             ended = self.end_stale_in(s, now)  # before this ask counts: a late waiter finds its entry ended
             if e.state == "waiting":
                 e.seen = now
+                never = self.never_fits_in(s, e)  # a limit lowered below it while it waited
+                if never is not None:
+                    self._leave(e, never)
             if e.state == "granted":
                 a = s.get(Allocation, e.allocation_id)
                 return Admission(allocation=_info(a), entry=entry_info(e))
