@@ -98,7 +98,8 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
         # the engines-up line says which GPUs are borrowed and may be taken back
         assert f"(burst allocation #{in_limit.id}); rank 2 on " in defined, defined
         assert (
-            f"(burst allocation #{borrowed.id}, borrowed beyond your limit: may be taken back with notice)"
+            f"(burst allocation #{borrowed.id}, borrowed beyond your limit: "
+            "may be taken back with 20 s notice)"
             in defined
         ), defined
         out = kernel.run("%gpus")

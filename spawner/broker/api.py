@@ -49,7 +49,7 @@ class AllocationsHandler(APIHandler):
             raise web.HTTPError(403, f"{caller.kind} {caller.name} has no gpuhub allocations scope.")
         where = {} if everyone else {"user": who or caller.name}
         found = await self.broker.run(self.broker.ledger.active, **where)
-        self.finish({"allocations": [views.allocation_json(a) for a in found]})
+        self.finish({"allocations": [self.allocation_json(a) for a in found]})
 
     async def post(self):
         caller = self.require_caller()
@@ -109,13 +109,13 @@ class AllocationsHandler(APIHandler):
         metrics.allocation_seconds.observe(time.perf_counter() - started)
         self.set_status(201)
         self.set_header("Location", f"{self.broker.prefix}api/v1/allocations/{allocation.id}")
-        self.finish(views.allocation_json(allocation))
+        self.finish(self.allocation_json(allocation))
 
 
 class AllocationHandler(APIHandler):
     async def get(self, allocation_id: str):
         _caller, a = await self.find_allocation(allocation_id)
-        self.finish(views.allocation_json(a))
+        self.finish(self.allocation_json(a))
 
     async def delete(self, allocation_id: str):
         caller, a = await self.find_allocation(allocation_id)
@@ -131,7 +131,7 @@ class AllocationHandler(APIHandler):
             )
         who = "admin " + caller.name if caller.name != a.user else "owner"
         await self.broker.run(self.broker.ledger.release, a.id, f"released through the API by {who}")
-        self.finish(views.allocation_json(await self.broker.run(self.broker.ledger.get, a.id)))
+        self.finish(self.allocation_json(await self.broker.run(self.broker.ledger.get, a.id)))
 
 
 class RenewHandler(APIHandler):
@@ -165,7 +165,7 @@ class RenewHandler(APIHandler):
             return self.fail(409, f"Allocation {a.id} is a server's; it has no lease to renew.", "no_lease")
         if idle_seconds is not None:  # the kernel's word on when its engines last ran a cell
             self.broker.utilization.add_activity(renewed, idle_seconds)
-        self.finish(views.allocation_json(renewed))
+        self.finish(self.allocation_json(renewed))
 
 
 class JobHandler(APIHandler):
@@ -214,7 +214,7 @@ class JobHandler(APIHandler):
             return self.fail(409, f"Allocation {a.id} was already released; request a new one.", "released")
         except ValueError as e:
             return self.fail(409, f"{e}.", "has_job")
-        self.finish(views.allocation_json(attached))
+        self.finish(self.allocation_json(attached))
 
 
 class UsageHandler(APIHandler):

@@ -60,7 +60,7 @@ class QueueWaitHandler(_QueueHandler):
         if caller.name != q.user:
             raise web.HTTPError(403, "Only the entry's owner waits in it.")
         got = await self.broker.run(self.broker.ledger.wait_turn, q.id)
-        allocation = None if got.allocation is None else views.allocation_json(got.allocation)
+        allocation = None if got.allocation is None else self.allocation_json(got.allocation)
         self.finish({"entry": views.queue_json(got.entry, utcnow()), "allocation": allocation})
 
 

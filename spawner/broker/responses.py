@@ -35,7 +35,9 @@ def withdrawn_of(a: AllocationInfo) -> dict[str, Any] | None:
     return {"at": iso(a.withdrawn), "reason": a.withdrawn_reason}
 
 
-def allocation_json(a: AllocationInfo) -> dict[str, Any]:
+def allocation_json(a: AllocationInfo, notice_seconds: float | None = None) -> dict[str, Any]:
+    """An allocation; ``notice_seconds`` (the hub's ``c.GpuHub.preempt_grace_seconds``) is
+    given for one that may be taken back with notice (borrowed or backfilled), else null."""
     return {
         "id": a.id,
         "user": a.user,
@@ -54,6 +56,7 @@ def allocation_json(a: AllocationInfo) -> dict[str, Any]:
         "gpu_count": a.gpu_count,
         "borrowed": a.borrowed,
         "backfill": a.backfill,
+        "notice_seconds": notice_seconds if (a.borrowed or a.backfill) else None,
         "preemption": preemption_of(a),
         "preemption_withdrawn": withdrawn_of(a),
     }
