@@ -189,7 +189,7 @@ def test_a_borrowed_server_is_marked_then_preempted_with_the_reason_shown(
     assert (p.allocation_id, p.purpose, p.borrowed, p.gpus, p.for_user) == (mine.id, "server", 2, 3, "bob")
     assert p.due - p.created == timedelta(seconds=GRACE)
     assert p.reason.startswith(
-        "preempted: 2 borrowed GPU(s) taken back for another user's request within its limit"
+        "preempted: 2 borrowed GPUs taken back for another user's request within its limit"
     )
 
     # after the grace period the broker stops alice's server; bob's spawn starts on its GPUs

@@ -565,8 +565,8 @@ def test_a_preemption_before_and_after_it_is_due(led, clock):
         due,
     )
     assert p.reason == (
-        "preempted: 2 borrowed GPU(s) taken back for another user's request within its limit "
-        "(2 GPU(s), waiting since 09:02 UTC)"
+        "preempted: 2 borrowed GPUs taken back for another user's request within its limit "
+        "(2 GPUs, waiting since 09:02 UTC)"
     )
     assert led.due_preemptions() == []
     # before it is due: the kernel saves and renews; the allocation says when it ends
@@ -598,7 +598,7 @@ def test_a_release_before_it_is_due_is_a_give_back(led, clock):
     clock.advance(seconds=10)
     assert led.release(burst.id, "given back") is True  # the owner gives it back early
     reason = led.get(burst.id).end_reason  # the notice's, saying it came back early
-    assert reason.startswith("preempted: 1 borrowed GPU(s) taken back") and reason.endswith(
+    assert reason.startswith("preempted: 1 borrowed GPU taken back") and reason.endswith(
         "; given back before it was due (given back)"
     )
     assert led.wait_turn(carol.id).allocation.gpus == burst.gpus
@@ -725,15 +725,15 @@ def test_withdrawal(state, want):
             2,
             3,
             False,
-            "preempted: 2 borrowed GPU(s) taken back for another user's request within its limit "
-            "(1 GPU(s), waiting since 09:00 UTC)",
+            "preempted: 2 borrowed GPUs taken back for another user's request within its limit "
+            "(1 GPU, waiting since 09:00 UTC)",
         ),
         (
             0,
             3,
             True,
-            "preempted: 3 GPU(s) that started ahead of a waiting request (backfill) taken back at its "
-            "turn (1 GPU(s), waiting since 09:00 UTC)",
+            "preempted: 3 GPUs that started ahead of a waiting request (backfill) taken back at its "
+            "turn (1 GPU, waiting since 09:00 UTC)",
         ),
     ],
 )

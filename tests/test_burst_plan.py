@@ -176,6 +176,11 @@ BACKFILL = (
     "preempted: 2 GPU(s) that started ahead of a waiting request (backfill) taken back at its turn "
     "(1 GPU(s), waiting since 07:45 UTC)"
 )
+# the hub's reason as it is written now (spawner.policy.borrowing.notice_reason)
+HUB_NOW = (
+    "preempted: 1 borrowed GPU taken back for another user's request within its limit "
+    "(2 GPUs, waiting since 07:45 UTC)"
+)
 
 
 @pytest.mark.parametrize(
@@ -185,6 +190,13 @@ BACKFILL = (
             1,
             1,
             HUB,
+            "1 borrowed GPU of this pool (allocation #5) is taken back at 07:46:38 UTC for another "
+            "user's request within its limit (2 GPUs, waiting since 07:45 UTC).",
+        ),
+        (
+            1,
+            1,
+            HUB_NOW,
             "1 borrowed GPU of this pool (allocation #5) is taken back at 07:46:38 UTC for another "
             "user's request within its limit (2 GPUs, waiting since 07:45 UTC).",
         ),

@@ -171,7 +171,7 @@ def test_an_allocation_that_started_ahead_of_the_head_is_taken_back_at_its_turn(
     checked(hub.broker("DELETE", f"allocations/{alice['id']}", tokens["alice"]))
     p = notice_for(ledger, "erin", bob["id"])
     assert (p.allocation_id, p.borrowed, p.gpus) == (erin["id"], 0, 1)
-    assert p.reason.startswith("preempted: 1 GPU(s) that started ahead of a waiting request (backfill)")
+    assert p.reason.startswith("preempted: 1 GPU that started ahead of a waiting request (backfill)")
     shown = checked(hub.broker("GET", f"allocations/{erin['id']}", tokens["erin"])).json()
     assert shown["preemption"]["reason"] == p.reason
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from gpu_magics.common import words
 from spawner import policy
 from spawner.policy.scoped import Scoped, resolve
 
@@ -127,14 +128,15 @@ def withdrawal(entry_state: str | None) -> str | None:
 def notice_reason(borrowed: int, gpus: int, backfill: bool, wanted: int, since: datetime) -> str:
     """The reason an owner is given with a notice (no name: users need not know who else
     waits; admins see ``for_user``). ``backfill``: the allocation started ahead of the request."""
+    waiter = f"{words.count(wanted, 'GPU')}, waiting since {since:%H:%M} UTC"
     if backfill:
         return (
-            f"preempted: {gpus} GPU(s) that started ahead of a waiting request (backfill) taken back "
-            f"at its turn ({wanted} GPU(s), waiting since {since:%H:%M} UTC)"
+            f"preempted: {words.count(gpus, 'GPU')} that started ahead of a waiting request (backfill) "
+            f"taken back at its turn ({waiter})"
         )
     return (
-        f"preempted: {borrowed} borrowed GPU(s) taken back for another user's request within its "
-        f"limit ({wanted} GPU(s), waiting since {since:%H:%M} UTC)"
+        f"preempted: {borrowed} borrowed {'GPU' if borrowed == 1 else 'GPUs'} taken back for another "
+        f"user's request within its limit ({waiter})"
     )
 
 
