@@ -443,13 +443,34 @@ def test_a_waiter_past_its_keepalive_does_not_stop_borrowing(open_ledger, clock)
     assert led.allocate("alice", [], 1, server_name="more").borrowed == 1
 
 
+@pytest.mark.parametrize(
+    "borrowed, count, free, within, message",
+    [
+        (1, 4, 0, 3, "1 of the 4 GPUs you asked for is beyond your limit, and only GPUs free now are lent: "
+         "none is free. Ask for 3 or fewer to wait in the queue within your limit."),
+        (2, 2, 1, 0, "2 of the 2 GPUs you asked for are beyond your limit, and only GPUs free now are lent: "
+         "1 is free. Ask for 1 or fewer to start now."),
+        (2, 3, 2, 1, "2 of the 3 GPUs you asked for are beyond your limit, and only GPUs free now are lent: "
+         "2 are free. Ask for 2 or fewer to start now, or ask for 1 or fewer to wait in the queue within "
+         "your limit."),
+        (1, 1, 0, 0, "1 of the 1 GPU you asked for is beyond your limit, and only GPUs free now are lent: "
+         "none is free. Try again when GPUs are free, or ask an admin to raise your limit."),
+    ],
+)  # fmt: skip
+def test_a_borrowing_refusal_never_asks_for_nothing(borrowed, count, free, within, message):
+    from spawner.ledger.borrowing import borrow_not_free_message
+
+    assert borrow_not_free_message(borrowed, count, free, within) == message
+
+
 def test_borrowing_is_refused_when_nothing_is_free_and_never_queued(led, clock):
     led.allocate("alice", [], 2)
     led.allocate("bob", [], 2)
     with pytest.raises(Refusal) as err:
         led.request("alice", [], 1, server_name="more")
     assert (err.value.reason, err.value.fits) == ("no_borrowing", 0)
-    assert "only GPUs free now are lent: 0 are free" in err.value.message
+    assert "only GPUs free now are lent: none is free" in err.value.message
+    assert "or fewer" not in err.value.message.replace("to wait in the queue", "")  # never "ask for 0"
     led.release(led.active(user="bob")[0].id)
     led.allocate("bob", [], 1)
     with pytest.raises(Refusal) as err:  # 1 free, 2 asked beyond the limit

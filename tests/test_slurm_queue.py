@@ -16,7 +16,7 @@ import pytest
 from spawner.ledger import Ledger
 from spawner.policy.fairshare import Weights
 from spawner.policy.limits import Limit
-from spawner.policy.waitline import local_clock
+from spawner.policy.waitline import utc_clock
 from spawner.settings import GpuHub
 from spawner.slurm import priority, squeue
 
@@ -143,7 +143,7 @@ def test_the_spawn_page_shows_the_place_and_slurms_expected_start(hub, clean, br
     start = slurm("squeue", "--start", "-h", "-j", job, "-o", "%S").stdout.strip()
     assert datetime.fromisoformat(start).astimezone(UTC).replace(tzinfo=None) == expected
     assert f"job {job} in partition gpu: 1st of 1 waiting for 2 GPUs" in line, line
-    assert f"expected start about {local_clock(expected)}" in line and "Slurm's estimate" in line, line
+    assert f"expected start about {utc_clock(expected)}" in line and "Slurm's estimate" in line, line
     assert line.endswith("Slurm's reason: Resources"), line
 
     # the same line on the spawn-pending page, in Chromium
@@ -156,11 +156,13 @@ def test_the_spawn_page_shows_the_place_and_slurms_expected_start(hub, clean, br
     page.goto(f"{hub.url}/hub/spawn-pending/carol")
     page.wait_for_function(
         "(w) => (document.querySelector('#progress-message') || {}).textContent?.includes(w)",
-        arg=f"expected start about {local_clock(expected)}",
+        arg=f"expected start about {utc_clock(expected)}",
         timeout=30000,
     )
     shown = page.text_content("#progress-message")
     assert f"job {job} in partition gpu: 1st of 1 waiting for 2 GPUs" in shown, shown
+    # and the heading says it waits, not that the server is starting up
+    assert page.text_content("#gpuhub-heading").strip() == "Waiting for GPUs in Slurm's queue"
 
 
 def cell_lines(kc, until: str, timeout: float) -> list[str]:
@@ -199,7 +201,7 @@ def test_a_burst_waits_in_slurms_queue_with_its_line_and_ctrl_c_leaves_nothing_h
         # jobs, so it counts no place among them and says why
         assert f"Queued in Slurm as engines job {job} in partition gpu: waiting for 4 GPUs" in line, line
         assert "private on this cluster" in line, line
-        assert f"expected start about {local_clock(expected)}" in line, line
+        assert f"expected start about {utc_clock(expected)}" in line, line
 
         # Ctrl-C (the stop button) while it waits: the job is cancelled, the burst released
         r = hub.api_url_request("POST", f"/user/alice/api/kernels/{kid}/interrupt")

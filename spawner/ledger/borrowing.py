@@ -134,10 +134,7 @@ class BorrowingRecords:
         if placed is None:
             fits = policy.largest_placeable(free, request.model, request.max_nodes)
             raise policy.Refusal(
-                f"{borrowed} of the {words.count(request.count, 'GPU')} you asked for "
-                f"{'is' if borrowed == 1 else 'are'} beyond your limit, and "
-                f"only GPUs free now are lent: {fits} {'is' if fits == 1 else 'are'} free. Ask for "
-                f"{min(fits, request.count)} or fewer, or for {within} or fewer to wait in the queue.",
+                borrow_not_free_message(borrowed, request.count, fits, within),
                 reason="no_borrowing",
                 fits=fits,
             )
@@ -247,3 +244,23 @@ class BorrowingRecords:
                 if end > start:
                     out[a.user] = out.get(a.user, 0.0) + a.borrowed * (end - start).total_seconds() / 3600
         return out
+
+
+def borrow_not_free_message(borrowed: int, count: int, free: int, within: int) -> str:
+    """Why a request beyond the limit is refused when too few GPUs are free to lend, and what
+    the user may ask for instead (pure): fewer GPUs now, or a request within the limit that
+    waits."""
+    head = (
+        f"{borrowed} of the {words.count(count, 'GPU')} you asked for {'is' if borrowed == 1 else 'are'} "
+        "beyond your limit, and only GPUs free now are lent"
+    )
+    now = "none is free" if free == 0 else f"{free} {'is' if free == 1 else 'are'} free"
+    options = []
+    if free:
+        options.append(f"ask for {min(free, count)} or fewer to start now")
+    if within:
+        options.append(f"ask for {within} or fewer to wait in the queue within your limit")
+    if not options:
+        options.append("try again when GPUs are free, or ask an admin to raise your limit")
+    todo = ", or ".join(options)
+    return f"{head}: {now}. {todo[0].upper()}{todo[1:]}."

@@ -29,10 +29,10 @@ def _plural(n: int, word: str = "GPU") -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def local_clock(at: datetime) -> str:
-    """``HH:MM ZONE`` in this machine's time zone of a naive-UTC ``at`` (the zone named: the
-    reader's browser may be elsewhere)."""
-    return at.replace(tzinfo=UTC).astimezone().strftime("%H:%M %Z").strip()
+def utc_clock(at: datetime) -> str:
+    """``HH:MM UTC`` of a naive-UTC ``at``: gpuhub writes every time in UTC, whatever this
+    machine's zone (a reader's browser may be anywhere)."""
+    return at.replace(tzinfo=UTC).strftime("%H:%M UTC")
 
 
 def wait_line(
@@ -54,7 +54,7 @@ def wait_line(
             return f"{head}; no estimate from Slurm yet (its backfill pass gives one shortly)"
         return f"{head}; no expected start yet (nothing now running has an end in sight)"
     left = (expected - now).total_seconds()
-    when = f"about {local_clock(expected)}" if left > 60 else "any moment"
+    when = f"about {utc_clock(expected)}" if left > 60 else "any moment"
     words = minutes_in_words(left)
     return f"{head}, expected start {when} (in {words}; {SURE_WORDS.get(sure, sure)}, not a promise)"
 

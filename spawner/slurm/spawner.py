@@ -202,6 +202,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             per_partition,
             chosen,
             grace_seconds=self.gpuhub.preempt_grace_seconds,  # Slurm's GraceTime on the borrow QOS
+            asked=self.refused_count(),  # a refused count stays in the field
         )
 
     # the job ------------------------------------------------------------------------
@@ -435,7 +436,8 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         text = priority.wait_message(info, watcher.positions.get(self.job_id), gpus, now)
         if self._spawn_pending and text != self._last_status:
             self._last_status = text
-            self._progress(40 if info.pending else 50, text)
+            heading = "Waiting for GPUs in Slurm's queue" if info.pending else "Your Slurm job is starting"
+            self._progress(40 if info.pending else 50, text, heading=heading)
         return JobStatus.RUNNING if info.running else JobStatus.PENDING
 
     def state_gethost(self):
