@@ -5,6 +5,12 @@
 (as ipykernel ships its own). The repository's ``kernels/`` folder is its source.
 ``gpuhub kernel install [--user | --prefix P]`` copies it elsewhere: another environment's
 prefix, or one user's Jupyter directory.
+
+With it go **gpuhub's JupyterLab defaults** (``kernels/jupyterlab/gpuhub.json``, installed as
+``PREFIX/share/jupyter/lab/settings/overrides.d/gpuhub.json``, where JupyterLab reads a
+package's defaults): no toast asking each new user whether to fetch Jupyter's news feed, and
+no check for JupyterLab updates, which the servers' users cannot install. A user's own
+settings still win; an admin's ``overrides.json`` there too.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 
 KERNEL_NAMES = ("python3-gpus",)
 REPO_SPECS = Path(__file__).resolve().parent.parent / "kernels"  # a checkout (editable install)
+LAB_DEFAULTS = "gpuhub.json"
 
 
 def spec_dir(name: str, prefix: str | Path = sys.prefix) -> Path:
@@ -44,4 +51,23 @@ def install(user: bool = False, prefix: str | None = None) -> list[str]:
             done.append(str(target))  # the wheel put it there already
             continue
         done.append(ksm.install_kernel_spec(str(source), kernel_name=name, user=user, prefix=prefix))
+    if not user:
+        done.append(install_lab_defaults(prefix or sys.prefix))
     return done
+
+
+def install_lab_defaults(prefix: str | Path) -> str:
+    """Write gpuhub's JupyterLab defaults into ``prefix`` (a wheel install has them there
+    already: then nothing changes); returns the file's path."""
+    target = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.d" / LAB_DEFAULTS
+    installed = Path(sys.prefix) / target.relative_to(prefix)  # a wheel's, in this environment
+    for source in (REPO_SPECS / "jupyterlab" / LAB_DEFAULTS, installed, target):
+        if source.is_file():
+            break
+    else:
+        raise FileNotFoundError(f"gpuhub's JupyterLab defaults are not in {target.parent}: reinstall gpuhub")
+    if source.resolve() != target.resolve():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(source.read_bytes())
+        target.chmod(0o644)
+    return str(target)

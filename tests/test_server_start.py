@@ -316,6 +316,13 @@ def test_a_hub_server_is_started_by_the_launcher_and_answers_with_its_extensions
         log = hub.log_path.read_text(errors="replace")
         assert "GET /user/alice/api/kernels" not in log
         assert "_jupyter_server_extension_points" not in log
+        # JupyterLab asks no new user whether to fetch Jupyter's news (gpuhub's lab defaults)
+        notification = hub.api_url_request(
+            "GET", "/user/alice/lab/api/settings/@jupyterlab/apputils-extension:notification"
+        )
+        assert notification.status_code == 200, notification.text
+        defaults = {k: v.get("default") for k, v in notification.json()["schema"]["properties"].items()}
+        assert defaults["fetchNews"] == "false" and defaults["checkForUpdates"] is False, defaults
     finally:
         hub.stop_server("alice")
 

@@ -26,6 +26,7 @@ from .test_distributed_hub import run
 pytestmark = pytest.mark.hub
 
 SPEC = "share/jupyter/kernels/python3-gpus/kernel.json"
+LAB_DEFAULTS = "share/jupyter/lab/settings/overrides.d/gpuhub.json"  # no news prompt in JupyterLab
 VENDOR = "spawner/broker/static/vendor"
 
 
@@ -69,7 +70,10 @@ def test_the_wheel_holds_two_packages_and_the_kernel_spec_as_data(wheel):
     data = [n for n in names if ".data/" in n]
     assert top == {"spawner", "gpu_magics", *(t for t in top if t.startswith("jupyterhub_gpuhub-0"))}
     assert not [n for n in names if n.startswith(("kernels/", "tests/", "hub_config/"))]
-    assert [n.split(".data/data/", 1)[1] for n in data] == [SPEC]
+    assert sorted(n.split(".data/data/", 1)[1] for n in data) == sorted([SPEC, LAB_DEFAULTS])
+    # the pages' templates: the spawn-pending page's heading, the Services menu's names
+    assert "spawner/spawners/templates/spawn_pending.html" in names
+    assert "spawner/broker/templates/hub/page.html" in names
     assert "spawner/broker/openapi.yaml" in names and "spawner/ledger/migrations/env.py" in names
     assert f"{VENDOR}/chart.umd.min.js" in names and f"{VENDOR}/chart.js.LICENSE.md" in names
 
