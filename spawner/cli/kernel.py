@@ -1,4 +1,5 @@
-"""``gpuhub kernel install``: the "Python 3 (GPUs)" kernel spec (:mod:`gpu_magics.kernelspec`)."""
+"""``gpuhub kernel install``: the "Python 3 (GPUs)" kernel spec and, into a prefix, gpuhub's
+JupyterLab defaults (:mod:`gpu_magics.kernelspec`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from spawner.cli.parsers import actions, command
 def register(sub) -> None:
     kernel = actions(sub, "kernel", "notebook kernels")
     kinst = command(
-        kernel, "install", run, help='install the "Python 3 (GPUs)" kernel (default: this Python\'s prefix)'
+        kernel,
+        "install",
+        run,
+        help='install the "Python 3 (GPUs)" kernel and gpuhub\'s JupyterLab defaults '
+        "(default: this Python's prefix)",
     )
     where = kinst.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="into the current user's Jupyter directory")
