@@ -341,7 +341,7 @@ def test_borrowing_is_bounded_by_limit_plus_allowance(led, clock):
     assert (err.value.reason, err.value.status_code, err.value.fits) == ("over_limit", 403, 3)
     assert err.value.message == (
         "You asked for 4 GPUs, but you hold 1 of a limit of 2 (default) and may borrow at most "
-        "2 beyond it (default): at most 3 more."
+        "2 beyond it (default): ask for 3 or fewer."
     )
     with pytest.raises(Refusal) as err:  # request() refuses it too, without queueing
         led.request("alice", [], 4, server_name="too many")
@@ -372,7 +372,7 @@ def test_the_allowance_comes_from_the_user_and_group_entries(open_ledger, clock)
     led.release(led.active(user="alice")[0].id)
     with pytest.raises(Refusal) as err:
         led.allocate("bob", ["staff"], 4)
-    assert "may borrow at most 1 beyond it (group staff): at most 3 more" in err.value.message
+    assert "may borrow at most 1 beyond it (group staff): ask for 3 or fewer" in err.value.message
     assert led.allocate("bob", ["staff"], 3).borrowed == 1
     led.release(led.active(user="bob")[0].id)
     assert led.allocate("carol", ["staff"], 4).borrowed == 2

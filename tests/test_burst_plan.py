@@ -360,7 +360,8 @@ def test_a_failed_release_is_reported(broker):
             2,
             3,
             5,
-            "gpuhub refused 3 more GPUs for %%distributed --gpus 5 (beside this server's 2): at most 2 more",
+            "gpuhub refused 3 more GPUs for %%distributed --gpus 5 (beside this server's 2): at most 2 more"
+            " In this cell that is %%distributed --gpus 4 or fewer.",
         ),
         (1, 2, 2, "gpuhub refused 2 GPUs for %%distributed: at most 2 more Own server GPUs: 1."),
     ],

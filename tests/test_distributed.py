@@ -267,7 +267,7 @@ def test_over_the_limit_is_a_usage_error_and_takes_nothing(hub, ledger, kernel_e
     )
     # IPython shows a UsageError as its message alone, no traceback
     assert "UsageError: gpuhub refused 3 GPUs for %%distributed" in cell.stderr
-    assert "you hold 0 of a limit of 2 (group students): at most 2 more" in cell.stderr
+    assert "you hold 0 of a limit of 2 (group students): your limit lets you hold 2 more GPUs" in cell.stderr
     assert "argument --gpus: must be a whole number from 1 to 4096; got 0" in bad_args.stderr
     assert "--nodes 1 only (multi-node %%distributed needs the Slurm backend)" in multi.stderr
     assert bobs() == before

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from IPython.core.error import UsageError
 
 from gpu_magics.common.ranks import Slot
+from gpu_magics.common.words import count
 from gpu_magics.kernel.broker import BrokerClient, BrokerError, LeaseKeeper
 from gpu_magics.kernel.notices import when
 
@@ -296,11 +297,13 @@ def refused(magic: str, gpus: int, wanted: int, held: int, e: BrokerError) -> Us
     """The broker's refusal as the user reads it; ``e`` stays on it as ``.refusal``."""
     if held and wanted > gpus:
         text = (
-            f"gpuhub refused {gpus} more GPUs for {magic} --gpus {wanted} (beside this server's "
+            f"gpuhub refused {count(gpus, 'more GPU')} for {magic} --gpus {wanted} (beside this server's "
             f"{held}): {e.message}"
         )
+        if e.reason == "over_limit" and e.fits is not None:  # the broker counts GPUs beyond the server's
+            text += f" In this cell that is {magic} --gpus {held + e.fits} or fewer."
     else:
-        text = f"gpuhub refused {gpus} GPUs for {magic}: {e.message}" + (
+        text = f"gpuhub refused {count(gpus, 'GPU')} for {magic}: {e.message}" + (
             f" Own server GPUs: {held}." if held else ""
         )
     err = UsageError(text)

@@ -95,7 +95,7 @@ class BorrowingRecords:
             raise policy.Refusal(
                 f"You asked for {words.count(count, 'GPU')}, but you hold {holdings.held}{also} of "
                 f"{policy.describe_limit(eff)} and may borrow at most {allowance} beyond it "
-                f"({source}): at most {most} more.",
+                f"({source}): " + (f"ask for {most} or fewer." if most else "you may take no more now."),
                 reason="over_limit",
                 fits=most,
             )
