@@ -455,17 +455,17 @@ def utc_tz(monkeypatch):
             4,
             at(minutes=0.5),
             "now",
-            "1st of 2 waiting for 4 GPUs, expected start any moment "
-            "(in under a minute; GPUs are free for it now, not a promise)",
+            "1st of 2 waiting for 4 GPUs, expected start within a minute "
+            "(GPUs are free for it now, not a promise)",
         ),
         (
             1,
             2,
             4,
-            at(minutes=-3),  # an estimate already past reads as any moment, never negative
+            at(minutes=-3),  # an estimate already past reads as within a minute, never negative
             "guess",
-            "1st of 2 waiting for 4 GPUs, expected start any moment "
-            "(in under a minute; a guess from recent run lengths, not a promise)",
+            "1st of 2 waiting for 4 GPUs, expected start within a minute "
+            "(a guess from recent run lengths, not a promise)",
         ),
         (
             11,

@@ -45,7 +45,7 @@ def wait_line(
 ) -> str:
     """E.g. ``2nd of 4 waiting for 2 GPUs, expected start about 14:20 (in 12 min; a guess
     from recent run lengths)``; without a ``position`` (one the caller cannot count) just
-    ``waiting for 2 GPUs, ...``. Times are naive UTC; shown in local time."""
+    ``waiting for 2 GPUs, ...``. Times are naive UTC, and shown in UTC."""
     head = f"waiting for {_plural(gpus)}"
     if position is not None:
         head = f"{ordinal(position)} of {waiting} {head}"
@@ -54,9 +54,10 @@ def wait_line(
             return f"{head}; no estimate from Slurm yet (its backfill pass gives one shortly)"
         return f"{head}; no expected start yet (nothing now running has an end in sight)"
     left = (expected - now).total_seconds()
-    when = f"about {utc_clock(expected)}" if left > 60 else "any moment"
-    words = minutes_in_words(left)
-    return f"{head}, expected start {when} (in {words}; {SURE_WORDS.get(sure, sure)}, not a promise)"
+    why = f"{SURE_WORDS.get(sure, sure)}, not a promise"
+    if left <= 60:
+        return f"{head}, expected start within a minute ({why})"
+    return f"{head}, expected start about {utc_clock(expected)} (in {minutes_in_words(left)}; {why})"
 
 
 QUEUE_PROGRESS = (10, 50)  # the spawn page's bar while waiting: from last in the queue to first
