@@ -75,6 +75,18 @@ def test_a_write_without_the_xsrf_token_is_refused(hub, ledger, browser):
     assert [(e.scope, e.name, e.limit) for e in ledger.limit_entries()] == before
 
 
+def test_an_admin_lands_on_gpu_admin_and_a_user_on_their_server(hub, ledger, browser):
+    page = login(browser, hub, "admin", ADMIN_PASSWORD)
+    assert page.url.startswith(f"{hub.broker_url}/admin"), page.url  # not a spawn form of 1 GPU
+    expect(page.locator("h1, h2").first).to_contain_text("GPUs")
+    page.goto(f"{hub.url}/hub/")
+    assert page.url.startswith(f"{hub.broker_url}/admin"), page.url
+    page.goto(f"{hub.url}/hub/home")  # their own server is still a click away
+    expect(page.locator("#start")).to_be_visible()
+    bob = login(browser, hub, "bob", DEMO_PASSWORD)
+    assert "/hub/spawn" in bob.url or "/user/bob/" in bob.url, bob.url
+
+
 def test_admin_page_shows_every_gpu_edits_limits_and_plots_usage(hub, ledger, browser, tmp_path):
     bob = hub.user_token("bob")
     held = hub.broker("POST", "allocations", bob, json={"gpus": 1}).json()

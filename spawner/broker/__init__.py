@@ -65,6 +65,21 @@ def read_sampler_token(path: str) -> str:
     return token
 
 
+class AdminsLandOnGpuAdmin:
+    """``c.JupyterHub.default_url`` for a hub with gpuhub: where a user lands after logging in
+    (or at ``/hub/``). A gpuhub admin (``admin_users``, or a JupyterHub admin) lands on GPU
+    admin; everyone else as JupyterHub lands them (their server, or its spawn form)."""
+
+    def __init__(self, admins):
+        self.admins = frozenset(admins)
+
+    def __call__(self, handler) -> str:
+        user = handler.current_user
+        if user is None or not (user.name in self.admins or getattr(user, "admin", False)):
+            return ""  # JupyterHub's own default
+        return f"{handler.base_url.rstrip('/')}/services/{SERVICE}/admin"
+
+
 def enable_broker(
     c, *, url: str = "http://127.0.0.1:10101", admin_users=None, sampler_token_file: str | None = None
 ) -> None:
@@ -132,6 +147,10 @@ def enable_broker(
         **c.Spawner.get("environment", {}),
         "GPUHUB_BROKER_URL": f"{url.rstrip('/')}/services/{SERVICE}/api/v1/",
     }
+    # gpuhub's admins arrive at GPU admin, not at a spawn form (their own server is on Home);
+    # an admin's own c.JupyterHub.default_url wins
+    if "default_url" not in c.JupyterHub:
+        c.JupyterHub.default_url = AdminsLandOnGpuAdmin(admins)
     # the Services menu reads "My GPUs" (and "GPU admin" for gpuhub's admins)
     paths = list(c.JupyterHub.get("template_paths", []))
     if HUB_TEMPLATES not in paths:
