@@ -448,12 +448,12 @@ def test_a_waiter_past_its_keepalive_does_not_stop_borrowing(open_ledger, clock)
     [
         (1, 4, 0, 3, "1 of the 4 GPUs you asked for is beyond your limit, and only GPUs free now are lent: "
          "none is free. Ask for 3 or fewer to wait in the queue within your limit."),
-        (2, 2, 1, 0, "2 of the 2 GPUs you asked for are beyond your limit, and only GPUs free now are lent: "
+        (2, 2, 1, 0, "All 2 GPUs you asked for are beyond your limit, and only GPUs free now are lent: "
          "1 is free. Ask for 1 or fewer to start now."),
         (2, 3, 2, 1, "2 of the 3 GPUs you asked for are beyond your limit, and only GPUs free now are lent: "
          "2 are free. Ask for 2 or fewer to start now, or ask for 1 or fewer to wait in the queue within "
          "your limit."),
-        (1, 1, 0, 0, "1 of the 1 GPU you asked for is beyond your limit, and only GPUs free now are lent: "
+        (1, 1, 0, 0, "The GPU you asked for is beyond your limit, and only GPUs free now are lent: "
          "none is free. Try again when GPUs are free, or ask an admin to raise your limit."),
     ],
 )  # fmt: skip

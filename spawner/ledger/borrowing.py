@@ -250,10 +250,11 @@ def borrow_not_free_message(borrowed: int, count: int, free: int, within: int) -
     """Why a request beyond the limit is refused when too few GPUs are free to lend, and what
     the user may ask for instead (pure): fewer GPUs now, or a request within the limit that
     waits."""
-    head = (
-        f"{borrowed} of the {words.count(count, 'GPU')} you asked for {'is' if borrowed == 1 else 'are'} "
-        "beyond your limit, and only GPUs free now are lent"
-    )
+    if borrowed == count:
+        which = "The GPU you asked for is" if count == 1 else f"All {count} GPUs you asked for are"
+    else:
+        which = f"{borrowed} of the {count} GPUs you asked for {'is' if borrowed == 1 else 'are'}"
+    head = f"{which} beyond your limit, and only GPUs free now are lent"
     now = "none is free" if free == 0 else f"{free} {'is' if free == 1 else 'are'} free"
     options = []
     if free:
