@@ -296,6 +296,9 @@ def test_demo_as_root_runs_every_server_as_its_users_own_account(tmp_path, demo_
         for d in (demo_state, demo_state / "homes"):
             st = os.lstat(d)
             assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0, 0o755), d
+        # the ledger is made by whichever opens it first, the broker service at its start or a
+        # spawn: the login page may answer before either did
+        wait_for(lambda: (demo_state / "gpuhub.sqlite").exists(), 60, "the ledger's file")
         for private in (
             "demo-passwords.json",
             "jupyterhub.sqlite",

@@ -287,5 +287,5 @@ def test_gpus_magic_text():
     assert "n1:0    3% busy, 10/80 MiB" in text
     assert "n1:1    no recent report" in text
     assert "WARNING: allocation #3: its 2 GPUs stayed idle; it will be reclaimed in 30 min" in text
-    assert "Your server 'big' was reclaimed at 2026-11-29T10:00:00Z: idle." in text
+    assert "Your server 'big' was reclaimed at 2026-11-29 10:00:00 UTC: idle." in text
     assert describe_use({"allocations": [], "reclaimed": []}, {"gpus": []}) == ""
