@@ -28,10 +28,20 @@ DEMO_PASSWORD = secrets.token_urlsafe(12)
 ADMIN_PASSWORD = "gpuhub-demo-admin-password-change-me"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never handed out before in this process: the kernel may
+    give a port just closed straight back, and a hub's own port and its proxy's, asked for one
+    after the other, would then be the same ("Address already in use")."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
