@@ -648,7 +648,7 @@ _sync()
 _dt = (time.perf_counter() - _t) / {steps}
 _params = [p.detach().cpu().contiguous() for p in _model.parameters()]
 print("GPUCHECK " + json.dumps({{
-    "backend": dist.get_backend(),
+    "backend": getattr(dist.group.WORLD, "kind", dist.get_backend()),  # gpuhub groups wrap gloo/nccl
     "world_size": dist.get_world_size(),
     "device": str(_dev),
     "device_name": torch.cuda.get_device_name(0) if _cuda else "cpu",

@@ -223,3 +223,20 @@ class BrokerKernel:
             )
         finally:
             ledger.close()
+
+
+class OwnKernel(BrokerKernel):
+    """A real "Python 3 (GPUs)" kernel on the server's own (simulated) GPUs ``gpus``, outside
+    any hub (``own_gpus_env``); driven cell by cell as :class:`BrokerKernel`."""
+
+    def __init__(self, tmp_path, gpus: str = "t:0,t:1"):
+        self.hub, self.user = None, None
+        self.km = KernelManager(kernel_name="python3-gpus")
+        self.km.start_kernel(env=own_gpus_env(tmp_path, gpus))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def close(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel()

@@ -114,7 +114,7 @@ def test_an_interrupt_mid_training_keeps_every_rank_and_its_model(kernel, n):
     assert pids_and_model(kernel, n) == before  # same processes; DDP trains on, ranks identical
 
 
-def test_a_rank_stuck_in_a_collective_is_freed_and_the_group_replaced(kernel):
+def test_a_rank_stuck_in_a_collective_is_freed_and_the_group_reconnected(kernel):
     n = 2
     before = define(kernel, n)
     out = kernel.run(ASYMMETRIC.format(n=n), interrupt_when="waiting")
@@ -122,8 +122,9 @@ def test_a_rank_stuck_in_a_collective_is_freed_and_the_group_replaced(kernel):
     text = out["text"]
     assert "rank 0 (" in text and "was waiting in a collective the other ranks did not reach" in text
     assert "rank 1 (" in text and "was interrupted" in text
-    assert "The process group was replaced in the same processes" in text
-    assert "Re-bound to the new group (DistributedDataParallel): model." in text
+    assert "The process groups were reconnected in place (a fresh rendezvous)" in text
+    assert "They hold the same group objects as before, so these go on: model (DDP)." in text
+    assert "Made equal to rank 0's on every rank (parameters and buffers): model." in text
     assert out["took"] < 30, out  # the collective's timeout is 120 s
     assert pids_and_model(kernel, n) == before
 
@@ -148,7 +149,7 @@ def test_an_interrupt_outside_any_collective_keeps_the_group(kernel):
     assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
     assert len(re.findall(r"^rank \d+ \(.*\) was interrupted\.$", out["text"], re.M)) == n
     assert "freed" not in out["text"]
-    assert "replaced" not in out["text"]  # every rank ran the same collectives: the group is kept
+    assert "reconnected" not in out["text"]  # every rank ran the same collectives: the groups are kept
     assert out["took"] < 30, out
     assert pids_and_model(kernel, n) == before
 

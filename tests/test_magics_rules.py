@@ -5,7 +5,7 @@ from IPython.core.error import UsageError
 
 from gpu_magics.common.ranks import Slot, choose_slots, make_rank_specs
 from gpu_magics.kernel.outcome import parse_targets
-from gpu_magics.kernel.pool import _Streamer, keep_group, next_step
+from gpu_magics.kernel.pool import _Streamer, next_step
 
 
 def test_rank_specs_follow_torchrun():
@@ -86,24 +86,6 @@ def test_parse_targets_refuses(text):
 )
 def test_next_step(elapsed, taken, step):
     assert next_step(elapsed, frozenset(taken)) == step
-
-
-def _st(seq, freed=0, initialized=True):
-    return {"seq": seq, "freed": freed, "initialized": initialized}
-
-
-@pytest.mark.parametrize(
-    "states, keep",
-    [
-        ([_st(4), _st(4)], True),
-        ([_st(4), _st(5)], False),  # one rank ran a collective the other did not join
-        ([_st(4), _st(4, freed=1)], False),  # a rank was freed from a collective
-        ([_st(4), _st(-1, initialized=False)], False),
-        ([], False),
-    ],
-)
-def test_keep_group(states, keep):
-    assert keep_group(states) is keep
 
 
 def test_streamer_prefixes_whole_lines(capsys):

@@ -1,18 +1,21 @@
-"""Inside each engine: getting a rank out of a stuck collective, and a new process group in
-the same process, so an interrupt or an error never costs the rank's variables.
+"""Inside each engine: getting a rank out of a stuck collective, and the same process groups
+reconnected in the same process, so an interrupt or an error never costs the rank's variables.
 
 - **Freeing a stuck rank.** A rank blocked in a gloo collective (its peers were interrupted
   before they joined it) ignores SIGINT until the collective's timeout: the call waits in C++.
   Engines start with SIGUSR1 blocked in every thread (``gpu_magics.engine.main``), and a thread
-  here waits for it; on SIGUSR1 it shuts down the group's connected sockets (gloo has no working
-  abort: measured with torch 2.13, ``abort()`` returns and the collective goes on waiting), so
-  the collective fails at once with "Connection closed by peer" and the rank returns to Python.
-  For NCCL it calls torch's process-group abort (``ncclCommAbort``), which is what NCCL offers.
-- **Keeping or replacing the group.** ``group_state`` says how many collectives the rank has run
-  and whether it was freed; where every rank agrees and none was freed the group is kept, else
-  ``replace_group`` destroys it and joins a new one on a fresh rendezvous, and re-binds every
-  ``DistributedDataParallel`` module bound to a name in the rank's namespace to the new group
-  (DDP broadcasts rank 0's parameters and buffers as it is built, so the ranks stay identical).
+  here waits for it; on SIGUSR1 it shuts down the connected sockets of every gpuhub group
+  (gloo has no working abort: measured with torch 2.13, ``abort()`` returns and the collective
+  goes on waiting), so the collective fails at once with "Connection closed by peer" and the
+  rank returns to Python. For NCCL it calls each group's abort (``ncclCommAbort``).
+- **Keeping or reconnecting the groups.** ``group_state`` says, for each group, how many
+  collectives the rank has run on it, and whether the rank was freed; where every member of
+  every group agrees and none was freed the groups are kept, else ``recover`` reconnects each
+  gpuhub group in place on a fresh rendezvous (``engine.groups``): the group objects stay, so
+  DDP, FSDP2's ``DeviceMesh`` and ``DTensor``, subgroups and a user's own objects that hold one go
+  on with them. DDP's reducer is reset (``_update_process_group``), an FSDP2 module's unsharded
+  parameters are dropped, DDP modules bound to a name are made equal to rank 0's, and every
+  group is then checked with a collective before the cell says it was kept.
 """
 
 from __future__ import annotations
@@ -20,49 +23,36 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import stat
 import threading
 from datetime import timedelta
 
+from gpu_magics.engine.groups import group_fds, group_order, live_groups, register
 from gpu_magics.engine.rendezvous import group_store
 
 FREE_SIGNAL = signal.SIGUSR1
-_STATE = {"fds": frozenset(), "freed": 0, "backend": ""}
+_STATE = {"freed": 0, "backend": "", "generation": 0}
 _FREER: threading.Thread | None = None
 
 
-def socket_fds() -> frozenset[int]:
-    """This process's open sockets."""
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if stat.S_ISSOCK(os.stat(f"/proc/self/fd/{name}").st_mode):
-                found.add(int(name))
-        except (OSError, ValueError):
-            continue
-    return frozenset(found)
-
-
 def init_group(backend: str, store, rank: int, world: int, timeout_s: float) -> None:
-    """``init_process_group``, noting the sockets it opened (the group's own connections)."""
+    """``init_process_group`` with gpuhub's reconfigurable groups over ``backend``: the world
+    group and every group made later with the default backend can be reconnected in place."""
     import torch.distributed as dist
 
-    before = socket_fds()
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        register(backend), store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
     )
-    _STATE.update(fds=socket_fds() - before, freed=0, backend=backend)
+    _STATE.update(freed=0, backend=backend)
 
 
 def free_collectives() -> None:
     """Make a collective this rank is blocked in fail now (SIGUSR1's handler, in its thread)."""
     _STATE["freed"] += 1
     if _STATE["backend"] == "nccl":
-        import torch.distributed as dist
-
-        dist.distributed_c10d._abort_process_group()
+        for group in live_groups():
+            group.abort_inner()
         return
-    for fd in _STATE["fds"]:
+    for fd in group_fds():
         try:
             s = socket.socket(fileno=fd)
         except OSError:
@@ -98,13 +88,35 @@ def start_freer() -> bool:
     return True
 
 
+def _groups():
+    """Every process group this rank is a member of, with the name c10d gave it."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world
+    return [(name, pg) for pg, name in list(world.pg_names.items()) if pg is not None]
+
+
 def group_state() -> dict:
+    """For each group this rank is a member of: its members, whether gpuhub can reconnect it,
+    and how many collectives this rank has run on it."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return {"initialized": False, "seq": -1, "freed": _STATE["freed"]}
-    seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
-    return {"initialized": True, "seq": int(seq), "freed": _STATE["freed"]}
+        return {"initialized": False, "freed": _STATE["freed"], "groups": {}}
+    groups = {}
+    for name, pg in _groups():
+        reconfigurable = hasattr(pg, "reconfigure")
+        try:
+            seq = pg.sequence() if reconfigurable else int(pg._get_sequence_number_for_group())
+        except Exception:  # a backend that does not count: never trusted after a failure
+            seq = -1
+        groups[name] = {
+            "ranks": dist.get_process_group_ranks(pg),
+            "reconfigurable": reconfigurable,
+            "backend": pg.kind if reconfigurable else dist.get_backend(pg),
+            "seq": seq,
+        }
+    return {"initialized": True, "freed": _STATE["freed"], "rank": dist.get_rank(), "groups": groups}
 
 
 def ddp_names() -> list[str]:
@@ -118,45 +130,141 @@ def ddp_names() -> list[str]:
     )
 
 
-def _ddp_options(old) -> dict:
-    mib = getattr(old, "bucket_bytes_cap", 25 * 1024 * 1024) / (1024 * 1024)
-    return {
-        "device_ids": old.device_ids,
-        "output_device": old.output_device,
-        "dim": getattr(old, "dim", 0),
-        "broadcast_buffers": getattr(old, "broadcast_buffers", True),
-        "find_unused_parameters": getattr(old, "find_unused_parameters", False),
-        "gradient_as_bucket_view": getattr(old, "gradient_as_bucket_view", False),
-        "static_graph": getattr(old, "static_graph", False),
-        "bucket_cap_mb": mib,
-    }
-
-
-def replace_group(rendezvous: dict, env_update: dict, timeout_s: float, rebind: list[str]) -> dict:
-    """Leave the default group, join a new one on ``rendezvous`` (``rendezvous.open_rendezvous``),
-    and re-bind the DDP modules named ``rebind`` (the same names, in the same order, on every
-    rank)."""
-    import gc
-
+def holders() -> dict:
+    """What in the rank's namespace holds a process group, by kind: names of DDP and FSDP2
+    modules, DeviceMeshes, and the groups bound to a name (group name -> variable names)."""
     import torch.distributed as dist
     from IPython import get_ipython
     from torch.nn.parallel import DistributedDataParallel
 
-    os.environ.update(env_update)
-    backend = _STATE["backend"] or dist.get_backend()
     ns = get_ipython().user_ns
-    old = {name: ns[name] for name in rebind}
-    for ddp in old.values():
-        ddp._remove_autograd_hooks()  # no backward may reach the old group's reducer
+    found: dict = {"ddp": [], "fsdp": [], "mesh": [], "group": {}}
+    names = {pg: name for name, pg in _groups()}
+    for key, value in list(ns.items()):
+        if key.startswith("_"):
+            continue
+        if isinstance(value, DistributedDataParallel):
+            found["ddp"].append(key)
+        elif _is_fsdp(value):
+            found["fsdp"].append(key)
+        elif type(value).__name__ == "DeviceMesh":
+            found["mesh"].append(key)
+        elif isinstance(value, dist.ProcessGroup) and value in names:
+            found["group"].setdefault(names[value], []).append(key)
+    return found
+
+
+def _is_fsdp(obj) -> bool:
     try:
-        dist.destroy_process_group()
-    except Exception:  # a group whose connections were shut down may complain; it is gone
-        pass
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    init_group(backend, group_store(rendezvous, dict(os.environ), timeout_s), rank, world, timeout_s)
-    for name, ddp in old.items():
-        ns[name] = DistributedDataParallel(ddp.module, **_ddp_options(ddp))
-    old.clear()
-    gc.collect()
-    ns["dist"] = dist
-    return {"rebound": list(rebind), "seq": group_state()["seq"]}
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(obj, FSDPModule)
+
+
+def _reset_holders() -> dict:
+    """Every DDP module and FSDP2 module in this process (wherever it is held) made ready for a
+    new step on its reconnected group: DDP's reducer forgets an interrupted backward, and FSDP2
+    drops parameters an interrupted forward left unsharded. Local: no collective."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = fsdp = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            obj._update_process_group(obj.process_group)
+            ddp += 1
+        elif _is_fsdp(obj):
+            _reset_fsdp(obj)
+            fsdp += 1
+    return {"ddp": ddp, "fsdp": fsdp}
+
+
+def _reset_fsdp(module) -> None:
+    """An FSDP2 module back to its resting state: sharded parameters, no gradient reduction
+    waiting (an interrupted step leaves either behind)."""
+    state = module._get_fsdp_state()
+    group = state._fsdp_param_group
+    if group is None:
+        return
+    group._all_gather_result = None
+    group._post_reduce_event = None
+    group._reshard_after_forward_event = None
+    for attr in ("_all_reduce_state", "_reduce_scatter_state"):
+        if hasattr(group, attr):
+            setattr(group, attr, None)
+    if group.is_unsharded:
+        group.reshard()
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state._training_state = TrainingState.IDLE
+    group._training_state = TrainingState.IDLE
+
+
+def _sync_ddp(names: list[str]) -> list[str]:
+    """The DDP modules named (the same names, in the same order, on every rank) made equal to
+    rank 0's: parameters and buffers broadcast on each module's group."""
+    from IPython import get_ipython
+    from torch.distributed.utils import _sync_module_states
+
+    ns = get_ipython().user_ns
+    done = []
+    for name in names:
+        ddp = ns[name]
+        _sync_module_states(
+            module=ddp.module,
+            process_group=ddp.process_group,
+            broadcast_bucket_size=ddp.broadcast_bucket_size,
+            src=0,
+            params_and_buffers_to_ignore=getattr(ddp, "parameters_to_ignore", set()),
+            broadcast_buffers=True,
+        )
+        done.append(name)
+    return done
+
+
+def check_groups(names: list[str]) -> dict[str, str]:
+    """A collective on each group named (this rank a member of each, every member asked for
+    the same names in the same order): "" where it answered right, else what went wrong."""
+    import torch
+    import torch.distributed as dist
+
+    by_name = dict(_groups())
+    results = {}
+    for name in sorted(names, key=group_order):
+        pg = by_name.get(name)
+        if pg is None:
+            results[name] = "this rank no longer has it"
+            continue
+        try:
+            t = torch.ones(1)
+            if getattr(pg, "kind", "") == "nccl":
+                t = t.cuda()
+            dist.all_reduce(t, group=pg)
+            size = dist.get_world_size(pg)
+            results[name] = "" if int(t.item()) == size else f"the check summed to {int(t.item())}, not {size}"
+        except Exception as e:
+            results[name] = f"{type(e).__name__}: {e}".split("\n")[0][:200]
+    return results
+
+
+def recover(rendezvous: dict, env_update: dict, timeout_s: float, names: list[str], sync: list[str]) -> dict:
+    """Reconnect the gpuhub groups ``names`` in place on ``rendezvous``
+    (``rendezvous.open_rendezvous``), reset what holds them, make the DDP modules named
+    ``sync`` equal to rank 0's, and check every group named with a collective."""
+    os.environ.update(env_update)
+    _STATE["generation"] += 1
+    root = group_store(rendezvous, dict(os.environ), timeout_s)
+    by_name = {g.group_name: g for g in live_groups()}
+    failed = {}
+    for name in sorted(names, key=group_order):
+        try:
+            by_name[name].reconfigure(root, _STATE["generation"])
+        except Exception as e:
+            failed[name] = f"{type(e).__name__}: {e}".split("\n")[0][:200]
+    reset = _reset_holders()
+    synced = _sync_ddp(sync) if not failed else []
+    checked = check_groups([n for n in names if n not in failed])
+    _STATE["freed"] = 0
+    return {"failed": failed, "checked": checked, "reset": reset, "synced": synced, "state": group_state()}

@@ -1,6 +1,6 @@
 """Where a pool's process group meets, inside each engine: rank 0's engine makes the meeting
 place (``open_rendezvous``, asked for by the kernel's pool), and every rank joins the group
-through it (``group_store``: at ``rank.setup_rank``, and again at ``recovery.replace_group``).
+through it (``group_store``: at ``rank.setup_rank``, and again at ``recovery.recover``).
 """
 
 from __future__ import annotations

@@ -8,14 +8,15 @@ Running a cell streams every rank's output as it arrives, prefixed by rank. When
 fails, the others get ``grace`` seconds to finish, then SIGINT; an interrupt of the kernel
 sends SIGINT to every rank. A rank still running after that is stuck in a collective and is
 freed by SIGUSR1 (``recovery``), without losing its process; only a rank that still does not
-stop is killed. Then the process group is kept where it is still consistent, or replaced in
-the same processes. Only a lost process (killed, died) breaks the pool: its next cell starts
+stop is killed. Then the process groups are kept where they are still consistent, or
+reconnected in place (the same group objects, ``engine.groups``). Only a lost process (killed, died) breaks the pool: its next cell starts
 fresh engines. Where the engines run is the launcher's (``gpu_magics.launch``); the pool takes
 the ranks' placement from it (``launch.base.Placement``).
 
 About 570 lines: one object's lifecycle (start, run a cell, settle the group, stop) around one
-ipyparallel client; the pure steps of a stop (``next_step``, ``keep_group``) and the output
-streamer are its own and tested as such (tests/test_magics_rules.py).
+ipyparallel client; the pure steps of a stop (``next_step``) and the output streamer are its
+own and tested as such (tests/test_magics_rules.py); what becomes of the groups is
+``kernel.regroup``'s (tests/test_regroup.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from gpu_magics.common.procs import ExitWatch, alive
 from gpu_magics.common.ranks import RankSpec
 from gpu_magics.engine.recovery import FREE_SIGNAL
+from gpu_magics.kernel import regroup
 from gpu_magics.launch.base import Launcher
 from gpu_magics.launch.local import LocalLauncher
 from gpu_magics.launch.reaper import kill_trees
@@ -85,16 +87,6 @@ def next_step(elapsed: float, taken: frozenset[str]) -> str | None:
     if elapsed >= FREE_AFTER + KILL_AFTER + 5:
         return "give up"
     return None
-
-
-def keep_group(states: list[dict]) -> bool:
-    """The process group goes on only where every rank has it, has run as many collectives as
-    every other, and none was freed from one (``recovery.group_state``)."""
-    return (
-        bool(states)
-        and all(st["initialized"] and not st["freed"] for st in states)
-        and len({st["seq"] for st in states}) == 1
-    )
 
 
 @dataclass
@@ -402,44 +394,49 @@ class EnginePool:
         return {r for r, pid in enumerate(here) if pid and pid in ended}
 
     def settle(self, timeout: float = 60) -> list[str]:
-        """After a failed or interrupted cell: keep the process group where every rank has run
-        the same collectives and none was freed from one, else replace it in the same processes
-        (a fresh rendezvous) and re-bind the DDP modules to it. Notes for the cell."""
-        from gpu_magics.engine.recovery import ddp_names, group_state, replace_group
+        """After a failed or interrupted cell: keep the process groups where every member of
+        each has run the same collectives on it and none was freed, else reconnect them in
+        place on a fresh rendezvous (``engine.recovery.recover``, decided by ``regroup``), and
+        check each with a collective. Notes for the cell."""
+        from gpu_magics.engine.recovery import ddp_names, group_state, holders, recover
 
         try:
             states = [self.client[eid].apply_async(group_state).get(timeout) for eid in self.engine_ids]
         except Exception as e:  # an engine that cannot answer cannot go on
             self.broken = True
             return [f"The ranks did not answer after the cell ({e}); the next cell starts fresh engines."]
-        if keep_group(states):
+        if regroup.keep_groups(states):
             return []
+        order = sorted(range(len(states)), key=lambda i: states[i].get("rank", i))
+        engines = [self.engine_ids[i] for i in order]
+        states = [states[i] for i in order]
+        the_plan = regroup.plan(states)
+        if the_plan.broken:
+            self.broken = True
+            return [f"The world group cannot be reconnected ({the_plan.lost[regroup.WORLD]}); the next cell starts fresh engines."]
         try:
-            names = [self.client[eid].apply_async(ddp_names).get(timeout) for eid in self.engine_ids]
-            common = sorted(set.intersection(*map(set, names)))
+            names = [self.client[eid].apply_async(ddp_names).get(timeout) for eid in engines]
+            sync = sorted(set.intersection(*map(set, names)))
+            found = self.client[engines[0]].apply_async(holders).get(timeout)
             old = self.rendezvous
             _, rendezvous = self._open_rendezvous([spec.env() for spec in self.specs], timeout)
             env = {"MASTER_PORT": str(rendezvous["port"])} if rendezvous["kind"] == "tcp" else {}
             replies = [
-                self.client[eid].apply_async(replace_group, rendezvous, env, self.timeout_s, common)
-                for eid in self.engine_ids
+                self.client[eid].apply_async(recover, rendezvous, env, self.timeout_s, the_plan.names[i], sync)
+                for i, eid in enumerate(engines)
             ]
             self.client.wait(replies, timeout=timeout)
-            for ar in replies:
-                ar.get(0)
+            results = [ar.get(0) for ar in replies]
         except Exception as e:
             self.broken = True
             return [
-                f"The process group could not be replaced ({type(e).__name__}: {e}); "
+                f"The process groups could not be reconnected ({type(e).__name__}: {e}); "
                 "the next cell starts fresh engines."
             ]
         self._remove_rendezvous(old)
-        notes = ["The process group was replaced in the same processes (a fresh rendezvous)."]
-        if common:
-            notes.append(f"Re-bound to the new group (DistributedDataParallel): {', '.join(common)}.")
-        odd = sorted(set.union(*map(set, names)) - set(common))
-        if odd:
-            notes.append(f"Not re-bound (not a DDP module on every rank): {', '.join(odd)}; wrap them again.")
+        notes, ok = regroup.report(the_plan, results, found)
+        if not ok:
+            self.broken = True
         return notes
 
     def _outcome(self, targets: list[int], metadata: list[dict], killed: bool) -> CellOutcome:
