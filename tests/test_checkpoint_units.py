@@ -142,12 +142,18 @@ def _listing(d):
     return sorted(os.listdir(d)) if os.path.isdir(d) else []
 
 
+def _size(path):
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
 def test_save_and_restore_are_bit_identical(tmp_path):
     saved = _trained(0)
     d = str(tmp_path / "ck")
     result = cpe.engine_save(list(saved), d, {"saved": 1.0, "rank": 0, "world_size": 1}, ns=saved)
     assert result["ok"], result
-    assert _listing(d) == ["meta.pt", "model.pt", "opt.pt", "sched.pt", "w.pt"]  # no temporary file
+    assert _listing(d) == ["meta.pt", "model.dcp", "opt.dcp", "sched.pt", "w.pt"]  # no temporary file
     assert {f["name"]: f["kind"] for f in result["files"]} == {
         "model": "module",
         "opt": "optimizer",
@@ -155,9 +161,11 @@ def test_save_and_restore_are_bit_identical(tmp_path):
         "w": "tensor",
         "meta": "value",
     }
-    assert all(f["bytes"] == os.path.getsize(f["path"]) for f in result["files"])
+    assert all(f["bytes"] == _size(f["path"]) for f in result["files"])
     assert os.stat(d).st_mode & 0o777 == 0o700
     assert all(os.stat(f["path"]).st_mode & 0o077 == 0 for f in result["files"])
+    assert sorted(os.listdir(f"{d}/model.dcp")) == [".metadata", "__0_0.distcp", "gpuhub.json"]
+    assert [f.get("model") for f in result["files"]] == [None, "model", None, None, None]
 
     fresh = _trained(1)  # the definitions re-run: other values
     fresh.pop("w"), fresh.pop("meta")
@@ -165,8 +173,8 @@ def test_save_and_restore_are_bit_identical(tmp_path):
     prepared = cpe.engine_prepare_restore("t", list(saved), d, ns=fresh)
     assert prepared["ok"], prepared
     assert cpe.engine_apply_restore("t", ns=fresh) == {
-        "model": "load_state_dict",
-        "opt": "load_state_dict",
+        "model": "dcp.load",
+        "opt": "dcp.load",
         "sched": "load_state_dict",
         "w": "assigned",
         "meta": "assigned",
@@ -235,20 +243,40 @@ def test_a_failed_write_keeps_its_errno_and_leaves_nothing(tmp_path, monkeypatch
         raise self.error
 
     monkeypatch.setattr(cpe._Recorder, "write", full)
-    old = str(tmp_path / "model.pt")
+    old = str(tmp_path / "w.pt")
     with open(old, "wb") as f:
         f.write(b"the last checkpoint")
-    result = cpe.engine_save(["model"], str(tmp_path), {}, ns={"model": nn.Linear(2, 2)})
+    result = cpe.engine_save(["w"], str(tmp_path), {}, ns={"w": torch.ones(3)})
     assert result == {
         "ok": False,
         "error": "os",
         "errno": errno.ENOSPC,
         "strerror": os.strerror(errno.ENOSPC),
-        "name": "model",
+        "name": "w",
     }
-    assert _listing(tmp_path) == ["model.pt"]
+    assert _listing(tmp_path) == ["w.pt"]
     with open(old, "rb") as f:
         assert f.read() == b"the last checkpoint"  # the previous checkpoint is untouched
+
+
+def test_a_failed_dcp_write_keeps_its_errno_and_the_previous_checkpoint(tmp_path, monkeypatch):
+    """DCP wraps a rank's OSError in a CheckpointException: its errno still reaches the message."""
+    from torch.distributed.checkpoint import filesystem
+
+    d = str(tmp_path)
+    first = _trained(0)
+    assert cpe.engine_save(["model", "opt"], d, {}, ns=first)["ok"]
+    before = {p: open(p, "rb").read() for p in (f"{d}/model.dcp/__0_0.distcp", f"{d}/opt.dcp/__0_0.distcp")}
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(filesystem, "_write_files_from_queue", full)
+    result = cpe.engine_save(["model", "opt"], d, {}, ns=_trained(1))
+    assert result["ok"] is False and result["errno"] == errno.ENOSPC and result["name"] == "model", result
+    assert "no space left for" in cp.save_error_text("save", result, d, 1)
+    assert _listing(d) == ["model.dcp", "opt.dcp"]  # no temporary directory
+    assert {p: open(p, "rb").read() for p in before} == before
 
 
 def test_a_directory_that_is_a_file(tmp_path):
@@ -289,13 +317,14 @@ def test_restore_refuses_what_does_not_fit_and_changes_nothing(tmp_path):
     ns = {"model": wrong, "sched": 3}
     problems = _problems(d, ["model", "opt", "sched", "gone", "junk", "other"], ns)
     assert problems["model"][0] == "target" and "does not fit this module" in problems["model"][1]
-    assert "0.weight saved (8, 4), here (9, 4)" in problems["model"][1]
+    assert "0.weight saved (8, 4), yours (9, 4)" in problems["model"][1]
+    assert "define model as it was saved (same layers) in a cell, then restore" in problems["model"][1]
     assert problems["opt"] == (
         "target",
         "is not defined: re-run the cell that defines the optimizer first, then restore",
     )
     assert problems["sched"][0] == "target" and "is a int, not an LR scheduler" in problems["sched"][1]
-    assert problems["gone"] == ("missing", f"no checkpoint {d}/gone.pt")
+    assert problems["gone"] == ("missing", f"no checkpoint {d}/gone.dcp or {d}/gone.pt")
     assert problems["junk"][0] == "unreadable"
     assert problems["other"] == ("foreign", f"{d}/other.pt is not a gpuhub checkpoint")
     assert _same_state(wrong.state_dict(), before)

@@ -2,19 +2,32 @@
 and ``--autosave NAME...``.
 
 This module holds the format and the pure parts (names, paths, kinds, messages). Two halves
-use it, as ``engine.py`` and ``pool.py`` do: ``checkpoint_engine`` (inside the ranks' engines,
-answering plain dicts, never raising for a user's mistake) and ``checkpointer`` (the kernel
-side: ``Checkpointer``, given an ``EnginePool``, checks every rank, saves from rank 0, since DDP
-keeps the ranks identical, and restores into every rank, all or nothing; and the magic's part).
+use it: the engine side (``engine/checkpoints.py``, with ``engine/dcp.py`` for models and
+optimizers, inside the ranks' engines, answering plain dicts, never raising for a user's
+mistake) and the kernel side (``kernel/checkpoints.py``: ``Checkpointer``, given an
+``EnginePool``, checks every rank, has every rank write its part, checks every rank's answer,
+then has rank 0 make the save visible; restores into every rank, all or nothing).
 
-The format: one file per name, ``DIR/NAME.pt``, written by ``torch.save`` as a dict
-``{"format": "gpuhub-checkpoint", "version": 1, "name", "kind", "type", "state", "saved",
-"rank", "world_size"}``. ``state`` is the object's ``state_dict()`` for modules (a DDP model:
-its ``.module``'s, so a checkpoint fits a wrapped or unwrapped model alike), optimizers and LR
-schedulers, else the tensor or value itself. Durable: each file is written to a temporary file
-in the same directory (``.NAME.pt.HOST.PID.*.tmp``, mode 0600), flushed and fsynced, and only
-when every name of the save is written are they renamed into place (``os.replace``) and the
-directory fsynced; any failure removes every temporary file of that save.
+The format, version 2 (``docs/checkpoints.md``):
+
+- a model (any ``nn.Module``: plain, DDP, FSDP2's ``fully_shard``) or an optimizer is a
+  ``torch.distributed.checkpoint`` (DCP) directory ``DIR/NAME.dcp``: every rank writes its own
+  shards (``get_model_state_dict`` / ``get_optimizer_state_dict``, ``dcp.save``), keyed by the
+  parameters' names without a wrapper's prefix, so a checkpoint fits a plain, DDP or FSDP2
+  model of any world size (``dcp.load`` reshards). Beside DCP's files, ``gpuhub.json`` says
+  what it is (``{"format", "version": 2, "name", "kind", "type", "saved", "world_size",
+  "save", "model"}``; ``model``: the name of an optimizer's model, saved with it).
+- anything else (LR schedulers, tensors, plain values) is one file ``DIR/NAME.pt`` as in
+  version 1: ``torch.save`` of ``{"format": "gpuhub-checkpoint", "version": 1, "name", "kind",
+  "type", "state", "saved", "rank", "world_size"}``, rank 0's.
+
+Version 1 files of modules and optimizers (``DIR/NAME.pt``, gpuhub before DCP) still restore.
+
+Durable: a save's every part is written into one temporary sibling directory
+(``DIR/.gpuhub-save.HOST.PID.ID.tmp``: the kernel's host and pid), each file fsynced; only once
+every rank's answer is checked does rank 0 move each name into place with one atomic rename
+(``renameat2(RENAME_EXCHANGE)`` for a directory that exists) and fsync ``DIR``. Any failure
+removes the temporary directory; the previous checkpoint is untouched.
 """
 
 from __future__ import annotations
@@ -23,8 +36,13 @@ import errno
 import os
 
 FORMAT = "gpuhub-checkpoint"
-VERSION = 1
+VERSION = 1  # the one-file format (values, tensors, schedulers; old modules)
+DCP_VERSION = 2  # models and optimizers: a DCP directory
 SUFFIX = ".pt"
+DCP_SUFFIX = ".dcp"
+META_FILE = "gpuhub.json"  # in a NAME.dcp directory: what it holds
+TEMP_PREFIX = ".gpuhub-save."
+TEMP_SUFFIX = ".tmp"
 DEFAULT_DIR = "~/.local/share/gpuhub/checkpoints"
 CHECK_TIMEOUT = 30.0  # asking each rank what its names are
 SAVE_TIMEOUT = 3600.0  # writing or reading checkpoints: as long as a big model needs
@@ -32,13 +50,16 @@ SAVE_TIMEOUT = 3600.0  # writing or reading checkpoints: as long as a big model 
 # what each kind is called, and how it is restored
 KINDS = {
     "ddp": "DDP module",
+    "sharded": "sharded module (FSDP2)",
     "module": "module",
     "optimizer": "optimizer",
     "scheduler": "LR scheduler",
     "tensor": "tensor",
     "value": "value",
 }
-STATEFUL = ("ddp", "module", "optimizer", "scheduler")  # restored by load_state_dict in place
+STATEFUL = ("ddp", "sharded", "module", "optimizer", "scheduler")  # restored in place
+MODULES = ("ddp", "sharded", "module")
+DCP_KINDS = (*MODULES, "optimizer")  # saved by every rank through torch.distributed.checkpoint
 
 
 # pure parts ------------------------------------------------------------------------------
@@ -146,7 +167,7 @@ def kind_of(obj) -> str:
     if isinstance(obj, DistributedDataParallel):
         return "ddp"
     if isinstance(obj, torch.nn.Module):
-        return "module"
+        return "sharded" if _sharded(obj) else "module"
     if isinstance(obj, torch.optim.Optimizer):
         return "optimizer"
     if isinstance(obj, (LRScheduler, ReduceLROnPlateau)):
@@ -154,6 +175,15 @@ def kind_of(obj) -> str:
     if isinstance(obj, torch.Tensor):
         return "tensor"
     return "value"
+
+
+def _sharded(module) -> bool:
+    """A module with DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def type_name(obj) -> str:
@@ -173,14 +203,16 @@ def state_of(obj, kind: str):
 
 def fits(kind: str, saved_type: str, state, target) -> str | None:
     """Why a checkpoint of ``kind`` cannot be loaded into ``target`` (None: it can)."""
-    what = KINDS[kind] if kind != "ddp" else "module"
+    what = KINDS[kind] if kind not in MODULES else "module (same layers as saved)"
     rerun = f"re-run the cell that defines the {what} first, then restore"
     if target is _MISSING:
         return f"is not defined: {rerun}"
     have = kind_of(target)
-    if kind in ("ddp", "module"):
-        if have not in ("ddp", "module"):
+    if kind in MODULES:
+        if have not in MODULES:
             return f"is a {type_name(target)}, not a module: {rerun}"
+        if have == "sharded":
+            return None  # a full state dict: checked against the full shapes when loaded
         module = target.module if have == "ddp" else target
         mine = module.state_dict()
         missing = [k for k in mine if k not in state]
@@ -213,6 +245,136 @@ def fits(kind: str, saved_type: str, state, target) -> str | None:
                 f"checkpoint's ({[len(g['params']) for g in saved]}): {rerun} over the same model"
             )
     return None
+
+
+# version 2: models and optimizers as DCP directories -------------------------------------
+
+
+def dcp_path(directory: str, name: str) -> str:
+    return os.path.join(directory, name + DCP_SUFFIX)
+
+
+def temp_name(host: str, pid: int, token: str) -> str:
+    """The temporary sibling directory of one save, named by the kernel that makes it."""
+    return f"{TEMP_PREFIX}{host}.{pid}.{token}{TEMP_SUFFIX}"
+
+
+def parse_temp(basename: str) -> tuple[str, int, str] | None:
+    """(host, pid, token) of a save's temporary directory's name, or None: not one."""
+    if not (basename.startswith(TEMP_PREFIX) and basename.endswith(TEMP_SUFFIX)):
+        return None
+    parts = basename[len(TEMP_PREFIX) : -len(TEMP_SUFFIX)].rsplit(".", 2)  # a host may hold dots
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[0] or not parts[2]:
+        return None
+    return parts[0], int(parts[1]), parts[2]
+
+
+def stale_temps(listing: list[str], host: str, live, current: str | None = None) -> list[str]:
+    """The temporary directories in ``listing`` left by saves that can no longer finish:
+    made on ``host`` by a process that ``live(pid)`` says is gone, or by a live one that is
+    saving ``current`` now (one save at a time: its others are over). Another host's are left
+    alone (its processes cannot be checked from here)."""
+    out = []
+    for b in listing:
+        parsed = parse_temp(b)
+        if parsed is None or parsed[0] != host or b == current:
+            continue
+        if not live(parsed[1]) or (current is not None and parse_temp(current)[:2] == parsed[:2]):
+            out.append(b)
+    return out
+
+
+def match_optimizers(optimizers: dict[str, list[int]], modules: dict[str, list[int]]) -> dict[str, str | None]:
+    """Each optimizer's model: the first module (in the order given) that holds every one of
+    the optimizer's parameters (ids), or None."""
+    held = {m: set(ids) for m, ids in modules.items()}
+    return {o: next((m for m, ids in held.items() if set(p) <= ids), None) for o, p in optimizers.items()}
+
+
+def no_model_message(what: str, opt: str, model: str | None) -> str:
+    """An optimizer saved without its model (DCP keys its state by the model's parameter names)."""
+    if model:
+        how = f"save the model with it: %distributed {what} {model} {opt}"
+    else:
+        how = f"save the model with it: %distributed {what} model {opt} (your model's name for model)"
+    return (
+        f"{what}: {opt!r} is an optimizer whose model is not saved with it, and its state is kept by "
+        f"the model's parameter names. Nothing was written: {how}."
+    )
+
+
+def _listed(keys: list[str], limit: int = 5) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def module_fit(name: str, saved: dict[str, tuple | None], mine: dict[str, tuple | None]) -> str | None:
+    """Why a model checkpoint with keys (and global shapes) ``saved`` does not fit a model whose
+    state dict has ``mine``; None: it fits."""
+    missing = [k for k in saved if k not in mine]
+    extra = [k for k in mine if k not in saved]
+    shapes = [
+        f"{k} saved {saved[k]}, yours {mine[k]}"
+        for k in mine
+        if k in saved and saved[k] is not None and mine[k] is not None and saved[k] != mine[k]
+    ]
+    if not (missing or extra or shapes):
+        return None
+    said = []
+    if missing:
+        said.append(f"the checkpoint has {_listed(missing)}, missing in yours")
+    if extra:
+        said.append(f"yours has {_listed(extra)}, not in the checkpoint")
+    if shapes:
+        said.append("; ".join(shapes[:5]))
+    return (
+        f"the checkpoint does not fit this module ({'; '.join(said)}): define {name} as it was saved "
+        "(same layers) in a cell, then restore"
+    )
+
+
+def optimizer_fqns(keys) -> set[str]:
+    """The parameter names an optimizer checkpoint has state for (``state.FQN.exp_avg``)."""
+    return {k[len("state.") :].rsplit(".", 1)[0] for k in keys if k.startswith("state.") and k.count(".") >= 2}
+
+
+def optimizer_groups(keys) -> int:
+    return len({k.split(".")[1] for k in keys if k.startswith("param_groups.") and k.count(".") >= 2})
+
+
+def optimizer_fit(name: str, saved_keys, model_name: str, model_fqns, groups: int) -> str | None:
+    """Why an optimizer checkpoint does not fit this optimizer over ``model_name``, or None."""
+    unknown = sorted(optimizer_fqns(saved_keys) - set(model_fqns))
+    if unknown:
+        return (
+            f"the checkpoint has state for parameters {model_name} does not have ({_listed(unknown)}): "
+            f"define {model_name} and {name} as they were saved, then restore"
+        )
+    if optimizer_groups(saved_keys) != groups:
+        return (
+            f"it has {groups} parameter groups, the checkpoint {optimizer_groups(saved_keys)}: "
+            f"define {name} as it was saved, then restore"
+        )
+    return None
+
+
+def no_model_here(name: str, saved_model: str | None) -> str:
+    which = f" ({saved_model}, when saved)" if saved_model else ""
+    return (
+        f"none of your modules holds its parameters: define the model it optimizes{which} and {name} "
+        "over its parameters, then restore"
+    )
+
+
+def save_error_text(what: str, result: dict, directory: str, world: int) -> str:
+    """A rank's failed write (``engine_write``'s answer) said with what to do."""
+    if result["error"] == "missing":
+        return missing_message(what, {result["name"]: [result.get("rank", 0)]}, world)
+    if result["error"] == "unsaveable":
+        return unsaveable_message(what, result["name"], result["type"], result["detail"])
+    if result["error"] == "os":
+        return os_error_message(what, result["errno"], result["strerror"], directory, result["name"])
+    return f"{what}: {result.get('name') or 'the save'}: {result.get('detail')}. Nothing was written."
 
 
 class _Missing:

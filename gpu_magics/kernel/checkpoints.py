@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import keyword
 import os
+import socket
 import sys
 import threading
 import time
@@ -16,27 +17,34 @@ from IPython.core.error import UsageError
 
 from gpu_magics.common.checkpoint import (
     CHECK_TIMEOUT,
+    DCP_KINDS,
+    DCP_SUFFIX,
     KINDS,
     SAVE_TIMEOUT,
     SUFFIX,
     dir_problem,
     human_size,
     missing_message,
-    os_error_message,
+    no_model_message,
     ranks_text,
     resolve_dir,
     restore_problem_message,
-    unsaveable_message,
+    save_error_text,
+    temp_name,
 )
 from gpu_magics.common.procs import alive
-from gpu_magics.common.words import stamp
+from gpu_magics.common.words import count, stamp
 from gpu_magics.engine.checkpoints import (
+    MARK,
     engine_apply_restore,
+    engine_commit,
     engine_discard,
     engine_inspect,
+    engine_prepare_dir,
     engine_prepare_restore,
-    engine_save,
+    engine_remove,
     engine_stat,
+    engine_write,
 )
 
 # kernel side -------------------------------------------------------------------------------
@@ -49,6 +57,8 @@ class Saved:
     files: list[dict]
     unseen: dict[int, list[str]] = field(default_factory=dict)  # rank: files it cannot see
     skipped: dict[str, list[int]] = field(default_factory=dict)  # autosave: name: ranks lacking it
+    left_out: dict[str, str] = field(default_factory=dict)  # autosave: name: why it was not saved
+    writers: int = 1  # how many ranks wrote (every rank: models and optimizers, their shards)
 
     def warnings(self) -> list[str]:
         """What the user must know of this save (names left out, ranks that cannot see it)."""
@@ -56,6 +66,7 @@ class Saved:
             f"  not saved: {name!r} is not defined on {ranks_text(ranks)}"
             for name, ranks in self.skipped.items()
         ]
+        lines += [f"  not saved: {name!r}: {why}" for name, why in self.left_out.items()]
         for rank, paths in sorted(self.unseen.items()):
             lines.append(
                 f"  warning: rank {rank} does not see {', '.join(map(os.path.basename, paths))}: restore "
@@ -69,15 +80,30 @@ class Saved:
         names = ", ".join(f["name"] for f in self.files)
         return f"{names} autosaved to {self.directory} ({human_size(total)})"
 
+    def source(self) -> str:
+        """Who wrote it: ``from rank 0``, or ``by 2 ranks (each its own shards)``."""
+        if self.writers > 1:
+            return f"by {self.writers} ranks (each its own shards of models and optimizers)"
+        return f"from rank {self.rank}"
+
     def text(self, before: str | None = None) -> str:
         total = sum(f["bytes"] for f in self.files)
         head = "gpuhub: " + (f"autosaved before {before}" if before else "saved")
-        lines = [f"{head} from rank {self.rank} to {self.directory} ({human_size(total)}):"]
+        lines = [f"{head} {self.source()} to {self.directory} ({human_size(total)}):"]
         width = max(len(os.path.basename(f["path"])) for f in self.files)
         for f in self.files:
             base = os.path.basename(f["path"])
-            lines.append(f"  {base:<{width}}  {human_size(f['bytes']):>10}  {KINDS[f['kind']]} ({f['type']})")
+            what = f"{KINDS[f['kind']]} ({f['type']})"
+            if f["kind"] == "optimizer" and f.get("model"):
+                what += f" of {f['model']}"
+            lines.append(f"  {base:<{width}}  {human_size(f['bytes']):>10}  {what}")
         return "\n".join(lines + self.warnings())
+
+
+def _saved_by(rec: dict) -> str:
+    if rec.get("version") == 2:
+        return f"by {count(rec.get('world_size') or 1, 'rank')}"
+    return f"from rank {rec.get('rank', 0)}"
 
 
 @dataclass
@@ -109,12 +135,12 @@ class Restored:
     def text(self) -> str:
         lines = [f"gpuhub: restored into {self.ranks} ranks from {self.directory}:"] if self.records else []
         for name, rec in self.records.items():
-            way = "load_state_dict" if self.ways[name] == "load_state_dict" else "assigned"
+            way = self.ways[name]
+            saved_world = rec.get("world_size")
+            if way == "dcp.load" and saved_world and saved_world != self.ranks:
+                way += f", resharded from {saved_world} to {self.ranks} ranks"
             saved = stamp(rec["saved"]) if rec.get("saved") else "?"
-            lines.append(
-                f"  {name}: {KINDS[rec['kind']]} ({rec['type']}), {way}; "
-                f"saved {saved} from rank {rec.get('rank', 0)}"
-            )
+            lines.append(f"  {name}: {KINDS[rec['kind']]} ({rec['type']}), {way}; saved {saved} {_saved_by(rec)}")
         if self.skipped:
             names = " ".join(s["name"] for s in self.skipped)
             which = ", ".join(f"{s['name']} ({KINDS[s['kind']]})" for s in self.skipped)
@@ -132,9 +158,15 @@ class Checkpointer:
         self.pool = pool
         self.check_timeout = check_timeout
         self.save_timeout = save_timeout
+        self.lost: list[int] = []  # ranks whose process ended while they wrote or read
 
-    def _call(self, ranks: list[int], timeout: float, fn, *args) -> tuple[dict[int, object], dict[int, str]]:
-        """``fn(*args)`` on each rank's engine, together: each rank's answer, or why it gave none."""
+    def _call(
+        self, ranks: list[int], timeout: float, fn, *args, together: bool = False
+    ) -> tuple[dict[int, object], dict[int, str]]:
+        """``fn(*args)`` on each rank's engine, together: each rank's answer, or why it gave none.
+        ``together``: the ranks run collectives with each other (DCP): a rank whose process
+        ends is noticed at once (the others cannot finish without it: the pool is broken), and
+        ranks still waiting ``check_timeout`` s after another failed are freed (SIGUSR1)."""
         client = self.pool.client
         if client is None:
             raise UsageError("the engines are stopped: start them with a %%distributed cell")
@@ -144,13 +176,17 @@ class Checkpointer:
                 started[r] = client[self.pool.engine_ids[r]].apply_async(fn, *args)
             except Exception as e:  # an engine the controller dropped (its process is gone)
                 errors[r] = f"its engine is gone ({type(e).__name__}: {e})"
-        if started:
+        if started and not together:
             try:
                 client.wait(list(started.values()), timeout=timeout)
             except Exception:
                 pass  # each rank's own state is read below
+        elif started:
+            self._wait_together(started, errors, timeout)
         answers = {}
         for r, ar in started.items():
+            if r in errors:
+                continue
             if not ar.ready():
                 errors[r] = f"did not answer within {timeout:.0f} s"
             elif not ar.successful():
@@ -160,9 +196,64 @@ class Checkpointer:
                 answers[r] = ar.get()
         return answers, errors
 
+    def _wait_together(self, started: dict, errors: dict[int, str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while time.monotonic() < deadline:
+            pending = [r for r, ar in started.items() if not ar.ready()]
+            if not pending:
+                return
+            try:
+                self.pool.client.wait([started[r] for r in pending], timeout=0.2)
+            except Exception:
+                pass
+            gone = [r for r in self._gone(list(started)) if r not in errors]
+            if gone:
+                for r in gone:
+                    errors[r] = "'s engine process ended (killed?) before it finished"
+                self.lost = sorted(set(self.lost) | set(gone))
+                self.pool.broken = True  # the others wait for it in a collective
+                return
+            failed = [
+                r for r, ar in started.items() if ar.ready() and (not ar.successful() or not ar.get().get("ok", True))
+            ]
+            if failed and failed_at is None:
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > self.check_timeout:
+                self._free([r for r, ar in started.items() if not ar.ready()])
+                failed_at = time.monotonic() + self.save_timeout  # once
+        return
+
+    def _gone(self, ranks: list[int]) -> list[int]:
+        gone = getattr(self.pool, "_gone", None)
+        if gone is None:
+            return []
+        try:
+            return gone(ranks)
+        except Exception:
+            return []
+
+    def _free(self, ranks: list[int]) -> None:
+        """Ranks stuck in a collective that a failed rank never joined: freed as an interrupt
+        frees them (SIGUSR1, ``engine.recovery``)."""
+        import signal as _signal
+
+        ranks = [r for r in ranks if getattr(self.pool, "can_free", lambda r: False)(r)]
+        if ranks:
+            try:
+                self.pool.signal(_signal.SIGUSR1, ranks)
+            except Exception:
+                pass
+
     def _unreachable(self, what: str, errors: dict[int, str], done: str) -> UsageError:
-        said = "; ".join(f"rank {r} {e}" for r, e in sorted(errors.items()))
-        return UsageError(f"{what}: {said}. {done}")
+        said = "; ".join(f"rank {r}{'' if e.startswith(chr(39)) else ' '}{e}" for r, e in sorted(errors.items()))
+        lost = ""
+        if self.lost:
+            lost = (
+                f" The pool lost {ranks_text(self.lost)}: the next %%distributed cell starts fresh "
+                "engines (re-run the cells that define your objects, then restore)."
+            )
+        return UsageError(f"{what}: {said}. {done}{lost}")
 
     def _live_ranks(self) -> list[int]:
         ranks = list(range(self.pool.size))
@@ -171,8 +262,10 @@ class Checkpointer:
         return [r for r in ranks if r >= len(self.pool.infos) or alive(self.pool.infos[r]["pid"])]
 
     def save(self, names: list[str], directory: str, autosave: bool = False) -> Saved:
-        """Check the names on every rank, then write them from rank 0 (autosave: the names
-        rank 0 has, from the ranks that answer)."""
+        """Check the names on every rank; every rank writes its shards of the models and
+        optimizers, rank 0 the other names, all into one temporary directory; once every
+        rank's answer is checked, rank 0 moves them into place (autosave: the names rank 0
+        has, from the ranks that answer; models and optimizers only with every rank)."""
         what = "autosave" if autosave else "save"
         world = self.pool.size
         ranks = self._live_ranks() if autosave else list(range(world))
@@ -181,7 +274,8 @@ class Checkpointer:
             raise self._unreachable(what, errors, "Nothing was written.")
         missing = {n: [r for r in sorted(found) if found[r][n] is None] for n in names}
         missing = {n: rs for n, rs in missing.items() if rs}
-        skipped = {}
+        skipped: dict[str, list[int]] = {}
+        left_out: dict[str, str] = {}
         if missing and not autosave:
             raise UsageError(missing_message(what, missing, world))
         if autosave:
@@ -189,29 +283,112 @@ class Checkpointer:
             names = [n for n in names if n not in skipped]
             if not names:
                 raise UsageError(missing_message(what, skipped, world))
-        meta = {"saved": time.time(), "rank": 0, "world_size": world}
-        answers, errors = self._call([0], self.save_timeout, engine_save, names, directory, meta)
-        if errors:
-            raise self._unreachable(what, errors, "It may have left a temporary file in " + directory + ".")
-        result = answers[0]
-        if not result["ok"]:
-            raise UsageError(self._save_error(what, result, directory, world))
-        paths = [f["path"] for f in result["files"]]
-        seen, _ = self._call([r for r in ranks if r != 0], self.check_timeout, engine_stat, paths)
+        kinds = {n: found[0][n]["kind"] for n in names}
+        sharded = [n for n in names if kinds[n] in DCP_KINDS]
+        if sharded and (errors or missing):  # every rank holds a part of these
+            absent = {n: rs for n, rs in missing.items() if n in sharded}
+            if errors or absent:
+                if not autosave:
+                    raise UsageError(missing_message(what, absent, world))
+                for n in sharded:
+                    left_out[n] = "a model or optimizer needs every rank, and " + (
+                        f"{ranks_text(sorted(errors))} did not answer" if errors else "some ranks lack it"
+                    )
+                names = [n for n in names if n not in left_out]
+                sharded = []
+        differ = [n for n in sharded if len({found[r][n]["kind"] for r in found}) > 1]
+        if differ:
+            raise UsageError(
+                f"{what}: {', '.join(map(repr, differ))} differ in kind between the ranks (a module on "
+                "some, something else on others). Nothing was written: define them the same way on every rank."
+            )
+        models = {}
+        for n in [n for n in sharded if kinds[n] == "optimizer"]:
+            model = found[0][n].get("model")
+            if model is None:
+                if not autosave:
+                    raise UsageError(no_model_message(what, n, found[0][n].get("suggest")))
+                left_out[n] = f"its model is not autosaved with it (--autosave {found[0][n].get('suggest') or 'model'} {n})"
+                continue
+            models[n] = model
+        names = [n for n in names if n not in left_out]
+        sharded = [n for n in sharded if n in names]
+        if not names:
+            raise UsageError(
+                f"{what}: nothing to save: "
+                + "; ".join(f"{n}: {why}" for n, why in left_out.items())
+                + ". Nothing was written."
+            )
+        token = uuid.uuid4().hex[:12]
+        temp = os.path.join(directory, temp_name(socket.gethostname(), os.getpid(), token))
+        writers = list(range(world)) if sharded else [0]
+        meta = {"saved": time.time(), "rank": 0, "world_size": world, "save": token}
+        try:
+            self._prepare(what, temp, writers, world)
+            answers, errors = self._call(
+                writers, self.save_timeout, engine_write, temp, names, models, meta, together=len(writers) > 1
+            )
+            failed = {r: a for r, a in answers.items() if not a["ok"]}
+            if errors:
+                raise self._unreachable(what, errors, f"Nothing was written; the checkpoints in {directory} are as they were.")
+            if failed:
+                r = min(failed, key=lambda r: (failed[r]["error"] != "os", r))
+                raise UsageError(save_error_text(what, failed[r], directory, world))
+            files = answers[0]["files"]
+            committed, errors = self._call([0], self.save_timeout, engine_commit, temp, files)
+            if errors:
+                raise self._unreachable(what, errors, f"The checkpoints in {directory} may be partly replaced.")
+            if not committed[0]["ok"]:
+                raise UsageError(save_error_text(what, committed[0], directory, world))
+        except BaseException:
+            self._remove(temp)
+            raise
+        plain = [f for f in files if f["kind"] not in DCP_KINDS]
+        paths = [f["path"] for f in plain]
         unseen = {}
-        for r, sizes in seen.items():
-            lost = [p for p, s, f in zip(paths, sizes, result["files"], strict=True) if s != f["bytes"]]
-            if lost:
-                unseen[r] = lost
-        return Saved(directory, 0, result["files"], unseen, skipped)
+        if paths and not sharded:
+            seen, _ = self._call([r for r in ranks if r != 0], self.check_timeout, engine_stat, paths)
+            for r, sizes in seen.items():
+                lost = [p for p, s, f in zip(paths, sizes, plain, strict=True) if s != f["bytes"]]
+                if lost:
+                    unseen[r] = lost
+        return Saved(directory, 0, files, unseen, skipped, left_out, writers=len(writers))
 
-    @staticmethod
-    def _save_error(what: str, result: dict, directory: str, world: int) -> str:
-        if result["error"] == "missing":
-            return missing_message(what, {result["name"]: [0]}, world)
-        if result["error"] == "unsaveable":
-            return unsaveable_message(what, result["name"], result["type"], result["detail"])
-        return os_error_message(what, result["errno"], result["strerror"], directory, result["name"])
+    def _prepare(self, what: str, temp: str, writers: list[int], world: int) -> None:
+        """The temporary directory, made by rank 0, must be seen by every rank that writes
+        into it (a directory that is not shared would split a checkpoint between nodes)."""
+        directory = os.path.dirname(temp)
+        made, errors = self._call([0], self.check_timeout, engine_prepare_dir, temp)
+        if errors:
+            raise self._unreachable(what, errors, "Nothing was written.")
+        if not made[0]["ok"]:
+            raise UsageError(save_error_text(what, made[0], directory, world))
+        others = [r for r in writers if r != 0]
+        if not others:
+            return
+        seen, errors = self._call(others, self.check_timeout, engine_stat, [os.path.join(temp, MARK)])
+        blind = sorted(set(errors) | {r for r, sizes in seen.items() if sizes[0] is None})
+        if blind:
+            raise UsageError(
+                f"{what}: {ranks_text(blind)} cannot see {directory}, where rank 0 writes: each rank "
+                "writes its own shards there, so it must be one directory that every rank reaches. "
+                "Nothing was written: choose a --dir that every node shares (on Slurm: your home)."
+            )
+
+    def _remove(self, temp: str) -> None:
+        """A failed save's temporary directory: removed here where the kernel sees it, else by
+        rank 0 (and by the next save on that host, should both fail)."""
+        import shutil
+
+        if os.path.isdir(os.path.dirname(temp)):
+            shutil.rmtree(temp, ignore_errors=True)
+            if not os.path.exists(temp):
+                return
+        if 0 not in self.lost:
+            try:
+                self._call([0], self.check_timeout, engine_remove, temp)
+            except Exception:
+                pass
 
     def restore(self, names: list[str], directory: str, skip_undefined: bool = False) -> Restored:
         """Load every name into every rank, or nothing anywhere (``skip_undefined``: leave out
@@ -223,6 +400,19 @@ class Checkpointer:
             ranks, self.save_timeout, engine_prepare_restore, token, names, directory, None, skip_undefined
         )
         failed = {r: a for r, a in prepared.items() if not a["ok"]}
+        if not errors and not failed and len({tuple(a["dcp"]) for a in prepared.values()}) > 1:
+            failed = {  # a model defined on some ranks only: DCP's loads need every rank
+                r: {
+                    "ok": False,
+                    "problems": [
+                        {"name": n, "problem": "target", "text": "is not defined: re-run the cell that defines "
+                         "it on every rank (a %%distributed cell without --targets), then restore"}  # fmt: skip
+                        for n in {n for a in prepared.values() for n in a["dcp"]} - set(a["dcp"])
+                    ],
+                }
+                for r, a in prepared.items()
+                if set(a["dcp"]) != {n for b in prepared.values() for n in b["dcp"]}
+            }
         if errors or failed:
             self._call([r for r in prepared if r not in failed], self.check_timeout, engine_discard, token)
             if errors:
@@ -235,9 +425,17 @@ class Checkpointer:
             if any(p["problem"] == "missing" for a in failed.values() for p in a["problems"]):
                 text += f"\nCheckpoints in {directory}: {', '.join(list_checkpoints(directory)) or 'none'}."
             raise UsageError(text)
-        ways, errors = self._call(ranks, self.save_timeout, engine_apply_restore, token)
+        together = bool(prepared[0]["dcp"]) and world > 1
+        ways, errors = self._call(ranks, self.save_timeout, engine_apply_restore, token, together=together)
         if errors:
-            said = "; ".join(f"rank {r} {e}" for r, e in sorted(errors.items()))
+            said = "; ".join(f"rank {r}{'' if e.startswith(chr(39)) else ' '}{e}" for r, e in sorted(errors.items()))
+            if prepared[0]["dcp"]:
+                raise UsageError(
+                    f"restore: {said}. {', '.join(prepared[0]['dcp'])} may be partly loaded: run the "
+                    "restore again" + (" once the pool has restarted (the next %%distributed cell starts "
+                    "fresh engines; re-run the cells that define your objects first)" if self.lost else "")
+                    + "."
+                )
             raise UsageError(
                 f"restore: {said}. The other ranks were restored: run the restore again, or restart "
                 "the engines (%distributed shutdown) if a rank is gone."
@@ -248,7 +446,12 @@ class Checkpointer:
 def list_checkpoints(directory: str) -> list[str]:
     try:
         return sorted(
-            f[: -len(SUFFIX)] for f in os.listdir(directory) if f.endswith(SUFFIX) and not f.startswith(".")
+            {
+                f[: -len(suffix)]
+                for f in os.listdir(directory)
+                for suffix in (SUFFIX, DCP_SUFFIX)
+                if f.endswith(suffix) and not f.startswith(".")
+            }
         )
     except OSError:
         return []
