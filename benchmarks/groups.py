@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from gpu_magics.engine import groups  # noqa: E402
+from gpu_magics.engine import groups
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -44,7 +44,11 @@ def run(rank: int, world: int, d: str, repeats: int, out) -> None:
     torch.set_num_threads(1)
     groups.register("gloo")
     dist.init_process_group(
-        "gpuhub", store=dist.FileStore(os.path.join(d, "w"), world), rank=rank, world_size=world, timeout=TIMEOUT
+        "gpuhub",
+        store=dist.FileStore(os.path.join(d, "w"), world),
+        rank=rank,
+        world_size=world,
+        timeout=TIMEOUT,
     )
     wrapped_sub = dist.new_group(list(range(world)))
     plain = dist.new_group(list(range(world)), backend="gloo")
@@ -70,7 +74,11 @@ def run(rank: int, world: int, d: str, repeats: int, out) -> None:
         t = time.perf_counter()
         dist.destroy_process_group()
         dist.init_process_group(
-            "gloo", store=dist.FileStore(os.path.join(d, f"n{i}"), world), rank=rank, world_size=world, timeout=TIMEOUT
+            "gloo",
+            store=dist.FileStore(os.path.join(d, f"n{i}"), world),
+            rank=rank,
+            world_size=world,
+            timeout=TIMEOUT,
         )
         dist.new_group(list(range(world)))
         dist.barrier()
@@ -96,7 +104,10 @@ def main() -> None:
         ("recover", "recovery: reconnect in place vs destroy + init"),
     ):
         gpuhub, plain = r[key]
-        print(f"{what:48s} gpuhub {gpuhub * 1e3:8.3f} ms   plain {plain * 1e3:8.3f} ms   ratio {gpuhub / plain:5.2f}")
+        print(
+            f"{what:48s} gpuhub {gpuhub * 1e3:8.3f} ms   plain {plain * 1e3:8.3f} ms   "
+            f"ratio {gpuhub / plain:5.2f}"
+        )
 
 
 if __name__ == "__main__":

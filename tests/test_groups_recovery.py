@@ -148,3 +148,38 @@ def test_a_group_of_another_backend_is_named_as_not_reconnected(kernel):
     ), text
     assert "go on:" not in text  # nothing is said to go on while a group is lost
     assert trains_on(kernel) == before  # the groups gpuhub reconnected still work
+
+
+TRAIN = """%%distributed --gpus 2 --timeout 120
+for i in range(100000):
+    step()
+    if i == 3:
+        print("training")
+"""
+
+AFTER = """%%distributed --gpus 2 --timeout 120
+before = steps
+step()
+full = torch.cat([p.full_tensor().detach().flatten() for p in fs.parameters()])
+replica = torch.cat([p.detach().flatten() for p in ddp.parameters()])
+gathered = [None] * world_size
+dist.all_gather_object(gathered, (os.getpid(), full.tolist(), replica.tolist(), steps - before))
+gathered
+"""
+
+
+def test_an_interrupt_mid_training_step_leaves_every_model_training(kernel):
+    """Ctrl-C lands wherever each rank is in a step (a forward's all-gather, a backward's
+    reduce-scatter, DDP's all-reduce): the next cell's step works on every rank, in the same
+    processes, with one model on every rank."""
+    before = define(kernel)
+    for _ in range(2):
+        out = kernel.run(TRAIN, interrupt_when="training")
+        assert out["status"] == "error" and out["ename"] == "KeyboardInterrupt", out["text"]
+        assert "Not reconnected" not in out["text"] and "Not working" not in out["text"], out["text"]
+        assert "Every rank's variables are kept, in the same processes." in out["text"]
+        gathered = kernel.result(AFTER)
+        assert [pid for pid, _, _, _ in gathered] == before
+        assert all(stepped == 1 for _, _, _, stepped in gathered)
+        assert len({tuple(full) for _, full, _, _ in gathered}) == 1
+        assert len({tuple(replica) for _, _, replica, _ in gathered}) == 1

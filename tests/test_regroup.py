@@ -23,7 +23,10 @@ W2 = [0, 1]
     "states, keep",
     [
         ([_st({"0": _g(W2)}), _st({"0": _g(W2)})], True),
-        ([_st({"0": _g(W2, 4)}), _st({"0": _g(W2, 5)})], False),  # one rank ran a collective the other did not join
+        (
+            [_st({"0": _g(W2, 4)}), _st({"0": _g(W2, 5)})],
+            False,
+        ),  # one rank ran a collective the other did not join
         ([_st({"0": _g(W2)}), _st({"0": _g(W2)}, freed=1)], False),  # a rank was freed from a collective
         ([_st({"0": _g(W2)}), _st({}, initialized=False)], False),
         ([], False),
@@ -54,7 +57,10 @@ def test_plan_reconnects_every_gpuhub_group_on_its_members_only():
     [
         # a group the user made with another backend than gpuhub's
         (
-            [_st({"0": _g(W2), "1": _g(W2, reconfigurable=False)}), _st({"0": _g(W2), "1": _g(W2, reconfigurable=False)})],
+            [
+                _st({"0": _g(W2), "1": _g(W2, reconfigurable=False)}),
+                _st({"0": _g(W2), "1": _g(W2, reconfigurable=False)}),
+            ],
             "1",
             "made with backend 'gloo', which gpuhub cannot reconnect",
         ),
@@ -86,7 +92,9 @@ def test_report_names_only_what_every_member_checked():
     notes, good = regroup.report(p, [ok, ok], found)
     text = "\n".join(notes)
     assert good
-    assert "each answered a collective on every member: the world group (2 ranks); sub (ranks 0 and 1)." in text
+    assert (
+        "each answered a collective on every member: the world group (2 ranks); sub (ranks 0 and 1)." in text
+    )
     assert "so these go on: model (FSDP2), ddp (DDP)." in text
     assert "Made equal to rank 0's on every rank (parameters and buffers): ddp." in text
     # one member's check failed: the group is not said to work, and nothing is said to go on
@@ -95,12 +103,17 @@ def test_report_names_only_what_every_member_checked():
     text = "\n".join(notes)
     assert good  # the world group answered
     assert "the world group (2 ranks)." in text and "sub (ranks 0 and 1);" not in text
-    assert "Not working after the reconnection: sub (ranks 0 and 1) (rank 1: RuntimeError: Connection closed by peer)." in text
+    assert (
+        "Not working after the reconnection: sub (ranks 0 and 1) "
+        "(rank 1: RuntimeError: Connection closed by peer)." in text
+    )
     assert "go on" not in text
 
 
 def test_report_when_the_world_group_fails_says_fresh_engines():
     p = regroup.plan([_st({"0": _g(W2)}), _st({"0": _g(W2)})])
-    notes, good = regroup.report(p, [_result(checked={"0": ""}), _result(failed={"0": "TimeoutError: x"})], {})
+    notes, good = regroup.report(
+        p, [_result(checked={"0": ""}), _result(failed={"0": "TimeoutError: x"})], {}
+    )
     assert not good
     assert "The world group did not answer on every rank; the next cell starts fresh engines." in notes

@@ -148,7 +148,7 @@ def group_class() -> type:
         def sequence(self) -> int:
             return int(self._inner._get_sequence_number_for_group()) if self._inner is not None else -1
 
-        def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        def getBackendName(self) -> str:
             return BACKEND
 
         def _set_group_name(self, name: str) -> None:

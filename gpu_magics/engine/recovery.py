@@ -13,8 +13,8 @@ reconnected in the same process, so an interrupt or an error never costs the ran
   every group agrees and none was freed the groups are kept, else ``recover`` reconnects each
   gpuhub group in place on a fresh rendezvous (``engine.groups``): the group objects stay, so
   DDP, FSDP2's ``DeviceMesh`` and ``DTensor``, subgroups and a user's own objects that hold one go
-  on with them. DDP's reducer is reset (``_update_process_group``), an FSDP2 module's unsharded
-  parameters are dropped, DDP modules bound to a name are made equal to rank 0's, and every
+  on with them. DDP's reducer is reset (``_update_process_group``), FSDP2 drops what the interrupted
+  step left (``reset_iter_state``), DDP modules bound to a name are made equal to rank 0's, and every
   group is then checked with a collective before the cell says it was kept.
 """
 
@@ -165,41 +165,33 @@ def _is_fsdp(obj) -> bool:
 def _reset_holders() -> dict:
     """Every DDP module and FSDP2 module in this process (wherever it is held) made ready for a
     new step on its reconnected group: DDP's reducer forgets an interrupted backward, and FSDP2
-    drops parameters an interrupted forward left unsharded. Local: no collective."""
+    drops what an interrupted step left (its own ``reset_iter_state``). Local: no collective."""
     import gc
 
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = fsdp = 0
+    failed = []
     for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
-            obj._update_process_group(obj.process_group)
-            ddp += 1
-        elif _is_fsdp(obj):
-            _reset_fsdp(obj)
-            fsdp += 1
-    return {"ddp": ddp, "fsdp": fsdp}
+        try:
+            if isinstance(obj, DistributedDataParallel):
+                obj._update_process_group(obj.process_group)
+                ddp += 1
+            elif _is_fsdp(obj):
+                _reset_fsdp(obj)
+                fsdp += 1
+        except Exception as e:
+            failed.append(f"{type(obj).__name__}: {type(e).__name__}: {e}".split("\n")[0][:200])
+    return {"ddp": ddp, "fsdp": fsdp, "failed": failed}
 
 
 def _reset_fsdp(module) -> None:
-    """An FSDP2 module back to its resting state: sharded parameters, no gradient reduction
-    waiting (an interrupted step leaves either behind)."""
+    """An FSDP2 root module back to its resting state after an interrupted step: FSDP2's own
+    recovery (``reset_iter_state``: every parameter group resharded, the interrupted
+    iteration's gradient reductions dropped). Modules inside a root are reset with it."""
     state = module._get_fsdp_state()
-    group = state._fsdp_param_group
-    if group is None:
-        return
-    group._all_gather_result = None
-    group._post_reduce_event = None
-    group._reshard_after_forward_event = None
-    for attr in ("_all_reduce_state", "_reduce_scatter_state"):
-        if hasattr(group, attr):
-            setattr(group, attr, None)
-    if group.is_unsharded:
-        group.reshard()
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-    state._training_state = TrainingState.IDLE
-    group._training_state = TrainingState.IDLE
+    if getattr(state, "_is_root", None) is True:  # None: never run forward, nothing to reset
+        module.reset_iter_state()
 
 
 def _sync_ddp(names: list[str]) -> list[str]:
@@ -243,7 +235,9 @@ def check_groups(names: list[str]) -> dict[str, str]:
                 t = t.cuda()
             dist.all_reduce(t, group=pg)
             size = dist.get_world_size(pg)
-            results[name] = "" if int(t.item()) == size else f"the check summed to {int(t.item())}, not {size}"
+            results[name] = (
+                "" if int(t.item()) == size else f"the check summed to {int(t.item())}, not {size}"
+            )
         except Exception as e:
             results[name] = f"{type(e).__name__}: {e}".split("\n")[0][:200]
     return results

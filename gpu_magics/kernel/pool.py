@@ -9,9 +9,10 @@ fails, the others get ``grace`` seconds to finish, then SIGINT; an interrupt of 
 sends SIGINT to every rank. A rank still running after that is stuck in a collective and is
 freed by SIGUSR1 (``recovery``), without losing its process; only a rank that still does not
 stop is killed. Then the process groups are kept where they are still consistent, or
-reconnected in place (the same group objects, ``engine.groups``). Only a lost process (killed, died) breaks the pool: its next cell starts
-fresh engines. Where the engines run is the launcher's (``gpu_magics.launch``); the pool takes
-the ranks' placement from it (``launch.base.Placement``).
+reconnected in place (the same group objects, ``engine.groups``). Only a lost process
+(killed, died) breaks the pool: its next cell starts fresh engines. Where the engines run is
+the launcher's (``gpu_magics.launch``); the pool takes the ranks' placement from it
+(``launch.base.Placement``).
 
 About 570 lines: one object's lifecycle (start, run a cell, settle the group, stop) around one
 ipyparallel client; the pure steps of a stop (``next_step``) and the output streamer are its
@@ -413,7 +414,10 @@ class EnginePool:
         the_plan = regroup.plan(states)
         if the_plan.broken:
             self.broken = True
-            return [f"The world group cannot be reconnected ({the_plan.lost[regroup.WORLD]}); the next cell starts fresh engines."]
+            return [
+                f"The world group cannot be reconnected ({the_plan.lost[regroup.WORLD]}); "
+                "the next cell starts fresh engines."
+            ]
         try:
             names = [self.client[eid].apply_async(ddp_names).get(timeout) for eid in engines]
             sync = sorted(set.intersection(*map(set, names)))
@@ -422,7 +426,9 @@ class EnginePool:
             _, rendezvous = self._open_rendezvous([spec.env() for spec in self.specs], timeout)
             env = {"MASTER_PORT": str(rendezvous["port"])} if rendezvous["kind"] == "tcp" else {}
             replies = [
-                self.client[eid].apply_async(recover, rendezvous, env, self.timeout_s, the_plan.names[i], sync)
+                self.client[eid].apply_async(
+                    recover, rendezvous, env, self.timeout_s, the_plan.names[i], sync
+                )
                 for i, eid in enumerate(engines)
             ]
             self.client.wait(replies, timeout=timeout)

@@ -128,11 +128,22 @@ def report(the_plan: Plan, results: list[dict], found: dict) -> tuple[list[str],
         )
     kept = [f"{n} (FSDP2)" for n in found.get("fsdp", [])] + [f"{n} (DDP)" for n in found.get("ddp", [])]
     kept += [f"{n} (DeviceMesh)" for n in found.get("mesh", [])]
-    if kept and WORLD in good and not bad and not the_plan.lost:
+    if (
+        kept
+        and WORLD in good
+        and not bad
+        and not the_plan.lost
+        and not any(r and r.get("reset", {}).get("failed") for r in results)
+    ):
         notes.append("They hold the same group objects as before, so these go on: " + ", ".join(kept) + ".")
     synced = results[0]["synced"] if results and results[0] else []
     if synced:
-        notes.append("Made equal to rank 0's on every rank (parameters and buffers): " + ", ".join(synced) + ".")
+        notes.append(
+            "Made equal to rank 0's on every rank (parameters and buffers): " + ", ".join(synced) + "."
+        )
+    unreset = sorted({f for r in results if r for f in r.get("reset", {}).get("failed", [])})
+    if unreset:
+        notes.append("Could not be made ready for the next step (rebuild them): " + "; ".join(unreset) + ".")
     for name, why in the_plan.lost.items():
         notes.append(f"Not reconnected: {label[name]}, {why}.")
     for name, why in bad.items():
