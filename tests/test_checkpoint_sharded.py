@@ -267,3 +267,171 @@ print("LOADED", digest(model.state_dict()), digest(torch.load(ONE_FILE, weights_
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"LOADED {want} {want}" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of 256 KiB (a tmpfs), to fill up and to remount read-only: root
+    passes any mode bits, so an unwritable directory must be a read-only file system."""
+    path = tmp_path / "small"
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(path)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(directory: Path, leave: int) -> Path:
+    """Fill the file system of ``directory`` (ENOSPC from the kernel), then give back ``leave`` bytes."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == 28, e
+        f.truncate(max(0, f.tell() - leave))
+    return filler
+
+
+def _tree(path: Path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+DIGESTS_CELL = 'd = both()\nif rank == 0:\n    print("DIGESTS", d)'
+
+KILL_RANK_1_MID_SAVE = """
+if rank == 1:  # write this rank's shard, then die before the save is done
+    import os, signal
+    from torch.distributed.checkpoint import filesystem
+    _real_write = filesystem._write_files_from_queue
+    def _write_then_die(*args, **kwargs):
+        _real_write(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+    filesystem._write_files_from_queue = _write_then_die
+"""
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(kernel_env, tmp_path, small_disk):
+    small, d, old = small_disk, tmp_path / "ck", tmp_path / "old"
+    import shutil
+
+    shutil.copytree(GOLDEN_V1, old)
+    with started_kernel(kernel_env) as (_, kc):
+        _cell(kc, define(2, 0))
+        out = _cell(kc, cell_of(2, "train(fm, fo, 2)\ntrain(dm, do, 2)\n" + DIGESTS_CELL))
+        first = gathered(out, "DIGESTS")
+        assert "saved by 2 ranks" in _cell(kc, f"%distributed save fm fo --dir {small}")
+        assert "saved by 2 ranks" in _cell(kc, f"%distributed save fm fo dm do --dir {d}")
+        kept = _tree(small)
+        assert sorted(os.listdir(small)) == ["fm.dcp", "fo.dcp"]
+
+        # a full disk: the temporary directory goes, the previous checkpoint stays
+        _cell(kc, cell_of(2, "train(fm, fo)"))
+        filler = _fill(small, leave=2 * 4096)
+        full = _cell(kc, f"%distributed save fm fo --dir {small}", ok=False)
+        assert f"save: no space left for {small}/fm.dcp (No space left on device). Nothing was written" in full
+        assert "Traceback" not in full and "[rank" not in full, full
+        assert sorted(os.listdir(small)) == ["filler", "fm.dcp", "fo.dcp"]
+        filler.unlink()
+        assert _tree(small) == kept
+
+        # a directory that cannot be written
+        subprocess.run(["mount", "-o", "remount,ro", str(small)], check=True)
+        try:
+            ro = _cell(kc, f"%distributed save fm fo --dir {small}", ok=False)
+            assert f"save: cannot write to {small} (Read-only file system). Nothing was written" in ro, ro
+            assert _tree(small) == kept
+            # the previous checkpoint restores bit for bit (read from the read-only disk)
+            assert "dcp.load" in _cell(kc, f"%distributed restore fm fo --dir {small}")
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(small)], check=True)
+        assert gathered(_cell(kc, cell_of(2, DIGESTS_CELL)), "DIGESTS")["fm"] == first["fm"]
+
+        # what a user gets wrong is said with what to do, never a traceback per rank
+        no_model = _cell(kc, f"%distributed save fo --dir {d}", ok=False)
+        assert (
+            "save: 'fo' is an optimizer whose model is not saved with it, and its state is kept by the "
+            "model's parameter names. Nothing was written: save the model with it: %distributed save fm fo."
+        ) in no_model, no_model
+        _cell(kc, cell_of(2, "del dm"))
+        undefined = _cell(kc, f"%distributed restore dm --dir {d}", ok=False)
+        assert (
+            "restore: 'dm': is not defined: re-run the cell that defines the module (same layers as saved) "
+            "first, then restore\nNothing was restored." in undefined
+        ), undefined
+        _cell(kc, cell_of(2, "dm = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 2)))"))
+        other = _cell(kc, f"%distributed restore dm --dir {d}", ok=False)
+        assert (
+            "restore: 'dm': the checkpoint does not fit this module (yours has 4.weight, 4.bias, not in the "
+            "checkpoint; 2.weight saved (4, 16), yours (5, 16); 2.bias saved (4,), yours (5,)): define dm as it "
+            "was saved (same layers) in a cell, then restore\nNothing was restored." in other
+        ), other
+        for text in (undefined, other, no_model):
+            assert "Traceback" not in text and "[rank" not in text, text
+
+        # gpuhub's first format (one file per name) still restores, into FSDP2 and into DDP
+        _cell(kc, cell_of(2, "model = sharded(9)\nopt = torch.optim.Adam(model.parameters(), lr=0.01)"))
+        refused = _cell(kc, f"%distributed restore model opt steps --dir {old}", ok=False)
+        assert "'opt': is an optimizer of a sharded model, and this checkpoint is of gpuhub's first format" in refused
+        restored = _cell(kc, f"%distributed restore model steps --dir {old}")
+        assert "model: module (torch.nn.modules.container.Sequential), load_state_dict" in restored, restored
+        same = f"""
+        ck = {{n: torch.load("{old}/" + n + ".pt", weights_only=True)["state"] for n in ("model", "opt")}}
+        same = all(torch.equal(v, ck["model"][k]) for k, v in full(model).items()) and steps == 2
+        every = [None] * world_size
+        dist.all_gather_object(every, same)
+        if rank == 0:
+            print("SAME", every)
+        """
+        assert "SAME [True, True]" in _cell(kc, cell_of(2, same))
+        _cell(kc, cell_of(2, "model = DDP(layers(9))\nopt = torch.optim.Adam(model.parameters(), lr=0.01)"))
+        assert "opt: optimizer" in _cell(kc, f"%distributed restore model opt --dir {old}")
+        same_opt = same.replace(
+            "and steps == 2",
+            'and all(torch.equal(t, ck["opt"]["state"][i][k]) for i, s in opt.state_dict()["state"].items() '
+            "for k, t in s.items())",
+        )
+        assert "SAME [True, True]" in _cell(kc, cell_of(2, same_opt))
+
+        # a rank killed mid-save (after writing its shard): nothing is visible, the old one restores
+        before = _tree(d)
+        _cell(kc, cell_of(2, "train(fm, fo)\n" + KILL_RANK_1_MID_SAVE))
+        killed = _cell(kc, f"%distributed save fm fo --dir {d}", ok=False)
+        assert "save: rank 1's engine process ended (killed?) before it finished. Nothing was written; " in killed
+        assert f"the checkpoints in {d} are as they were. The pool lost rank 1" in killed, killed
+        assert _tree(d) == before and sorted(os.listdir(d)) == ["dm.dcp", "do.dcp", "fm.dcp", "fo.dcp"]
+        _cell(kc, "%distributed shutdown")
+        _cell(kc, define(2, 4))
+        _cell(kc, f"%distributed restore fm fo dm do --dir {d}")
+        assert gathered(_cell(kc, cell_of(2, DIGESTS_CELL)), "DIGESTS") == first
+
+
+def test_preempted_engines_save_their_shards_and_the_next_pool_restores_them(tmp_path):
+    """Slurm's SIGTERM to every engine (as a preemption sends it): each rank writes its shards of
+    the autosave names, rank 0 makes them visible; an FSDP2 model restores bit for bit."""
+    pre = tmp_path / "preempted"
+    env = own_gpus_env(tmp_path, "t:0,t:1")
+    env.update(GPUHUB_AUTOSAVE_NAMES="fm fo steps", GPUHUB_AUTOSAVE_DIR=str(pre))
+    with started_kernel(env) as (_, kc):
+        _cell(kc, define(2, 0))
+        trained = gathered(_cell(kc, cell_of(2, "train(fm, fo, 3)\nsteps = 3\n" + DIGESTS_CELL)), "DIGESTS")
+        status = _cell(kc, "%distributed status")
+        pids = [int(p) for p in re.findall(r"rank \d: GPU t:\d, pid (\d+)", status)]
+        assert len(pids) == 2, status
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not any(_alive(p) for p in pids), 60, "the preempted engines to save and end")
+        report = json.loads((pre / ".gpuhub-preempted-nojob.json").read_text())
+        assert report["ok"] and report["saved"] == ["fm", "fo", "steps"], report
+        assert sorted(os.listdir(pre)) == [".gpuhub-preempted-nojob.json", "fm.dcp", "fo.dcp", "steps.pt"]
+        assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(pre / "fm.dcp"))  # each rank's shard
+        _cell(kc, "%distributed shutdown")
+        _cell(kc, define(2, 1))
+        restored = _cell(kc, f"%distributed restore fm fo steps --dir {pre}")
+        assert "fm: sharded module (FSDP2)" in restored and "steps: value (int), assigned" in restored
+        out = _cell(kc, cell_of(2, DIGESTS_CELL + "\n    print('STEPS', steps)"))
+        assert gathered(out, "DIGESTS")["fm"] == trained["fm"] and "STEPS 3" in out

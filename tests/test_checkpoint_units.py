@@ -253,6 +253,7 @@ def test_a_failed_write_keeps_its_errno_and_leaves_nothing(tmp_path, monkeypatch
         "errno": errno.ENOSPC,
         "strerror": os.strerror(errno.ENOSPC),
         "name": "w",
+        "suffix": ".pt",
     }
     assert _listing(tmp_path) == ["w.pt"]
     with open(old, "rb") as f:
@@ -274,7 +275,7 @@ def test_a_failed_dcp_write_keeps_its_errno_and_the_previous_checkpoint(tmp_path
     monkeypatch.setattr(filesystem, "_write_files_from_queue", full)
     result = cpe.engine_save(["model", "opt"], d, {}, ns=_trained(1))
     assert result["ok"] is False and result["errno"] == errno.ENOSPC and result["name"] == "model", result
-    assert "no space left for" in cp.save_error_text("save", result, d, 1)
+    assert f"no space left for {d}/model.dcp (No space left" in cp.save_error_text("save", result, d, 1)
     assert _listing(d) == ["model.dcp", "opt.dcp"]  # no temporary directory
     assert {p: open(p, "rb").read() for p in before} == before
 

@@ -122,9 +122,12 @@ def missing_message(what: str, missing: dict[str, list[int]], world: int) -> str
     )
 
 
-def os_error_message(what: str, err: int | None, strerror: str, directory: str, name: str | None) -> str:
-    """A failed write or directory, said with what to do about it."""
-    where = checkpoint_path(directory, name) if name else directory
+def os_error_message(
+    what: str, err: int | None, strerror: str, directory: str, name: str | None, suffix: str = SUFFIX
+) -> str:
+    """A failed write or directory, said with what to do about it (``suffix``: of the name's
+    file, ``.pt``, or directory, ``.dcp``)."""
+    where = os.path.join(directory, name + suffix) if name else directory
     if err in (errno.ENOSPC, errno.EDQUOT):
         return (
             f"{what}: no space left for {where} ({strerror}). Nothing was written: free some space, "
@@ -373,7 +376,8 @@ def save_error_text(what: str, result: dict, directory: str, world: int) -> str:
     if result["error"] == "unsaveable":
         return unsaveable_message(what, result["name"], result["type"], result["detail"])
     if result["error"] == "os":
-        return os_error_message(what, result["errno"], result["strerror"], directory, result["name"])
+        suffix = result.get("suffix", SUFFIX)
+        return os_error_message(what, result["errno"], result["strerror"], directory, result["name"], suffix)
     return f"{what}: {result.get('name') or 'the save'}: {result.get('detail')}. Nothing was written."
 
 

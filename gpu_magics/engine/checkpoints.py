@@ -238,7 +238,7 @@ def engine_write(temp: str, names: list[str], models: dict, meta: dict, ns: dict
     ns = _user_ns(ns)
     rank, world = dcp.rank_and_world()
     directory = os.path.dirname(temp)
-    files, current = [], None
+    files, current, kinds = [], None, {}
     try:
         os.makedirs(temp, mode=0o700, exist_ok=True)
         for name in names:
@@ -301,7 +301,9 @@ def engine_write(temp: str, names: list[str], models: dict, meta: dict, ns: dict
         return {"ok": False, "error": "failed", "name": e.name, "detail": e.detail}
     except OSError as e:
         shutil.rmtree(temp, ignore_errors=True)
-        return {"ok": False, "error": "os", "errno": e.errno, "strerror": e.strerror or str(e), "name": current}
+        suffix = DCP_SUFFIX if current is not None and kinds.get(current) in DCP_KINDS else SUFFIX
+        return {"ok": False, "error": "os", "errno": e.errno, "strerror": e.strerror or str(e), "name": current,
+                "suffix": suffix}  # fmt: skip
     except BaseException:  # an interrupt too: never leave a temporary directory behind
         shutil.rmtree(temp, ignore_errors=True)
         raise
