@@ -126,6 +126,32 @@ def ranks_of(out: str) -> dict[int, tuple]:
     return {int(m[0]): m[1:] for m in LINE.findall(out)}
 
 
+SHARDED = """%%distributed --gpus 8 --nodes 2
+import hashlib
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+fs = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+fully_shard(fs, mesh=init_device_mesh("cpu", (world_size,)))
+fs_opt = torch.optim.Adam(fs.parameters(), lr=0.01)
+sub = dist.new_group([0, 5])
+"""
+
+SHARDED_STEP = """%%distributed --gpus 8 --nodes 2
+X = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+fs_opt.zero_grad()
+fs(X).pow(2).mean().backward()
+fs_opt.step()
+full = torch.cat([p.full_tensor().detach().flatten() for p in fs.parameters()])
+print("full", hashlib.sha256(full.numpy().tobytes()).hexdigest())
+if rank in (0, 5):
+    t = torch.ones(1)
+    dist.all_reduce(t, group=sub)
+    print("sub", t.item())
+"""
+
+
 def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
     ledger = Ledger(hub.ledger_url)
     ledger.set_limit("user", "alice", Limit(max_gpus=10))
@@ -219,6 +245,8 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         # an interrupt while rank 5 (on the second node) sleeps and the others wait in a collective
         # for it: every rank is stopped, the waiting ones freed, and the same processes go on
         pids = "%%distributed --gpus 8 --nodes 2\nimport os\nprint('pid', os.getpid())"
+        status, out = run(kc, SHARDED)  # an FSDP2 model over both nodes, and a subgroup across them
+        assert status == "ok", out
         status, out = run(kc, pids)
         before = sorted(re.findall(r"\[rank (\d+)\] pid (\d+)", out))
         assert status == "ok" and len(before) == 8, out
@@ -236,6 +264,17 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         assert "rank 5 (node gpu-node2, GPU gpu-node2:1" in out and "restarting" not in out, out
         freed = re.findall(r"rank (\d) \(node (\S+), .*? was waiting in a collective", out)
         assert sorted(int(r) for r, _ in freed) == [0, 1, 2, 3, 4, 6, 7], out
+        # the same group objects, reconnected over the new TCP rendezvous: the sharded model and
+        # the subgroup train on across the nodes
+        assert (
+            "The process groups were reconnected in place (a fresh rendezvous), and each answered a "
+            "collective on every member: the world group (8 ranks); sub (ranks 0 and 5)." in out
+        ), out
+        assert "so these go on: fs (FSDP2)" in out, out
+        status, out = run(kc, SHARDED_STEP)
+        hashes = re.findall(r"full ([0-9a-f]{64})", out)
+        assert status == "ok" and len(hashes) == 8 and len(set(hashes)) == 1, out
+        assert out.count("sub 2.0") == 2, out
         status, out = run(
             kc,
             "%%distributed --gpus 8 --nodes 2\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())",
