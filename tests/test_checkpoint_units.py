@@ -487,3 +487,255 @@ def test_names_a_resize_could_not_restore_are_not_autosaved_until_restored(capsy
     )
     m._forget_autosave("idle")
     assert m._pending == set() and m.autosave == []
+
+
+# version 2: models and optimizers as DCP directories (pure parts) ----------------------------
+
+
+@pytest.mark.parametrize(
+    "basename, parsed",
+    [
+        (cp.temp_name("node1", 42, "ab12"), ("node1", 42, "ab12")),
+        (cp.temp_name("node1.cluster.org", 7, "x"), ("node1.cluster.org", 7, "x")),  # dots in the host
+        (".gpuhub-save.node1.42.tmp", None),  # no token
+        (".gpuhub-save.node1.pid.ab.tmp", None),
+        (".model.pt.node1.42.ab.tmp", None),  # a version 1 temporary file: not a save's directory
+        ("model.dcp", None),
+    ],
+)
+def test_temp_names(basename, parsed):
+    assert cp.parse_temp(basename) == parsed
+
+
+def test_stale_temporary_directories():
+    listing = [
+        cp.temp_name("here", 10, "dead"),  # its kernel is gone
+        cp.temp_name("here", 11, "live"),  # a live kernel's save in progress
+        cp.temp_name("here", 12, "old"),  # this kernel's earlier save
+        cp.temp_name("here", 12, "now"),  # this kernel's save now
+        cp.temp_name("there", 10, "other"),  # another host's: not ours to judge
+        "model.dcp",
+        "w.pt",
+    ]
+    live = {11, 12}.__contains__
+    assert cp.stale_temps(listing, "here", live, cp.temp_name("here", 12, "now")) == [
+        cp.temp_name("here", 10, "dead"),
+        cp.temp_name("here", 12, "old"),
+    ]
+    assert cp.stale_temps(listing, "here", live) == [cp.temp_name("here", 10, "dead")]
+
+
+@pytest.mark.parametrize(
+    "optimizers, modules, expected",
+    [
+        ({"opt": [1, 2]}, {"model": [1, 2, 3]}, {"opt": "model"}),
+        ({"opt": [1, 2]}, {"head": [1], "model": [1, 2]}, {"opt": "model"}),  # all of its parameters
+        ({"opt": [1, 2]}, {"model": [1, 2], "inner": [1, 2]}, {"opt": "model"}),  # the first that does
+        ({"opt": [9]}, {"model": [1, 2]}, {"opt": None}),
+        ({"g_opt": [1], "d_opt": [5]}, {"g": [1, 2], "d": [5]}, {"g_opt": "g", "d_opt": "d"}),
+        ({"opt": [1, 5]}, {"g": [1, 2], "d": [5]}, {"opt": None}),  # across two models: none holds it
+    ],
+)
+def test_match_optimizers(optimizers, modules, expected):
+    assert cp.match_optimizers(optimizers, modules) == expected
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        ("model", "save the model with it: %distributed save model opt."),
+        (None, "save the model with it: %distributed save model opt (your model's name for model)."),
+    ],
+)
+def test_no_model_message(model, expected):
+    text = cp.no_model_message("save", "opt", model)
+    assert text.startswith("save: 'opt' is an optimizer whose model is not saved with it")
+    assert "Nothing was written" in text and text.endswith(expected)
+
+
+@pytest.mark.parametrize(
+    "saved, mine, expected",
+    [
+        ({"0.weight": (2, 3), "0.bias": (2,)}, {"0.weight": (2, 3), "0.bias": (2,)}, None),
+        (
+            {"0.weight": (2, 3)},
+            {"0.weight": (4, 3)},
+            "the checkpoint does not fit this module (0.weight saved (2, 3), yours (4, 3)): define m as it "
+            "was saved (same layers) in a cell, then restore",
+        ),
+        (
+            {"0.weight": (2, 3), "1.weight": (2, 2)},
+            {"0.weight": (2, 3), "2.weight": (2, 2)},
+            "the checkpoint does not fit this module (the checkpoint has 1.weight, missing in yours; yours has "
+            "2.weight, not in the checkpoint): define m as it was saved (same layers) in a cell, then restore",
+        ),
+        ({"extra": None, "w": (1,)}, {"extra": None, "w": (1,)}, None),  # a non-tensor entry
+    ],
+)
+def test_module_fit(saved, mine, expected):
+    assert cp.module_fit("m", saved, mine) == expected
+
+
+def test_module_fit_lists_at_most_five_keys():
+    text = cp.module_fit("m", {f"l{i}.w": (1,) for i in range(8)}, {})
+    assert "the checkpoint has l0.w, l1.w, l2.w, l3.w, l4.w and 3 more, missing in yours" in text
+
+
+OPT_KEYS = [
+    "state.0.weight.step",
+    "state.0.weight.exp_avg",
+    "state.layers.1.bias.exp_avg",
+    "param_groups.0.lr",
+    "param_groups.0.params",
+    "param_groups.1.lr",
+]
+
+
+def test_optimizer_keys():
+    assert cp.optimizer_fqns(OPT_KEYS) == {"0.weight", "layers.1.bias"}
+    assert cp.optimizer_groups(OPT_KEYS) == 2
+
+
+@pytest.mark.parametrize(
+    "fqns, groups, expected",
+    [
+        (["0.weight", "layers.1.bias", "other"], 2, None),
+        (["0.weight"], 2, "the checkpoint has state for parameters model does not have (layers.1.bias)"),
+        (["0.weight", "layers.1.bias"], 1, "it has 1 parameter groups, the checkpoint 2"),
+    ],
+)
+def test_optimizer_fit(fqns, groups, expected):
+    got = cp.optimizer_fit("opt", OPT_KEYS, "model", fqns, groups)
+    assert got == expected if expected is None else got.startswith(expected), got
+
+
+@pytest.mark.parametrize(
+    "result, expected",
+    [
+        (
+            {"error": "os", "errno": errno.ENOSPC, "strerror": "No space left on device", "name": "m", "suffix": ".dcp"},
+            "save: no space left for /d/m.dcp (No space left on device). Nothing was written",
+        ),
+        (
+            {"error": "os", "errno": errno.EROFS, "strerror": "Read-only file system", "name": None},
+            "save: cannot write to /d (Read-only file system). Nothing was written",
+        ),
+        ({"error": "missing", "name": "x", "rank": 1}, "save: 'x' is not defined on rank 1."),
+        ({"error": "failed", "name": "m", "detail": "rank 1: RuntimeError: boom"}, "save: m: rank 1: RuntimeError: boom."),
+    ],
+)
+def test_save_error_text(result, expected):
+    assert cp.save_error_text("save", {"ok": False, **result}, "/d", 2).startswith(expected)
+
+
+def test_exchange_swaps_two_directories_in_one_step(tmp_path):
+    from gpu_magics.engine import dcp
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "new").write_text("")
+    (b / "old").write_text("")
+    assert dcp.exchange(str(a), str(b)) is True  # renameat2 on this file system
+    assert os.listdir(b) == ["new"] and os.listdir(a) == ["old"]
+    with pytest.raises(FileNotFoundError):
+        dcp.exchange(str(tmp_path / "gone"), str(b))
+
+
+def test_first_os_error_and_describe_look_under_dcp_s_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from gpu_magics.engine import dcp
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    e = CheckpointException("save failed", {1: (full, None), 0: (RuntimeError("peer\n  went away"), None)})
+    assert dcp.first_os_error(e) is full
+    assert dcp.describe(e) == (
+        "rank 0: RuntimeError: peer went away; rank 1: OSError: [Errno 28] No space left on device"
+    )
+    assert dcp.first_os_error(RuntimeError("x")) is None
+
+
+def test_a_second_save_replaces_the_first_whole_and_the_other_format_goes(tmp_path):
+    d = str(tmp_path)
+    old = torch.save({"format": cp.FORMAT, "version": 1, "kind": "value", "type": "int", "state": 1}, f"{d}/model.pt")
+    assert old is None
+    first, second = _trained(0), _trained(1)
+    assert cpe.engine_save(["model"], d, {}, ns=first)["ok"]
+    assert _listing(d) == ["model.dcp"]  # the version 1 file of the same name went
+    assert cpe.engine_save(["model"], d, {}, ns=second)["ok"]
+    assert _listing(d) == ["model.dcp"]
+    ns = {"model": _trained(2)["model"]}
+    assert cpe.engine_prepare_restore("t", ["model"], d, ns=ns)["ok"]
+    cpe.engine_apply_restore("t", ns=ns)
+    assert _same_state(ns["model"].state_dict(), second["model"].state_dict())
+    assert cpe.engine_save(["model"], d, {}, ns={"model": 3})["ok"]  # now a value: the directory goes
+    assert _listing(d) == ["model.pt"]
+
+
+def test_an_optimizer_needs_its_model_to_save_and_to_restore(tmp_path):
+    d = str(tmp_path)
+    saved = _trained(0)
+    answer = cpe.engine_save(["opt"], d, {}, ns=saved)
+    assert answer == {"ok": False, "error": "no model", "name": "opt", "suggest": "model"}
+    assert _listing(d) == []
+    assert cpe.engine_save(["model", "opt"], d, {}, ns=saved)["ok"]
+    lone = {"opt": torch.optim.Adam([nn.Parameter(torch.ones(2))])}
+    [(kind, text)] = _problems(d, ["opt"], lone).values()
+    assert kind == "target" and text.startswith("none of your modules holds its parameters: define the model it")
+    # the model under another name now: found by its parameters
+    fresh = _trained(3)
+    renamed = {"net": fresh["model"], "opt": fresh["opt"]}
+    assert cpe.engine_prepare_restore("t", ["opt"], d, ns=renamed)["ok"]
+    cpe.engine_apply_restore("t", ns=renamed)
+    mine, want = renamed["opt"].state_dict()["state"], saved["opt"].state_dict()["state"]
+    assert all(torch.equal(mine[i][k], want[i][k]) for i in want for k in want[i])
+
+
+def test_old_checkpoints_still_restore(tmp_path):
+    """Files of gpuhub's first format (written by that code: tests/golden/checkpoint-v1)."""
+    import shutil
+
+    golden = os.path.join(os.path.dirname(__file__), "golden", "checkpoint-v1")
+    d = str(tmp_path / "old")
+    shutil.copytree(golden, d)
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ns = {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=0.01)}
+    answer = cpe.engine_prepare_restore("t", ["model", "opt", "steps"], d, ns=ns)
+    assert answer["ok"] and answer["dcp"] == [], answer
+    assert answer["records"]["model"]["version"] == 1 and answer["records"]["model"]["saved"] == 1764806400.0
+    assert cpe.engine_apply_restore("t", ns=ns) == {
+        "model": "load_state_dict",
+        "opt": "load_state_dict",
+        "steps": "assigned",
+    }
+    want = {n: torch.load(f"{d}/{n}.pt", weights_only=True)["state"] for n in ("model", "opt")}
+    assert _same_state(model.state_dict(), want["model"]) and ns["steps"] == 2
+    assert _same_state(ns["opt"].state_dict()["state"], want["opt"]["state"])
+
+
+def test_saved_and_restored_say_who_wrote_and_what_was_resharded():
+    files = [
+        {"name": "model", "path": "/ck/model.dcp", "bytes": 2048, "kind": "sharded", "type": "FSDPSequential"},
+        {"name": "opt", "path": "/ck/opt.dcp", "bytes": 4096, "kind": "optimizer", "type": "Adam", "model": "model"},
+        {"name": "step", "path": "/ck/step.pt", "bytes": 10, "kind": "value", "type": "int"},
+    ]
+    text = cpk.Saved("/ck", 0, files, writers=2, left_out={"sched": "why"}).text()
+    assert text.splitlines() == [
+        "gpuhub: saved by 2 ranks (each its own shards of models and optimizers) to /ck (6.0 KiB):",
+        "  model.dcp     2.0 KiB  sharded module (FSDP2) (FSDPSequential)",
+        "  opt.dcp       4.0 KiB  optimizer (Adam) of model",
+        "  step.pt          10 B  value (int)",
+        "  not saved: 'sched': why",
+    ]
+    records = {
+        "model": {"kind": "sharded", "type": "F", "saved": 1.0, "world_size": 2, "version": 2},
+        "step": {"kind": "value", "type": "int", "saved": 1.0, "rank": 0, "world_size": 2, "version": 1},
+    }
+    text = cpk.Restored("/ck", 4, records, {"model": "dcp.load", "step": "assigned"}).text()
+    assert text.splitlines() == [
+        "gpuhub: restored into 4 ranks from /ck:",
+        "  model: sharded module (FSDP2) (F), dcp.load, resharded from 2 to 4 ranks; saved 1970-01-01 00:00:01 UTC by 2 ranks",
+        "  step: value (int), assigned; saved 1970-01-01 00:00:01 UTC from rank 0",
+    ]
