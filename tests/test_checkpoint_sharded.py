@@ -411,27 +411,52 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(
 
 
 def test_preempted_engines_save_their_shards_and_the_next_pool_restores_them(tmp_path):
-    """Slurm's SIGTERM to every engine (as a preemption sends it): each rank writes its shards of
-    the autosave names, rank 0 makes them visible; an FSDP2 model restores bit for bit."""
+    """Slurm's SIGTERM to every engine (as a preemption of the pool's job sends it): each rank
+    writes its shards of the autosave names, rank 0 makes them visible; an FSDP2 model restores
+    bit for bit. Then SIGTERM to rank 0 alone (another job's ranks go on): it saves alone what it
+    holds whole (the DDP model, its optimizer, values) and names the sharded ones not saved,
+    whose last checkpoint stays."""
     pre = tmp_path / "preempted"
     env = own_gpus_env(tmp_path, "t:0,t:1")
-    env.update(GPUHUB_AUTOSAVE_NAMES="fm fo steps", GPUHUB_AUTOSAVE_DIR=str(pre))
-    with started_kernel(env) as (_, kc):
-        _cell(kc, define(2, 0))
-        trained = gathered(_cell(kc, cell_of(2, "train(fm, fo, 3)\nsteps = 3\n" + DIGESTS_CELL)), "DIGESTS")
+    env.update(GPUHUB_AUTOSAVE_NAMES="fm fo dm do steps", GPUHUB_AUTOSAVE_DIR=str(pre), GPUHUB_PREEMPT_GATHER_SECONDS="5")
+
+    def engine_pids(kc):
         status = _cell(kc, "%distributed status")
         pids = [int(p) for p in re.findall(r"rank \d: GPU t:\d, pid (\d+)", status)]
         assert len(pids) == 2, status
+        return pids
+
+    with started_kernel(env) as (_, kc):
+        _cell(kc, define(2, 0))
+        trained = gathered(_cell(kc, cell_of(2, "train(fm, fo, 3)\ntrain(dm, do, 3)\nsteps = 3\n" + DIGESTS_CELL)), "DIGESTS")
+        pids = engine_pids(kc)
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         wait_for(lambda: not any(_alive(p) for p in pids), 60, "the preempted engines to save and end")
         report = json.loads((pre / ".gpuhub-preempted-nojob.json").read_text())
-        assert report["ok"] and report["saved"] == ["fm", "fo", "steps"], report
-        assert sorted(os.listdir(pre)) == [".gpuhub-preempted-nojob.json", "fm.dcp", "fo.dcp", "steps.pt"]
+        assert report["ok"] and report["saved"] == ["fm", "fo", "dm", "do", "steps"], report
+        listing = [".gpuhub-preempted-nojob.json", "dm.dcp", "do.dcp", "fm.dcp", "fo.dcp", "steps.pt"]
+        assert sorted(os.listdir(pre)) == listing
         assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(pre / "fm.dcp"))  # each rank's shard
         _cell(kc, "%distributed shutdown")
         _cell(kc, define(2, 1))
-        restored = _cell(kc, f"%distributed restore fm fo steps --dir {pre}")
+        restored = _cell(kc, f"%distributed restore fm fo dm do steps --dir {pre}")
         assert "fm: sharded module (FSDP2)" in restored and "steps: value (int), assigned" in restored
         out = _cell(kc, cell_of(2, DIGESTS_CELL + "\n    print('STEPS', steps)"))
-        assert gathered(out, "DIGESTS")["fm"] == trained["fm"] and "STEPS 3" in out
+        assert gathered(out, "DIGESTS") == trained and "STEPS 3" in out
+
+        # rank 0 alone is preempted
+        fm_before = _tree(pre / "fm.dcp")
+        more = gathered(_cell(kc, cell_of(2, "train(fm, fo)\ntrain(dm, do)\nsteps = 4\n" + DIGESTS_CELL)), "DIGESTS")
+        pids = engine_pids(kc)
+        os.kill(pids[0], signal.SIGTERM)
+        wait_for(lambda: not _alive(pids[0]), 60, "the preempted rank 0 to save and end")
+        report = json.loads((pre / ".gpuhub-preempted-nojob.json").read_text())
+        assert report["ok"] and report["saved"] == ["dm", "do", "steps"] and report["skipped"] == ["fm", "fo"]
+        assert "not saved (sharded, and not every rank was preempted with this one): fm, fo" in report["text"]
+        assert sorted(os.listdir(pre)) == listing and _tree(pre / "fm.dcp") == fm_before
+        _cell(kc, "%distributed shutdown")
+        _cell(kc, define(2, 2))
+        _cell(kc, f"%distributed restore fm fo dm do steps --dir {pre}")
+        out = _cell(kc, cell_of(2, DIGESTS_CELL + "\n    print('STEPS', steps)"))
+        assert gathered(out, "DIGESTS") == {"fm": trained["fm"], "dm": more["dm"]} and "STEPS 4" in out

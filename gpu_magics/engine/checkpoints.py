@@ -225,10 +225,13 @@ def _tree_size(path: str) -> int:
     return total
 
 
-def engine_write(temp: str, names: list[str], models: dict, meta: dict, ns: dict | None = None) -> dict:
+def engine_write(
+    temp: str, names: list[str], models: dict, meta: dict, ns: dict | None = None, solo: bool = False
+) -> dict:
     """Every rank, together: each model and optimizer of ``names`` into ``TEMP/NAME.dcp`` (its
     own shards, ``dcp.save``); rank 0 also writes the other names (``TEMP/NAME.pt``) and each
-    DCP directory's ``gpuhub.json``. ``models``: each optimizer's model's name.
+    DCP directory's ``gpuhub.json``. ``models``: each optimizer's model's name. ``solo``: this
+    process writes alone (as rank 0 of a world of one: state that it holds whole).
 
     ``{"ok": True, "files": [{name, path, kind, type, bytes}]}`` (``path``: where the name
     goes once committed), or ``{"ok": False, "error": "missing"|"unsaveable"|"os"|"failed",
@@ -236,7 +239,7 @@ def engine_write(temp: str, names: list[str], models: dict, meta: dict, ns: dict
     from gpu_magics.engine import dcp
 
     ns = _user_ns(ns)
-    rank, world = dcp.rank_and_world()
+    rank, world = (0, 1) if solo else dcp.rank_and_world()
     directory = os.path.dirname(temp)
     files, current, kinds = [], None, {}
     try:
@@ -254,7 +257,7 @@ def engine_write(temp: str, names: list[str], models: dict, meta: dict, ns: dict
                 state = dcp.model_state(obj)
             path = os.path.join(temp, name + DCP_SUFFIX)
             try:
-                dcp.save(state, path)
+                dcp.save(state, path, solo)
             except OSError:
                 raise
             except (KeyboardInterrupt, SystemExit):
@@ -358,7 +361,10 @@ def engine_remove(temp: str) -> None:
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def engine_save(names: list[str], directory: str, meta: dict, ns: dict | None = None, temp: str | None = None) -> dict:
+def engine_save(
+    names: list[str], directory: str, meta: dict, ns: dict | None = None, temp: str | None = None,
+    solo: bool = False,
+) -> dict:
     """A whole save in this process (every rank calls it together where there are several;
     rank 0 makes it visible once its DCP writes returned, which is once every rank's are
     written): for a namespace without a kernel (the preemption's save, tests). An optimizer's
@@ -368,7 +374,7 @@ def engine_save(names: list[str], directory: str, meta: dict, ns: dict | None = 
     from gpu_magics.engine import dcp
 
     ns = _user_ns(ns)
-    rank, _ = dcp.rank_and_world()
+    rank, _ = (0, 1) if solo else dcp.rank_and_world()
     found = engine_inspect(names, ns)
     for n, info in found.items():
         if info is None:
@@ -384,7 +390,7 @@ def engine_save(names: list[str], directory: str, meta: dict, ns: dict | None = 
         return {"ok": False, "error": "os", "errno": e.errno, "strerror": e.strerror or str(e), "name": None}
     if rank == 0:
         _clean_stale(directory, os.path.basename(temp))
-    result = engine_write(temp, names, models, meta, ns)
+    result = engine_write(temp, names, models, meta, ns, solo)
     if not result["ok"] or rank != 0:
         return result
     committed = engine_commit(temp, result["files"])
@@ -625,15 +631,23 @@ def preempt_report_path(directory: str, job_id: str) -> str:
     return os.path.join(directory, f".gpuhub-preempted-{job_id or 'nojob'}.json")
 
 
+PREEMPT_GATHER = "GPUHUB_PREEMPT_GATHER_SECONDS"  # how long a preempted rank waits for the others
+
+
 def engine_preempt_save(names: list[str], directory: str, ns: dict, environ) -> dict:
-    """At preemption, on every rank (each gets Slurm's SIGTERM): the names this rank has (as
+    """At preemption, on every rank that gets Slurm's SIGTERM: the names this rank has (as
     ``--autosave`` does: a name it lacks is skipped, and so is an optimizer whose model is not
-    among the names) into ``directory`` in the ``%distributed save`` format: every rank writes
-    its shards of the models and optimizers (DCP), rank 0 the other names, and rank 0 makes the
-    save visible once every rank's part is written, then records the answer in
-    :func:`preempt_report_path`. Answers ``{"rank", "saved": [names], "skipped": [names], "ok",
-    "text"}``."""
+    among the names) into ``directory`` in the ``%distributed save`` format. Where every rank
+    of the pool is preempted together (they meet in the process group's store within
+    ``GPUHUB_PREEMPT_GATHER_SECONDS``, 10 s), every rank writes its shards of the models and
+    optimizers, rank 0 the other names, and rank 0 makes the save visible once every rank's
+    part is written. Where only some ranks are (another job's ranks go on), rank 0 saves
+    alone what it holds whole (unsharded models and their optimizers, values); sharded ones
+    are named as not saved. Rank 0 records the answer in :func:`preempt_report_path`.
+    Answers ``{"rank", "saved": [names], "skipped": [names], "ok", "text"}``."""
     import time
+
+    from gpu_magics.engine import dcp
 
     rank, world = preempt_rank(environ)
     job = environ.get("SLURM_JOB_ID", "")
@@ -641,12 +655,35 @@ def engine_preempt_save(names: list[str], directory: str, ns: dict, environ) -> 
     skipped = [n for n in names if n not in ns]
     no_model = [n for n, i in found.items() if i["kind"] == "optimizer" and i["model"] is None]
     have = [n for n in found if n not in no_model]
+    try:
+        wait = float(environ.get(PREEMPT_GATHER) or 10.0)
+    except ValueError:
+        wait = 10.0
+    together = not any(found[n]["kind"] in DCP_KINDS for n in have) or dcp.everyone_here(
+        f"gpuhub-preempt-{job}", world, wait
+    )
+    sharded: list[str] = []
+    if not together:
+        if rank != 0:
+            return {"rank": rank, "ok": True, "saved": [], "skipped": [],
+                    "text": f"gpuhub: engine rank {rank} preempted by Slurm (job {job}) without the other "
+                            "ranks: rank 0 saves what it holds whole"}  # fmt: skip
+        sharded = [n for n in have if found[n]["kind"] == "sharded"]
+        sharded += [n for n in have if found[n]["kind"] == "optimizer" and found[n]["model"] in sharded]
+        have = [n for n in have if n not in sharded]
     meta = {"saved": time.time(), "rank": 0, "world_size": world, "reason": "preempted", "save": f"job-{job}"}
     temp = os.path.join(directory, temp_name(f"job-{job or 'none'}", 0, "preempt"))
-    result = engine_save(have, directory, meta, ns, temp=temp) if have else {"ok": True, "files": []}
+    if have:
+        result = engine_save(have, directory, meta, ns, temp=temp, solo=not together)
+    else:
+        result = {"ok": True, "files": []}
     saved = [f["name"] for f in result.get("files", [])] if result["ok"] else []
     left = (f"; not defined: {', '.join(skipped)}" if skipped else "") + (
         f"; not saved (its model is not autosaved with it): {', '.join(no_model)}" if no_model else ""
+    ) + (
+        f"; not saved (sharded, and not every rank was preempted with this one): {', '.join(sharded)}"
+        if sharded
+        else ""
     )
     if rank != 0:
         done = [n for n in saved if found[n]["kind"] in DCP_KINDS]
@@ -664,7 +701,7 @@ def engine_preempt_save(names: list[str], directory: str, ns: dict, environ) -> 
         )
     else:
         text = f"gpuhub: engine rank 0 preempted by Slurm (job {job}): autosave failed: {result}"
-    report = {"job": job, "rank": 0, "ok": result["ok"], "saved": saved, "skipped": skipped + no_model,
+    report = {"job": job, "rank": 0, "ok": result["ok"], "saved": saved, "skipped": skipped + no_model + sharded,
               "directory": directory, "time": meta["saved"], "text": text}  # fmt: skip
     try:
         _make_dir(directory)

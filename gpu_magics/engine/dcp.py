@@ -54,9 +54,10 @@ def optimizer_state(model, opt) -> dict:
     return get_optimizer_state_dict(model, opt)
 
 
-def save(state: dict, path: str) -> None:
+def save(state: dict, path: str, solo: bool = False) -> None:
     """Every rank writes its shards of ``state`` into the DCP directory ``path`` (files fsynced;
-    a replicated tensor, as DDP's, is written once, by the lowest rank that holds it)."""
+    a replicated tensor, as DDP's, is written once, by the lowest rank that holds it).
+    ``solo``: this process alone, whatever its process group (a state it holds whole)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
@@ -66,7 +67,7 @@ def save(state: dict, path: str) -> None:
             state,
             storage_writer=FileSystemWriter(path, sync_files=True),
             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-            no_dist=not distributed(),
+            no_dist=solo or not distributed(),
         )
 
 
@@ -164,6 +165,29 @@ def describe(e: BaseException, limit: int = 300) -> str:
     else:
         text = f"{type(e).__name__}: {' '.join(str(e).split())}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def everyone_here(key: str, world: int, timeout: float) -> bool:
+    """Whether every rank of the process group reached this point within ``timeout`` s (a
+    counter in the group's store: no collective, so a rank that never comes costs only the
+    wait). False without a process group."""
+    import time
+
+    if world <= 1:
+        return True
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout
+        while store.add(key, 0) < world:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+    except Exception:
+        return False
 
 
 def exchange(a: str, b: str) -> bool:
