@@ -82,7 +82,10 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
     try:
         hub.wait_for_broker()
         kernel = BrokerKernel(hub, tmp_path, "alice")
-        out = kernel.run("%config DistributedMagics.notice_check_seconds = 1")
+        out = kernel.run(
+            "%config DistributedMagics.notice_check_seconds = 1\n"
+            "%config DistributedMagics.shrink_in_place = False"  # the whole pool stops, saved first
+        )
         assert out["status"] == "ok", out["text"]
         out = kernel.run(DEFINE.format(dir=ckpt))
         assert out["status"] == "ok", out["text"]

@@ -83,6 +83,14 @@ class DistributedMagics(CheckpointCommands, Magics):
         "%config DistributedMagics.preempt_save_seconds = 60",
     ).tag(config=True)
 
+    shrink_in_place = Bool(
+        True,
+        help="When a pool's borrowed GPUs are taken back, its other ranks go on in their own "
+        "processes with every variable (the pool shrinks in place: DDP models go on, FSDP2 models "
+        "are resharded onto the survivors). False: the whole pool is stopped, after saving its "
+        "--autosave names, as before. %config DistributedMagics.shrink_in_place = False",
+    ).tag(config=True)
+
     verbose = Bool(
         False,
         help="Show every line of a resize's autosave and restore (each file, each name's kind); "

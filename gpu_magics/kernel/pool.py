@@ -346,12 +346,12 @@ class EnginePool:
         outcome.broken = self.broken
         return outcome
 
-    def _ask_engines_to_shut_down(self) -> None:
-        """A shutdown request to every engine, waiting up to ``SHUTDOWN_WAIT`` s for the
-        replies; one that does not answer is ended by the launcher's signals as before. Never
-        raises: the stop goes on whatever the engines do."""
+    def _ask_engines_to_shut_down(self, engines: list[int] | None = None) -> None:
+        """A shutdown request to every engine (or those of ``engines``), waiting up to
+        ``SHUTDOWN_WAIT`` s for the replies; one that does not answer is ended by the
+        launcher's signals as before. Never raises: the stop goes on whatever the engines do."""
         registered = set(self.client.ids)
-        ids = [i for i in self.engine_ids if i in registered]
+        ids = [i for i in (self.engine_ids if engines is None else engines) if i in registered]
         if not ids:
             return
         try:

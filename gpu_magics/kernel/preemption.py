@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpu_magics.common.words import clock
+from gpu_magics.common.words import clock, count
+from gpu_magics.kernel import resize, resizing
 from gpu_magics.kernel.burst import Part
 from gpu_magics.kernel.checkpoints import Saved, say
 from gpu_magics.kernel.notices import parse_due, taken, taken_back
@@ -118,9 +119,29 @@ class Preemption:
                 return self.notice
         return None
 
+    def shrink_plan(self, n: Notice) -> tuple[list[int], str | None]:
+        """The ranks that leave when ``n`` is acted on, and why the pool cannot shrink in place
+        (None: it can)."""
+        pool = self.lifecycle.pool
+        if not getattr(self.settings, "shrink_in_place", False):
+            return [], "shrinking in place is off (DistributedMagics.shrink_in_place)"
+        if pool is None or pool.view is None:
+            return [], "no engines run"
+        leaving = resizing.leaving_ranks(pool.specs, [s.label for s in n.part.slots])
+        return leaving, resizing.shrink_problem(pool.specs, leaving, remote=pool._remote)
+
     def text(self, n: Notice) -> str:
         head = "gpuhub: NOTICE: " + _notice(n, "of this pool")
         names = self.autosave.autosave
+        leaving, problem = self.shrink_plan(n)
+        if problem is None:
+            pool = self.lifecycle.pool
+            at = clock(max(time.time(), n.due - (self.settings.preempt_save_seconds if names else 0.0)))
+            return (
+                f"{head}\nAt {at} a running cell is interrupted and the pool shrinks in place to "
+                f"{count(pool.size - len(leaving), 'rank')} ({resizing.ranks_text(leaving)} leave"
+                f"{'s' if len(leaving) == 1 else ''}): the others keep their processes and every variable."
+            )
         if names:
             at = max(time.time(), self.act_at(n))
             when = clock(at)
@@ -174,7 +195,10 @@ class Preemption:
         if time.time() >= self.act_at(n):
             n.interrupted = True
             names = self.autosave.autosave
-            what = f"save {_names(names)}" if names else "stop the engines"
+            if self.shrink_plan(n)[1] is None:
+                what = "shrink the pool in place"
+            else:
+                what = f"save {_names(names)}" if names else "stop the engines"
             say(f"gpuhub: interrupting the cell to {what} before the borrowed GPUs are taken back.", err=True)
             raise PreemptNow()
 
@@ -206,10 +230,14 @@ class Preemption:
         say(text, err=True)
 
     def stop(self, n: Notice) -> str:
-        """Save (with autosave), stop the engines, release what is within the limit now and
-        the preempted part at its due time (so that the hub records it as preempted); the
-        report of what was kept and what was lost. Called under the lifecycle's lock."""
+        """Shrink the pool in place where it can (:meth:`shrink`); else save (with autosave),
+        stop the engines, release what is within the limit now and the preempted part at its
+        due time (so that the hub records it as preempted); the report of what was kept and
+        what was lost. Called under the lifecycle's lock."""
         n.acted = True
+        shrunk, why_not = self.shrink(n)
+        if shrunk is not None:
+            return shrunk
         life = self.lifecycle
         pool, burst = life.pool, life.burst
         names, where = list(self.autosave.autosave), self.autosave.autosave_dir
@@ -238,6 +266,8 @@ class Preemption:
         t.start()
 
         lines = ["gpuhub: " + _notice(n, "of the pool")]
+        if why_not:
+            lines.append(f"The pool could not shrink in place: {why_not}.")
         kept = [f["name"] for f in saved.files] if saved else []
         if saved:
             lines.append(f"Kept: {_names(kept)}, saved from rank {saved.rank} before the due time:")
@@ -271,6 +301,35 @@ class Preemption:
                 "stop), or run %distributed save NAME... when a notice comes."
             )
         return "\n".join(lines)
+
+    def shrink(self, n: Notice) -> tuple[str | None, str | None]:
+        """The pool without the ranks on ``n``'s GPUs, in the same processes: the report, or
+        None and why not (then the caller stops the pool as before; a failure after the
+        departure has left the pool broken, which that stop ends)."""
+        leaving, problem = self.shrink_plan(n)
+        if problem is not None:
+            return None, None if "is off" in problem or "no engines" in problem else problem
+        life = self.lifecycle
+        pool = life.pool
+        try:
+            shrunk = resize.shrink(pool, leaving)
+        except resize.ShrinkFailed as e:
+            return None, str(e)
+        burst = life.burst
+        if burst is not None:
+            burst.parts = [p for p in burst.parts if p is not n.part]
+            if not burst.parts:
+                life.burst = None
+        n.part.release()  # the borrowed GPUs back now, after the notice: recorded as its preemption
+        if life.key is not None:
+            (_, nodes, per_node), backend_name, timeout = life.key
+            life.key = ((pool.size, nodes, per_node), backend_name, timeout)
+        lines = ["gpuhub: " + _notice(n, "of the pool"), *resizing.shrink_text(shrunk)]
+        if n.interrupted:
+            lines.append("The running cell was interrupted at the notice's time; what it had done is kept.")
+        gave = count(n.part.borrowed or n.part.size, "borrowed GPU")
+        lines.append(f"{gave} given back now (due at {n.due_text}).")
+        return "\n".join(lines), None
 
     def release_preempted(self) -> None:
         """Give back the preempted parts (at their due time, or at shutdown)."""
