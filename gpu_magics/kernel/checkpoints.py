@@ -30,6 +30,7 @@ from gpu_magics.common.checkpoint import (
     resolve_dir,
     restore_problem_message,
     save_error_text,
+    stale_temps,
     temp_name,
 )
 from gpu_magics.common.procs import alive
@@ -159,6 +160,7 @@ class Checkpointer:
         self.check_timeout = check_timeout
         self.save_timeout = save_timeout
         self.lost: list[int] = []  # ranks whose process ended while they wrote or read
+        self.freed: list[int] = []  # ranks freed from a collective that a failed rank never joined
 
     def _call(
         self, ranks: list[int], timeout: float, fn, *args, together: bool = False
@@ -220,7 +222,7 @@ class Checkpointer:
             if failed and failed_at is None:
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > self.check_timeout:
-                self._free([r for r, ar in started.items() if not ar.ready()])
+                self.freed = self._free([r for r, ar in started.items() if not ar.ready()])
                 failed_at = time.monotonic() + self.save_timeout  # once
         return
 
@@ -243,7 +245,21 @@ class Checkpointer:
             try:
                 self.pool.signal(_signal.SIGUSR1, ranks)
             except Exception:
-                pass
+                return []
+        return ranks
+
+    def _settle(self) -> str:
+        """After ranks were freed from a collective: the process groups checked and, where
+        needed, reconnected in place (the pool's own ``settle``), said in a sentence."""
+        if not self.freed or not hasattr(self.pool, "settle"):
+            return ""
+        try:
+            notes = self.pool.settle()
+        except Exception as e:
+            return f" Freeing {ranks_text(self.freed)} from the save's collectives failed ({e})."
+        return f" {ranks_text(self.freed).capitalize()} waited for the others and were freed." + (
+            " " + " ".join(notes) if notes else ""
+        )
 
     def _unreachable(self, what: str, errors: dict[int, str], done: str) -> UsageError:
         said = "; ".join(f"rank {r}{'' if e.startswith(chr(39)) else ' '}{e}" for r, e in sorted(errors.items()))
@@ -333,7 +349,7 @@ class Checkpointer:
                 raise self._unreachable(what, errors, f"Nothing was written; the checkpoints in {directory} are as they were.")
             if failed:
                 r = min(failed, key=lambda r: (failed[r]["error"] != "os", r))
-                raise UsageError(save_error_text(what, failed[r], directory, world))
+                raise UsageError(save_error_text(what, failed[r], directory, world) + self._settle())
             files = answers[0]["files"]
             committed, errors = self._call([0], self.save_timeout, engine_commit, temp, files)
             if errors:
@@ -357,7 +373,15 @@ class Checkpointer:
     def _prepare(self, what: str, temp: str, writers: list[int], world: int) -> None:
         """The temporary directory, made by rank 0, must be seen by every rank that writes
         into it (a directory that is not shared would split a checkpoint between nodes)."""
+        import shutil
+
         directory = os.path.dirname(temp)
+        try:  # a killed kernel's (this host's) temporary directories, where this kernel sees them
+            listing = os.listdir(directory)
+        except OSError:
+            listing = []
+        for b in stale_temps(listing, socket.gethostname(), alive, os.path.basename(temp)):
+            shutil.rmtree(os.path.join(directory, b), ignore_errors=True)
         made, errors = self._call([0], self.check_timeout, engine_prepare_dir, temp)
         if errors:
             raise self._unreachable(what, errors, "Nothing was written.")
