@@ -409,6 +409,18 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(
         _cell(kc, f"%distributed restore fm fo dm do --dir {d}")
         assert gathered(_cell(kc, cell_of(2, DIGESTS_CELL)), "DIGESTS") == first
 
+        # autosave with a rank gone: models and optimizers need every rank; the rest is saved
+        auto = tmp_path / "auto"
+        _cell(kc, f"%%distributed --gpus 2 --timeout 60 --autosave fm fo steps --dir {auto}\nsteps = 5")
+        pid = int(re.search(r"rank 1: GPU t:1, pid (\d+)", _cell(kc, "%distributed status")).group(1))
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not _alive(pid), 30, "rank 1's engine to die")
+        stopped = _cell(kc, "%distributed shutdown")
+        assert f"gpuhub: autosaved before %distributed shutdown from rank 0 to {auto}" in stopped, stopped
+        for name in ("fm", "fo"):
+            assert f"  not saved: '{name}': a model or optimizer needs every rank, and rank 1 did not answer" in stopped
+        assert os.listdir(auto) == ["steps.pt"]
+
 
 def test_preempted_engines_save_their_shards_and_the_next_pool_restores_them(tmp_path):
     """Slurm's SIGTERM to every engine (as a preemption of the pool's job sends it): each rank

@@ -235,7 +235,7 @@ class Checkpointer:
         except Exception:
             return []
 
-    def _free(self, ranks: list[int]) -> None:
+    def _free(self, ranks: list[int]) -> list[int]:
         """Ranks stuck in a collective that a failed rank never joined: freed as an interrupt
         frees them (SIGUSR1, ``engine.recovery``)."""
         import signal as _signal
@@ -301,14 +301,15 @@ class Checkpointer:
                 raise UsageError(missing_message(what, skipped, world))
         kinds = {n: found[0][n]["kind"] for n in names}
         sharded = [n for n in names if kinds[n] in DCP_KINDS]
-        if sharded and (errors or missing):  # every rank holds a part of these
+        silent = sorted(set(range(world)) - set(found))  # autosave: ranks gone or not answering
+        if sharded and (silent or missing):  # every rank holds a part of these
             absent = {n: rs for n, rs in missing.items() if n in sharded}
-            if errors or absent:
+            if silent or absent:
                 if not autosave:
                     raise UsageError(missing_message(what, absent, world))
                 for n in sharded:
                     left_out[n] = "a model or optimizer needs every rank, and " + (
-                        f"{ranks_text(sorted(errors))} did not answer" if errors else "some ranks lack it"
+                        f"{ranks_text(silent)} did not answer" if silent else "some ranks lack it"
                     )
                 names = [n for n in names if n not in left_out]
                 sharded = []
