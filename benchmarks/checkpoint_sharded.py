@@ -45,7 +45,8 @@ opt.step()
 
 FULL_SAVE = """
 full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-state = {{"model": get_model_state_dict(m, options=full), "opt": get_optimizer_state_dict(m, opt, options=full)}}
+state = {{"model": get_model_state_dict(m, options=full),
+          "opt": get_optimizer_state_dict(m, opt, options=full)}}
 if rank == 0:
     with open("{path}", "wb") as f:
         torch.save(state, f)
@@ -102,7 +103,10 @@ def measure(shell, magic: str, width: int, rounds: int, where: Path) -> dict[str
         for name, fn in saves + loads:
             times[name].append(timed(fn))
     size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-    print(f"\nwidth {width}: {4 * width * width * 4 * 3 / 2**20:.0f} MiB of state, DCP files {size / 2**20:.1f} MiB")
+    print(
+        f"\nwidth {width}: {4 * width * width * 4 * 3 / 2**20:.0f} MiB of state, "
+        f"DCP files {size / 2**20:.1f} MiB"
+    )
     return times
 
 

@@ -130,7 +130,9 @@ def test_save_kill_a_rank_restore_bit_identical(kernel_env, tmp_path):
         cell("%%distributed --gpus 2 --timeout 30\nsteps = None")
         restored = cell(f"%distributed restore model opt sched steps losses --dir {d}")
         assert f"gpuhub: restored into 2 ranks from {d}:" in restored, restored
-        assert "model: DDP module" in restored and "dcp.load" in restored and "sched: LR scheduler" in restored
+        assert (
+            "model: DDP module" in restored and "dcp.load" in restored and "sched: LR scheduler" in restored
+        )
         assert "steps: value (int), assigned" in restored
         assert digests(cell(PRINTS)) == before  # every rank, bit for bit
 
@@ -242,13 +244,19 @@ print("STOPPED", magics.pool is None, sorted(os.listdir("{d}")))
     trained = digests(cells[3].stdout)
     stopped = cells[3].stdout + cells[4].stdout
     assert "idle for 2 s; stopping them" in stopped, stopped
-    assert f"gpuhub: autosaved before the idle stop by 2 ranks (each its own shards of models and optimizers) to {d}" in stopped, stopped
+    assert (
+        "gpuhub: autosaved before the idle stop by 2 ranks (each its own shards of models and optimizers) "
+        f"to {d}" in stopped
+    ), stopped
     assert "STOPPED True ['model.dcp', 'opt.dcp', 'sched.pt']" in cells[4].stdout
     assert "engines: none" in cells[6].stdout and "autosave" not in cells[6].stdout  # forgotten
     assert digests(cells[9].stdout) == trained  # restored into a new pool
     more = digests(cells[11].stdout)
     assert more != trained
-    assert f"gpuhub: autosaved before %distributed shutdown by 2 ranks (each its own shards of models and optimizers) to {d}" in cells[12].shown
+    assert (
+        "gpuhub: autosaved before %distributed shutdown by 2 ranks (each its own shards of models and "
+        f"optimizers) to {d}" in cells[12].shown
+    )
     assert "engines stopped" in cells[12].stdout
     assert digests(cells[15].stdout) == more
     last = digests(cells[17].stdout)

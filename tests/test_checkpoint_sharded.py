@@ -20,7 +20,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from gpu_magics.common.procs import alive as _alive
 
@@ -216,9 +215,13 @@ def test_sharded_and_ddp_checkpoints_reshard_2_to_4_to_2_bit_for_bit(kernel_env,
         _cell(kc, define(4, 1))
         restored = _cell(kc, f"%distributed restore fm fo dm do steps --dir {d}")
         assert "gpuhub: restored into 4 ranks from" in restored, restored
-        assert "fm: sharded module (FSDP2)" in restored and "dcp.load, resharded from 2 to 4 ranks" in restored
+        assert (
+            "fm: sharded module (FSDP2)" in restored and "dcp.load, resharded from 2 to 4 ranks" in restored
+        )
         assert "saved " in restored and "by 2 ranks" in restored
-        out = _cell(kc, cell_of(4, 'd = both()\nif rank == 0:\n    print("DIGESTS", d)\n    print("STEPS", steps)'))
+        out = _cell(
+            kc, cell_of(4, 'd = both()\nif rank == 0:\n    print("DIGESTS", d)\n    print("STEPS", steps)')
+        )
         assert "STEPS 2" in out, out
         # every rank's full parameters: the saved bytes
         assert gathered(out, "DIGESTS") == {n: [v[0]] * 4 for n, v in on_two.items()}
@@ -264,7 +267,9 @@ def digest(state):
 print("LOADED", digest(model.state_dict()), digest(torch.load(ONE_FILE, weights_only=True)))
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"LOADED {want} {want}" in out.stdout, (out.stdout, out.stderr[-2000:])
 
@@ -275,7 +280,9 @@ def small_disk(tmp_path):
     passes any mode bits, so an unwritable directory must be a read-only file system."""
     path = tmp_path / "small"
     path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(path)], capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(path)], capture_output=True
+    )
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
@@ -315,7 +322,9 @@ if rank == 1:  # write this rank's shard, then die before the save is done
 """
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(kernel_env, tmp_path, small_disk):
+def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(
+    kernel_env, tmp_path, small_disk
+):
     small, d, old = small_disk, tmp_path / "ck", tmp_path / "old"
     import shutil
 
@@ -333,7 +342,9 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(
         _cell(kc, cell_of(2, "train(fm, fo)"))
         filler = _fill(small, leave=2 * 4096)
         full = _cell(kc, f"%distributed save fm fo --dir {small}", ok=False)
-        assert f"save: no space left for {small}/fm.dcp (No space left on device). Nothing was written" in full
+        assert (
+            f"save: no space left for {small}/fm.dcp (No space left on device). Nothing was written" in full
+        )
         assert "Traceback" not in full and "[rank" not in full, full
         assert sorted(os.listdir(small)) == ["filler", "fm.dcp", "fo.dcp"]
         filler.unlink()
@@ -363,11 +374,19 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(
             "restore: 'dm': is not defined: re-run the cell that defines the module (same layers as saved) "
             "first, then restore\nNothing was restored." in undefined
         ), undefined
-        _cell(kc, cell_of(2, "dm = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 2)))"))
+        _cell(
+            kc,
+            cell_of(
+                2,
+                "dm = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5), nn.ReLU(), "
+                "nn.Linear(5, 2)))",
+            ),
+        )
         other = _cell(kc, f"%distributed restore dm --dir {d}", ok=False)
         assert (
             "restore: 'dm': the checkpoint does not fit this module (yours has 4.weight, 4.bias, not in the "
-            "checkpoint; 2.weight saved (4, 16), yours (5, 16); 2.bias saved (4,), yours (5,)): define dm as it "
+            "checkpoint; 2.weight saved (4, 16), yours (5, 16); 2.bias saved (4,), yours (5,)): define dm "
+            "as it "
             "was saved (same layers) in a cell, then restore\nNothing was restored." in other
         ), other
         for text in (undefined, other, no_model):
@@ -376,7 +395,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(
         # gpuhub's first format (one file per name) still restores, into FSDP2 and into DDP
         _cell(kc, cell_of(2, "model = sharded(9)\nopt = torch.optim.Adam(model.parameters(), lr=0.01)"))
         refused = _cell(kc, f"%distributed restore model opt steps --dir {old}", ok=False)
-        assert "'opt': is an optimizer of a sharded model, and this checkpoint is of gpuhub's first format" in refused
+        assert (
+            "'opt': is an optimizer of a sharded model, and this checkpoint is of gpuhub's first format"
+            in refused
+        )
         restored = _cell(kc, f"%distributed restore model steps --dir {old}")
         assert "model: module (torch.nn.modules.container.Sequential), load_state_dict" in restored, restored
         same = f"""
@@ -401,7 +423,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(
         before = _tree(d)
         _cell(kc, cell_of(2, "train(fm, fo)\n" + KILL_RANK_1_MID_SAVE))
         killed = _cell(kc, f"%distributed save fm fo --dir {d}", ok=False)
-        assert "save: rank 1's engine process ended (killed?) before it finished. Nothing was written; " in killed
+        assert (
+            "save: rank 1's engine process ended (killed?) before it finished. Nothing was written; "
+            in killed
+        )
         assert f"the checkpoints in {d} are as they were. The pool lost rank 1" in killed, killed
         assert _tree(d) == before and sorted(os.listdir(d)) == ["dm.dcp", "do.dcp", "fm.dcp", "fo.dcp"]
         _cell(kc, "%distributed shutdown")
@@ -418,7 +443,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_errors_say_what_to_do(
         stopped = _cell(kc, "%distributed shutdown")
         assert f"gpuhub: autosaved before %distributed shutdown from rank 0 to {auto}" in stopped, stopped
         for name in ("fm", "fo"):
-            assert f"  not saved: '{name}': a model or optimizer needs every rank, and rank 1 did not answer" in stopped
+            assert (
+                f"  not saved: '{name}': a model or optimizer needs every rank, and rank 1 did not answer"
+                in stopped
+            )
         assert os.listdir(auto) == ["steps.pt"]
 
 
@@ -430,7 +458,11 @@ def test_preempted_engines_save_their_shards_and_the_next_pool_restores_them(tmp
     whose last checkpoint stays."""
     pre = tmp_path / "preempted"
     env = own_gpus_env(tmp_path, "t:0,t:1")
-    env.update(GPUHUB_AUTOSAVE_NAMES="fm fo dm do steps", GPUHUB_AUTOSAVE_DIR=str(pre), GPUHUB_PREEMPT_GATHER_SECONDS="5")
+    env.update(
+        GPUHUB_AUTOSAVE_NAMES="fm fo dm do steps",
+        GPUHUB_AUTOSAVE_DIR=str(pre),
+        GPUHUB_PREEMPT_GATHER_SECONDS="5",
+    )
 
     def engine_pids(kc):
         status = _cell(kc, "%distributed status")
@@ -440,7 +472,9 @@ def test_preempted_engines_save_their_shards_and_the_next_pool_restores_them(tmp
 
     with started_kernel(env) as (_, kc):
         _cell(kc, define(2, 0))
-        trained = gathered(_cell(kc, cell_of(2, "train(fm, fo, 3)\ntrain(dm, do, 3)\nsteps = 3\n" + DIGESTS_CELL)), "DIGESTS")
+        trained = gathered(
+            _cell(kc, cell_of(2, "train(fm, fo, 3)\ntrain(dm, do, 3)\nsteps = 3\n" + DIGESTS_CELL)), "DIGESTS"
+        )
         pids = engine_pids(kc)
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
@@ -459,7 +493,9 @@ def test_preempted_engines_save_their_shards_and_the_next_pool_restores_them(tmp
 
         # rank 0 alone is preempted
         fm_before = _tree(pre / "fm.dcp")
-        more = gathered(_cell(kc, cell_of(2, "train(fm, fo)\ntrain(dm, do)\nsteps = 4\n" + DIGESTS_CELL)), "DIGESTS")
+        more = gathered(
+            _cell(kc, cell_of(2, "train(fm, fo)\ntrain(dm, do)\nsteps = 4\n" + DIGESTS_CELL)), "DIGESTS"
+        )
         pids = engine_pids(kc)
         os.kill(pids[0], signal.SIGTERM)
         wait_for(lambda: not _alive(pids[0]), 60, "the preempted rank 0 to save and end")

@@ -566,8 +566,9 @@ def test_no_model_message(model, expected):
         (
             {"0.weight": (2, 3), "1.weight": (2, 2)},
             {"0.weight": (2, 3), "2.weight": (2, 2)},
-            "the checkpoint does not fit this module (the checkpoint has 1.weight, missing in yours; yours has "
-            "2.weight, not in the checkpoint): define m as it was saved (same layers) in a cell, then restore",
+            "the checkpoint does not fit this module (the checkpoint has 1.weight, missing in yours; yours "
+            "has 2.weight, not in the checkpoint): define m as it was saved (same layers) in a cell, then "
+            "restore",
         ),
         ({"extra": None, "w": (1,)}, {"extra": None, "w": (1,)}, None),  # a non-tensor entry
     ],
@@ -613,7 +614,13 @@ def test_optimizer_fit(fqns, groups, expected):
     "result, expected",
     [
         (
-            {"error": "os", "errno": errno.ENOSPC, "strerror": "No space left on device", "name": "m", "suffix": ".dcp"},
+            {
+                "error": "os",
+                "errno": errno.ENOSPC,
+                "strerror": "No space left on device",
+                "name": "m",
+                "suffix": ".dcp",
+            },
             "save: no space left for /d/m.dcp (No space left on device). Nothing was written",
         ),
         (
@@ -621,7 +628,10 @@ def test_optimizer_fit(fqns, groups, expected):
             "save: cannot write to /d (Read-only file system). Nothing was written",
         ),
         ({"error": "missing", "name": "x", "rank": 1}, "save: 'x' is not defined on rank 1."),
-        ({"error": "failed", "name": "m", "detail": "rank 1: RuntimeError: boom"}, "save: m: rank 1: RuntimeError: boom."),
+        (
+            {"error": "failed", "name": "m", "detail": "rank 1: RuntimeError: boom"},
+            "save: m: rank 1: RuntimeError: boom.",
+        ),
     ],
 )
 def test_save_error_text(result, expected):
@@ -658,7 +668,9 @@ def test_first_os_error_and_describe_look_under_dcp_s_exception():
 
 def test_a_second_save_replaces_the_first_whole_and_the_other_format_goes(tmp_path):
     d = str(tmp_path)
-    old = torch.save({"format": cp.FORMAT, "version": 1, "kind": "value", "type": "int", "state": 1}, f"{d}/model.pt")
+    old = torch.save(
+        {"format": cp.FORMAT, "version": 1, "kind": "value", "type": "int", "state": 1}, f"{d}/model.pt"
+    )
     assert old is None
     first, second = _trained(0), _trained(1)
     assert cpe.engine_save(["model"], d, {}, ns=first)["ok"]
@@ -682,7 +694,9 @@ def test_an_optimizer_needs_its_model_to_save_and_to_restore(tmp_path):
     assert cpe.engine_save(["model", "opt"], d, {}, ns=saved)["ok"]
     lone = {"opt": torch.optim.Adam([nn.Parameter(torch.ones(2))])}
     [(kind, text)] = _problems(d, ["opt"], lone).values()
-    assert kind == "target" and text.startswith("none of your modules holds its parameters: define the model it")
+    assert kind == "target" and text.startswith(
+        "none of your modules holds its parameters: define the model it"
+    )
     # the model under another name now: found by its parameters
     fresh = _trained(3)
     renamed = {"net": fresh["model"], "opt": fresh["opt"]}
@@ -717,8 +731,21 @@ def test_old_checkpoints_still_restore(tmp_path):
 
 def test_saved_and_restored_say_who_wrote_and_what_was_resharded():
     files = [
-        {"name": "model", "path": "/ck/model.dcp", "bytes": 2048, "kind": "sharded", "type": "FSDPSequential"},
-        {"name": "opt", "path": "/ck/opt.dcp", "bytes": 4096, "kind": "optimizer", "type": "Adam", "model": "model"},
+        {
+            "name": "model",
+            "path": "/ck/model.dcp",
+            "bytes": 2048,
+            "kind": "sharded",
+            "type": "FSDPSequential",
+        },
+        {
+            "name": "opt",
+            "path": "/ck/opt.dcp",
+            "bytes": 4096,
+            "kind": "optimizer",
+            "type": "Adam",
+            "model": "model",
+        },
         {"name": "step", "path": "/ck/step.pt", "bytes": 10, "kind": "value", "type": "int"},
     ]
     text = cpk.Saved("/ck", 0, files, writers=2, left_out={"sched": "why"}).text()
@@ -736,6 +763,7 @@ def test_saved_and_restored_say_who_wrote_and_what_was_resharded():
     text = cpk.Restored("/ck", 4, records, {"model": "dcp.load", "step": "assigned"}).text()
     assert text.splitlines() == [
         "gpuhub: restored into 4 ranks from /ck:",
-        "  model: sharded module (FSDP2) (F), dcp.load, resharded from 2 to 4 ranks; saved 1970-01-01 00:00:01 UTC by 2 ranks",
+        "  model: sharded module (FSDP2) (F), dcp.load, resharded from 2 to 4 ranks; saved 1970-01-01 "
+        "00:00:01 UTC by 2 ranks",
         "  step: value (int), assigned; saved 1970-01-01 00:00:01 UTC from rank 0",
     ]

@@ -287,7 +287,9 @@ def stale_temps(listing: list[str], host: str, live, current: str | None = None)
     return out
 
 
-def match_optimizers(optimizers: dict[str, list[int]], modules: dict[str, list[int]]) -> dict[str, str | None]:
+def match_optimizers(
+    optimizers: dict[str, list[int]], modules: dict[str, list[int]]
+) -> dict[str, str | None]:
     """Each optimizer's model: the first module (in the order given) that holds every one of
     the optimizer's parameters (ids), or None."""
     held = {m: set(ids) for m, ids in modules.items()}
@@ -338,7 +340,9 @@ def module_fit(name: str, saved: dict[str, tuple | None], mine: dict[str, tuple 
 
 def optimizer_fqns(keys) -> set[str]:
     """The parameter names an optimizer checkpoint has state for (``state.FQN.exp_avg``)."""
-    return {k[len("state.") :].rsplit(".", 1)[0] for k in keys if k.startswith("state.") and k.count(".") >= 2}
+    return {
+        k[len("state.") :].rsplit(".", 1)[0] for k in keys if k.startswith("state.") and k.count(".") >= 2
+    }
 
 
 def optimizer_groups(keys) -> int:

@@ -183,7 +183,7 @@ def engine_prepare_dir(temp: str) -> dict:
             f.write(socket.gethostname())
     except OSError as e:
         shutil.rmtree(temp, ignore_errors=True)
-        return {"ok": False, "error": "os", "errno": e.errno, "strerror": e.strerror or str(e), "name": None}
+        return _os_error(e, None)
     return {"ok": True}
 
 
@@ -305,12 +305,15 @@ def engine_write(
     except OSError as e:
         shutil.rmtree(temp, ignore_errors=True)
         suffix = DCP_SUFFIX if current is not None and kinds.get(current) in DCP_KINDS else SUFFIX
-        return {"ok": False, "error": "os", "errno": e.errno, "strerror": e.strerror or str(e), "name": current,
-                "suffix": suffix}  # fmt: skip
+        return {**_os_error(e, current), "suffix": suffix}
     except BaseException:  # an interrupt too: never leave a temporary directory behind
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return {"ok": True, "files": files, "rank": rank, "world": world}
+
+
+def _os_error(e: OSError, name: str | None) -> dict:
+    return {"ok": False, "error": "os", "errno": e.errno, "strerror": e.strerror or str(e), "name": name}
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
@@ -337,8 +340,10 @@ def engine_commit(temp: str, files: list[dict]) -> dict:
             current = f["name"]
             final = f["path"]
             staged = os.path.join(temp, os.path.basename(final))
-            other = checkpoint_path(directory, f["name"]) if final.endswith(DCP_SUFFIX) else dcp_path(
-                directory, f["name"]
+            other = (
+                checkpoint_path(directory, f["name"])
+                if final.endswith(DCP_SUFFIX)
+                else dcp_path(directory, f["name"])
             )
             if os.path.isdir(final) and not os.path.islink(final):
                 if not dcp.exchange(staged, final):  # no RENAME_EXCHANGE here: aside, then in
@@ -350,7 +355,13 @@ def engine_commit(temp: str, files: list[dict]) -> dict:
                 os.rename(other, os.path.join(temp, "old." + os.path.basename(other)))
         fsync_dir(directory)
     except OSError as e:
-        return {"ok": False, "error": "os", "errno": e.errno, "strerror": e.strerror or str(e), "name": current}
+        return {
+            "ok": False,
+            "error": "os",
+            "errno": e.errno,
+            "strerror": e.strerror or str(e),
+            "name": current,
+        }
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return {"ok": True}
@@ -362,7 +373,11 @@ def engine_remove(temp: str) -> None:
 
 
 def engine_save(
-    names: list[str], directory: str, meta: dict, ns: dict | None = None, temp: str | None = None,
+    names: list[str],
+    directory: str,
+    meta: dict,
+    ns: dict | None = None,
+    temp: str | None = None,
     solo: bool = False,
 ) -> dict:
     """A whole save in this process (every rank calls it together where there are several;
@@ -387,7 +402,7 @@ def engine_save(
     try:
         _make_dir(directory)
     except OSError as e:
-        return {"ok": False, "error": "os", "errno": e.errno, "strerror": e.strerror or str(e), "name": None}
+        return _os_error(e, None)
     if rank == 0:
         _clean_stale(directory, os.path.basename(temp))
     result = engine_write(temp, names, models, meta, ns, solo)
@@ -441,7 +456,10 @@ def _prepare_dcp(name: str, path: str, ns: dict, skip_undefined: bool):
             record = json.load(f)
         keys = dcp.saved_keys(path)
     except FileNotFoundError as e:
-        return None, {"problem": "unreadable", "text": f"{path} is not a whole checkpoint ({e.filename} is missing)"}
+        return None, {
+            "problem": "unreadable",
+            "text": f"{path} is not a whole checkpoint ({e.filename} is missing)",
+        }
     except Exception as e:
         return None, {"problem": "unreadable", "text": f"cannot read {path}: {_short(e)}"}
     if not (isinstance(record, dict) and record.get("format") == FORMAT and record.get("kind") in DCP_KINDS):
@@ -462,9 +480,11 @@ def _prepare_dcp(name: str, path: str, ns: dict, skip_undefined: bool):
             }
         why = module_fit(name, keys, dcp.shapes(dcp.model_state(target)))
         return (None, {"problem": "target", "text": why}) if why else (record, None)
-    why = fits(kind, record["type"], None, target) if kind_of(target) != "optimizer" or type_name(
-        target
-    ) != record["type"] else None
+    why = (
+        fits(kind, record["type"], None, target)
+        if kind_of(target) != "optimizer" or type_name(target) != record["type"]
+        else None
+    )
     if why:
         return None, {"problem": "target", "text": why}
     from gpu_magics.engine.dcp import param_ids
@@ -554,9 +574,7 @@ def _sharded_model_of(ns: dict, opt) -> bool:
     from gpu_magics.engine.dcp import param_ids
 
     ids = set(param_ids(opt))
-    return any(
-        kind_of(ns[m]) == "sharded" and ids & set(p) for m, p in _modules(ns, list(ns)).items()
-    )
+    return any(kind_of(ns[m]) == "sharded" and ids & set(p) for m, p in _modules(ns, list(ns)).items())
 
 
 def engine_apply_restore(token: str, ns: dict | None = None) -> dict:
@@ -569,7 +587,9 @@ def engine_apply_restore(token: str, ns: dict | None = None) -> dict:
     ns = _user_ns(ns)
     done = {}
     pending = _PENDING.pop(token)
-    order = sorted(pending, key=lambda n: (pending[n].get("version") != DCP_VERSION, pending[n]["kind"] == "optimizer"))
+    order = sorted(
+        pending, key=lambda n: (pending[n].get("version") != DCP_VERSION, pending[n]["kind"] == "optimizer")
+    )
     for name in order:
         record = pending[name]
         kind = record["kind"]
@@ -678,12 +698,14 @@ def engine_preempt_save(names: list[str], directory: str, ns: dict, environ) -> 
     else:
         result = {"ok": True, "files": []}
     saved = [f["name"] for f in result.get("files", [])] if result["ok"] else []
-    left = (f"; not defined: {', '.join(skipped)}" if skipped else "") + (
-        f"; not saved (its model is not autosaved with it): {', '.join(no_model)}" if no_model else ""
-    ) + (
-        f"; not saved (sharded, and not every rank was preempted with this one): {', '.join(sharded)}"
-        if sharded
-        else ""
+    left = (
+        (f"; not defined: {', '.join(skipped)}" if skipped else "")
+        + (f"; not saved (its model is not autosaved with it): {', '.join(no_model)}" if no_model else "")
+        + (
+            f"; not saved (sharded, and not every rank was preempted with this one): {', '.join(sharded)}"
+            if sharded
+            else ""
+        )
     )
     if rank != 0:
         done = [n for n in saved if found[n]["kind"] in DCP_KINDS]
@@ -701,8 +723,16 @@ def engine_preempt_save(names: list[str], directory: str, ns: dict, environ) -> 
         )
     else:
         text = f"gpuhub: engine rank 0 preempted by Slurm (job {job}): autosave failed: {result}"
-    report = {"job": job, "rank": 0, "ok": result["ok"], "saved": saved, "skipped": skipped + no_model + sharded,
-              "directory": directory, "time": meta["saved"], "text": text}  # fmt: skip
+    report = {
+        "job": job,
+        "rank": 0,
+        "ok": result["ok"],
+        "saved": saved,
+        "skipped": skipped + no_model + sharded,
+        "directory": directory,
+        "time": meta["saved"],
+        "text": text,
+    }
     try:
         _make_dir(directory)
         path = preempt_report_path(directory, job)

@@ -141,7 +141,9 @@ class Restored:
             if way == "dcp.load" and saved_world and saved_world != self.ranks:
                 way += f", resharded from {saved_world} to {self.ranks} ranks"
             saved = stamp(rec["saved"]) if rec.get("saved") else "?"
-            lines.append(f"  {name}: {KINDS[rec['kind']]} ({rec['type']}), {way}; saved {saved} {_saved_by(rec)}")
+            lines.append(
+                f"  {name}: {KINDS[rec['kind']]} ({rec['type']}), {way}; saved {saved} {_saved_by(rec)}"
+            )
         if self.skipped:
             names = " ".join(s["name"] for s in self.skipped)
             which = ", ".join(f"{s['name']} ({KINDS[s['kind']]})" for s in self.skipped)
@@ -217,7 +219,9 @@ class Checkpointer:
                 self.pool.broken = True  # the others wait for it in a collective
                 return
             failed = [
-                r for r, ar in started.items() if ar.ready() and (not ar.successful() or not ar.get().get("ok", True))
+                r
+                for r, ar in started.items()
+                if ar.ready() and (not ar.successful() or not ar.get().get("ok", True))
             ]
             if failed and failed_at is None:
                 failed_at = time.monotonic()
@@ -262,7 +266,9 @@ class Checkpointer:
         )
 
     def _unreachable(self, what: str, errors: dict[int, str], done: str) -> UsageError:
-        said = "; ".join(f"rank {r}{'' if e.startswith(chr(39)) else ' '}{e}" for r, e in sorted(errors.items()))
+        said = "; ".join(
+            f"rank {r}{'' if e.startswith(chr(39)) else ' '}{e}" for r, e in sorted(errors.items())
+        )
         lost = ""
         if self.lost:
             lost = (
@@ -317,7 +323,8 @@ class Checkpointer:
         if differ:
             raise UsageError(
                 f"{what}: {', '.join(map(repr, differ))} differ in kind between the ranks (a module on "
-                "some, something else on others). Nothing was written: define them the same way on every rank."
+                "some, something else on others). Nothing was written: define them the same way on every "
+                "rank."
             )
         models = {}
         for n in [n for n in sharded if kinds[n] == "optimizer"]:
@@ -325,7 +332,8 @@ class Checkpointer:
             if model is None:
                 if not autosave:
                     raise UsageError(no_model_message(what, n, found[0][n].get("suggest")))
-                left_out[n] = f"its model is not autosaved with it (--autosave {found[0][n].get('suggest') or 'model'} {n})"
+                model = found[0][n].get("suggest") or "model"
+                left_out[n] = f"its model is not autosaved with it (--autosave {model} {n})"
                 continue
             models[n] = model
         names = [n for n in names if n not in left_out]
@@ -347,14 +355,18 @@ class Checkpointer:
             )
             failed = {r: a for r, a in answers.items() if not a["ok"]}
             if errors:
-                raise self._unreachable(what, errors, f"Nothing was written; the checkpoints in {directory} are as they were.")
+                raise self._unreachable(
+                    what, errors, f"Nothing was written; the checkpoints in {directory} are as they were."
+                )
             if failed:
                 r = min(failed, key=lambda r: (failed[r]["error"] != "os", r))
                 raise UsageError(save_error_text(what, failed[r], directory, world) + self._settle())
             files = answers[0]["files"]
             committed, errors = self._call([0], self.save_timeout, engine_commit, temp, files)
             if errors:
-                raise self._unreachable(what, errors, f"The checkpoints in {directory} may be partly replaced.")
+                raise self._unreachable(
+                    what, errors, f"The checkpoints in {directory} may be partly replaced."
+                )
             if not committed[0]["ok"]:
                 raise UsageError(save_error_text(what, committed[0], directory, world))
         except BaseException:
@@ -425,19 +437,8 @@ class Checkpointer:
             ranks, self.save_timeout, engine_prepare_restore, token, names, directory, None, skip_undefined
         )
         failed = {r: a for r, a in prepared.items() if not a["ok"]}
-        if not errors and not failed and len({tuple(a["dcp"]) for a in prepared.values()}) > 1:
-            failed = {  # a model defined on some ranks only: DCP's loads need every rank
-                r: {
-                    "ok": False,
-                    "problems": [
-                        {"name": n, "problem": "target", "text": "is not defined: re-run the cell that defines "
-                         "it on every rank (a %%distributed cell without --targets), then restore"}  # fmt: skip
-                        for n in {n for a in prepared.values() for n in a["dcp"]} - set(a["dcp"])
-                    ],
-                }
-                for r, a in prepared.items()
-                if set(a["dcp"]) != {n for b in prepared.values() for n in b["dcp"]}
-            }
+        if not errors and not failed:
+            failed = uneven_dcp(prepared)  # a model defined on some ranks only: DCP needs every rank
         if errors or failed:
             self._call([r for r in prepared if r not in failed], self.check_timeout, engine_discard, token)
             if errors:
@@ -453,12 +454,19 @@ class Checkpointer:
         together = bool(prepared[0]["dcp"]) and world > 1
         ways, errors = self._call(ranks, self.save_timeout, engine_apply_restore, token, together=together)
         if errors:
-            said = "; ".join(f"rank {r}{'' if e.startswith(chr(39)) else ' '}{e}" for r, e in sorted(errors.items()))
+            said = "; ".join(
+                f"rank {r}{'' if e.startswith(chr(39)) else ' '}{e}" for r, e in sorted(errors.items())
+            )
             if prepared[0]["dcp"]:
                 raise UsageError(
                     f"restore: {said}. {', '.join(prepared[0]['dcp'])} may be partly loaded: run the "
-                    "restore again" + (" once the pool has restarted (the next %%distributed cell starts "
-                    "fresh engines; re-run the cells that define your objects first)" if self.lost else "")
+                    "restore again"
+                    + (
+                        " once the pool has restarted (the next %%distributed cell starts "
+                        "fresh engines; re-run the cells that define your objects first)"
+                        if self.lost
+                        else ""
+                    )
                     + "."
                 )
             raise UsageError(
@@ -466,6 +474,24 @@ class Checkpointer:
                 "the engines (%distributed shutdown) if a rank is gone."
             )
         return Restored(directory, world, prepared[0]["records"], ways[0], prepared[0]["skipped"])
+
+
+def uneven_dcp(prepared: dict[int, dict]) -> dict[int, dict]:
+    """The ranks of a restore that would skip a DCP name that other ranks load (it is not
+    defined there, with ``skip_undefined``), each with its problems (pure)."""
+    every = {n for a in prepared.values() for n in a["dcp"]}
+    text = (
+        "is not defined: re-run the cell that defines it on every rank (a %%distributed cell without "
+        "--targets), then restore"
+    )
+    return {
+        r: {
+            "ok": False,
+            "problems": [{"name": n, "problem": "target", "text": text} for n in sorted(every - set(d))],
+        }
+        for r, d in ((r, a["dcp"]) for r, a in prepared.items())
+        if set(d) != every
+    }
 
 
 def list_checkpoints(directory: str) -> list[str]:
