@@ -767,3 +767,12 @@ def test_saved_and_restored_say_who_wrote_and_what_was_resharded():
         "00:00:01 UTC by 2 ranks",
         "  step: value (int), assigned; saved 1970-01-01 00:00:01 UTC from rank 0",
     ]
+
+
+def test_a_restore_that_some_ranks_would_skip_is_refused_on_those_ranks():
+    even = {0: {"dcp": ["model", "opt"]}, 1: {"dcp": ["model", "opt"]}}
+    assert cpk.uneven_dcp(even) == {}
+    uneven = cpk.uneven_dcp({0: {"dcp": ["model", "opt"]}, 1: {"dcp": ["opt"]}, 2: {"dcp": []}})
+    assert sorted(uneven) == [1, 2]
+    assert [p["name"] for p in uneven[2]["problems"]] == ["model", "opt"]
+    assert uneven[1]["problems"][0]["text"].startswith("is not defined: re-run the cell that defines it on every")
