@@ -775,4 +775,6 @@ def test_a_restore_that_some_ranks_would_skip_is_refused_on_those_ranks():
     uneven = cpk.uneven_dcp({0: {"dcp": ["model", "opt"]}, 1: {"dcp": ["opt"]}, 2: {"dcp": []}})
     assert sorted(uneven) == [1, 2]
     assert [p["name"] for p in uneven[2]["problems"]] == ["model", "opt"]
-    assert uneven[1]["problems"][0]["text"].startswith("is not defined: re-run the cell that defines it on every")
+    assert uneven[1]["problems"][0]["text"].startswith(
+        "is not defined: re-run the cell that defines it on every"
+    )
