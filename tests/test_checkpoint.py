@@ -356,14 +356,16 @@ def test_a_resize_with_autosave_carries_the_objects_over(kernel_env, tmp_path):
     three = lambda code: code.replace("--gpus 2", "--gpus 3")  # noqa: E731
     cells = run_notebook(
         [
+            # a restart with autosave, not the growth in place (tests/test_grow.py)
+            "%config DistributedMagics.resize_in_place = False",
             DEFINE.format(seed=0, extra=f"--autosave model w --dir {d}") + "w = torch.arange(4.0) + 0.5\n",
             TRAIN.format(steps=2, extra=""),
             PRINTS,
-            three('%%distributed --gpus 2 --timeout 30\nprint("W", w.tolist(), "model" in dir())'),  # 3
+            three('%%distributed --gpus 2 --timeout 30\nprint("W", w.tolist(), "model" in dir())'),  # 4
             three(DEFINE.format(seed=1, extra="")),  # the definitions re-run on 3 ranks
-            "%distributed status",  # 5
+            "%distributed status",  # 6
             f"%distributed restore model --dir {d}",
-            three(PRINTS),  # 7
+            three(PRINTS),  # 8
             "%distributed status",
         ],
         kernel_env,
@@ -371,8 +373,8 @@ def test_a_resize_with_autosave_carries_the_objects_over(kernel_env, tmp_path):
     )
     for i, c in enumerate(cells):
         assert c.error is None, (i, c)
-    trained = digests(cells[2].stdout)[0][0]  # the model's
-    resize = cells[3].shown
+    trained = digests(cells[3].stdout)[0][0]  # the model's
+    resize = cells[4].shown
     # a resize says what a user needs in three lines, before the user's own output
     before_users = resize[: resize.index("[rank ")].splitlines()
     assert len(before_users) == 3, resize
@@ -386,9 +388,9 @@ def test_a_resize_with_autosave_carries_the_objects_over(kernel_env, tmp_path):
         "until then)."
     ), resize
     # each as text and as HTML that wraps at spaces only (JupyterLab breaks stream text anywhere)
-    html = [o["data"]["text/html"] for o in cells[3].outputs if "text/html" in o.get("data", {})]
-    assert len(html) == 3 and all("word-break: normal" in h for h in html), cells[3].outputs
-    assert cells[3].rank_lines() == {r: ["W [0.5, 1.5, 2.5, 3.5] False"] for r in range(3)}
-    assert "autosave: model, w" in cells[5].stdout
-    assert "restored into 3 ranks" in cells[6].shown
-    assert [m for m, _, _ in digests(cells[7].stdout)] == [trained] * 3  # every rank, bit for bit
+    html = [o["data"]["text/html"] for o in cells[4].outputs if "text/html" in o.get("data", {})]
+    assert len(html) == 3 and all("word-break: normal" in h for h in html), cells[4].outputs
+    assert cells[4].rank_lines() == {r: ["W [0.5, 1.5, 2.5, 3.5] False"] for r in range(3)}
+    assert "autosave: model, w" in cells[6].stdout
+    assert "restored into 3 ranks" in cells[7].shown
+    assert [m for m, _, _ in digests(cells[8].stdout)] == [trained] * 3  # every rank, bit for bit

@@ -12,11 +12,13 @@ starts; `%distributed restore model` in a new 2-rank pool gives exactly the save
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import timedelta
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from spawner.ledger import Ledger
 
@@ -84,7 +86,7 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
         kernel = BrokerKernel(hub, tmp_path, "alice")
         out = kernel.run(
             "%config DistributedMagics.notice_check_seconds = 1\n"
-            "%config DistributedMagics.shrink_in_place = False"  # the whole pool stops, saved first
+            "%config DistributedMagics.resize_in_place = False"  # the whole pool stops, saved first
         )
         assert out["status"] == "ok", out["text"]
         out = kernel.run(DEFINE.format(dir=ckpt))
@@ -102,8 +104,7 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
         assert f"(burst allocation #{in_limit.id}); rank 2 on " in defined, defined
         assert (
             f"(burst allocation #{borrowed.id}, borrowed beyond your limit: "
-            "may be taken back with 20 s notice)"
-            in defined
+            "may be taken back with 20 s notice)" in defined
         ), defined
         out = kernel.run("%gpus")
         assert f"burst allocation #{borrowed.id}: 2 GPUs, 2 borrowed beyond your limit" in out["text"]
@@ -127,9 +128,12 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
         ), notice
         assert notice.count("taken back") == 1 and "(in " not in notice and "GPU(s)" not in notice, notice
         assert "interrupting the cell to save model before the borrowed GPUs are taken back" in text
-        assert "autosaved before the borrowed GPUs are taken back from rank 0" in text
+        assert "autosaved before the borrowed GPUs are taken back by 4 ranks (each its own shards" in text
         assert out["status"] == "error" and out["ename"] == "Preempted", text
-        assert f"Kept: model, saved from rank 0 before the due time:\n  model: {ckpt / 'model.pt'}" in text
+        assert (
+            "Kept: model, saved by 4 ranks (each its own shards of models and optimizers) before the due "
+            f"time:\n  model: {ckpt / 'model.dcp'}" in text
+        ), text
         assert "Lost: the ranks' other variables: " in text and "opt" in text.split("Lost:")[1]
         assert "The running cell was interrupted" in text
         assert f"allocation #{in_limit.id} (within your limit) was released" in text
@@ -146,9 +150,11 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
         assert not ledger.get(in_limit.id).end_reason.startswith("preempted")
 
         # saved within the grace period: the checkpoint was written before the due time
-        saved = torch.load(ckpt / "model.pt", weights_only=True)
-        assert saved["name"] == "model" and saved["kind"] == "ddp" and saved["world_size"] == 4
+        saved = json.loads((ckpt / "model.dcp" / "gpuhub.json").read_text())
+        assert saved["kind"] == "ddp" and saved["world_size"] == 4
         assert saved["saved"] < p.due.timestamp()
+        dcp_to_torch_save(ckpt / "model.dcp", tmp_path / "model-one-file.pt")  # as docs/checkpoints.md shows
+        saved_state = torch.load(tmp_path / "model-one-file.pt", weights_only=True)
 
         # bob's spawn starts on the freed GPUs
         hub.wait_ready("bob")
@@ -165,7 +171,7 @@ def test_a_borrowed_burst_is_taken_back_from_a_running_pool_which_saves_first(tm
         [line] = [ln for ln in out["text"].splitlines() if "DIGESTS" in ln]
         scope: dict = {"torch": torch}
         exec(DIGEST, scope)
-        want = scope["digest"](saved["state"])
+        want = scope["digest"](saved_state)
         assert eval(line.split("DIGESTS", 1)[1]) == [want, want]
     finally:
         if kernel is not None:

@@ -36,14 +36,26 @@ def bound_groups(ns: dict | None = None) -> dict[str, list[str]]:
     return found
 
 
-def join_world(rendezvous: dict, env_update: dict, timeout_s: float) -> dict:
+def _fresh_reducer(ddp, group) -> None:
+    """A DDP module's gradient buckets made again, as a new DDP module builds them (in the
+    parameters' order): the layout every rank of a grown pool starts from. A reducer moved to
+    a new group keeps the layout it rebuilt from its first steps, which a new rank's DDP does
+    not have, and buckets laid out differently are summed element by element wrongly."""
+    ddp._remove_autograd_hooks()
+    ddp.process_group = group
+    parameters, expect_sparse = ddp._build_params_for_reducer()
+    mapping = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse, mapping, ddp.static_graph)
+
+
+def join_world(rendezvous: dict, env_update: dict, timeout_s: float, fresh: bool = False) -> dict:
     """Leave every old group and join the new world on ``rendezvous`` with the rank and size
     in ``env_update`` (torchrun's variables, renumbered); every DDP module in the process goes
     on with the new world (``_update_process_group``: its replicated parameters are the same on
-    every survivor). Returns what was moved and what could not be."""
+    every survivor; ``fresh``: their gradient buckets made again, for ranks that join).
+    Returns what was moved and what could not be."""
     import gc
 
-    import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -61,23 +73,34 @@ def join_world(rendezvous: dict, env_update: dict, timeout_s: float) -> dict:
     moved = []
     for obj in gc.get_objects():
         if isinstance(obj, DistributedDataParallel):
-            obj._update_process_group(dist.group.WORLD)
+            if fresh:  # new ranks join: every rank's buckets as a new DDP module's
+                _fresh_reducer(obj, dist.group.WORLD)
+            else:  # the same ranks, fewer: their common layout goes on
+                obj._update_process_group(dist.group.WORLD)
             moved.append(obj)
     ddp_names = sorted(
         k for k, v in ns.items() if isinstance(v, DistributedDataParallel) and not k.startswith("_")
     )
     ns.update(rank=rank, world_size=world, local_rank=int(os.environ["LOCAL_RANK"]), dist=dist)
-    check = torch.ones(1)
-    dist.all_reduce(check)
     return {
         "rank": rank,
         "world": world,
-        "checked": int(check.item()) == world,
         "ddp": ddp_names,
         "ddp_count": len(moved),
         "lost_groups": lost["group"],
         "lost_meshes": lost["mesh"],
     }
+
+
+def world_check() -> bool:
+    """A collective on the world group (every rank of it calls this): True where it answered
+    right on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    return int(check.item()) == dist.get_world_size()
 
 
 def ddp_digests(names: list[str]) -> dict[str, str]:
@@ -96,3 +119,140 @@ def ddp_digests(names: list[str]) -> dict[str, str]:
             h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         out[name] = h.hexdigest()
     return out
+
+
+# growing: a copy of rank 0's names for the new ranks ---------------------------------------
+
+
+def _ddp_options(ddp) -> dict:
+    mib = getattr(ddp, "bucket_bytes_cap", 25 * 1024 * 1024) / (1024 * 1024)
+    return {
+        "device_ids": ddp.device_ids,
+        "output_device": ddp.output_device,
+        "dim": getattr(ddp, "dim", 0),
+        "broadcast_buffers": getattr(ddp, "broadcast_buffers", True),
+        "find_unused_parameters": getattr(ddp, "find_unused_parameters", False),
+        "gradient_as_bucket_view": getattr(ddp, "gradient_as_bucket_view", False),
+        "static_graph": getattr(ddp, "static_graph", False),
+        "bucket_cap_mb": mib,
+    }
+
+
+def _rebuilt_ddp(module, options: dict):
+    """A DDP module on a new rank, around the copy of rank 0's module (the same parameters as
+    every other rank's replica: no broadcast, which the other ranks would have to join)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, init_sync=False, **options)
+
+
+def _pickler(file):
+    import cloudpickle
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gpu_magics.engine.recovery import _is_fsdp
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, DistributedDataParallel):
+                return _rebuilt_ddp, (obj.module, _ddp_options(obj))
+            if isinstance(obj, dist.ProcessGroup) or type(obj).__name__ == "DeviceMesh":
+                raise TypeError("it holds a process group of the old world")
+            if _is_fsdp(obj):
+                raise TypeError("an FSDP2 model is resharded, not copied")
+            return super().reducer_override(obj)
+
+    return Pickler(file, protocol=5)
+
+
+def _dumps(values: dict) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    _pickler(buf).dump(values)
+    return buf.getvalue()
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".split("\n")[0][:160]
+
+
+def snapshot(skip: list[str] | None = None) -> dict:
+    """Rank 0's names for the ranks a pool grows by: one cloudpickle of every name a cell
+    defined or imported (functions and classes of cells by value; DDP modules as their module
+    and options), less ``skip`` and what cannot be pickled (named, with why). Modules go by
+    name. Shared objects stay shared (one pickle)."""
+    import types
+
+    from IPython import get_ipython
+
+    from gpu_magics.engine.namespace import SETUP_NAMES
+
+    shell = get_ipython()
+    ns, hidden = shell.user_ns, shell.user_ns_hidden
+    missing = object()
+    names = [
+        n
+        for n, v in list(ns.items())
+        if not n.startswith("_")
+        and n not in SETUP_NAMES
+        and v is not hidden.get(n, missing)
+        and n not in (skip or ())
+    ]
+    modules = {n: ns[n].__name__ for n in names if isinstance(ns[n], types.ModuleType)}
+    objects = [n for n in names if n not in modules]
+    failed: dict[str, str] = {}
+    while True:
+        try:
+            blob = _dumps({n: ns[n] for n in objects})
+            break
+        except Exception:
+            bad = {}
+            for n in objects:
+                try:
+                    _dumps({n: ns[n]})
+                except Exception as e:
+                    bad[n] = _short(e)
+            if not bad:  # each alone pickles, together not: copy none rather than guess
+                failed.update({n: "could not be copied together with the others" for n in objects})
+                objects, blob = [], _dumps({})
+                break
+            failed.update(bad)
+            objects = [n for n in objects if n not in bad]
+    return {"blob": blob, "modules": modules, "copied": sorted(objects), "failed": failed}
+
+
+def _own_globals(value, ns: dict):
+    """A cell's function whose globals are the unpickled copy's private dict, made again on
+    this namespace (so that it reads and rebinds the rank's names, as it did on rank 0)."""
+    import types
+
+    if (
+        isinstance(value, types.FunctionType)
+        and value.__module__ == "__main__"
+        and value.__globals__ is not ns
+    ):
+        f = types.FunctionType(value.__code__, ns, value.__name__, value.__defaults__, value.__closure__)
+        f.__kwdefaults__, f.__qualname__, f.__doc__ = value.__kwdefaults__, value.__qualname__, value.__doc__
+        f.__dict__.update(value.__dict__)
+        return f
+    if isinstance(value, type) and value.__module__ == "__main__":
+        for key, member in list(vars(value).items()):
+            if isinstance(member, types.FunctionType) and member.__globals__ is not ns:
+                setattr(value, key, _own_globals(member, ns))
+    return value
+
+
+def adopt(copy: dict) -> list[str]:
+    """On a new rank, in the new world: rank 0's names from :func:`snapshot`; the names set."""
+    import importlib
+    import pickle
+
+    ns = _ns()
+    for name, module in copy["modules"].items():
+        ns[name] = importlib.import_module(module)
+    values = pickle.loads(copy["blob"])
+    for name, value in values.items():
+        ns[name] = _own_globals(value, ns)
+    return sorted([*copy["modules"], *values])

@@ -83,12 +83,14 @@ class DistributedMagics(CheckpointCommands, Magics):
         "%config DistributedMagics.preempt_save_seconds = 60",
     ).tag(config=True)
 
-    shrink_in_place = Bool(
+    resize_in_place = Bool(
         True,
-        help="When a pool's borrowed GPUs are taken back, its other ranks go on in their own "
-        "processes with every variable (the pool shrinks in place: DDP models go on, FSDP2 models "
-        "are resharded onto the survivors). False: the whole pool is stopped, after saving its "
-        "--autosave names, as before. %config DistributedMagics.shrink_in_place = False",
+        help="Change a pool's size without restarting its ranks: when its borrowed GPUs are taken "
+        "back, the other ranks go on in their own processes with every variable (DDP models go on, "
+        "FSDP2 models are resharded onto them); a cell asking for more GPUs adds ranks that join "
+        "the others, with a copy of rank 0's names. False: the whole pool is stopped (saved first "
+        "with --autosave) and a bigger one needs --restart or --autosave, as before. "
+        "%config DistributedMagics.resize_in_place = False",
     ).tag(config=True)
 
     verbose = Bool(

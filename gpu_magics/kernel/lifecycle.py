@@ -18,6 +18,7 @@ from IPython.display import display, update_display
 
 from gpu_magics.common.ranks import Slot, make_rank_specs
 from gpu_magics.common.session import backend, server_gpus
+from gpu_magics.kernel import resize, resizing
 from gpu_magics.kernel.acquire import (
     OTHER_SETTINGS,
     Terms,
@@ -26,6 +27,7 @@ from gpu_magics.kernel.acquire import (
     new_gpus,
     plan_gpus,
     refuse_discard,
+    request_local_burst,
     why_new_engines,
 )
 from gpu_magics.kernel.burst import Burst
@@ -129,6 +131,11 @@ class Lifecycle:
                 restart=restart,
             )
             resized = False
+            if why == OTHER_SETTINGS and not restart and self._grows(args, key, on_slurm):
+                self._grow(args, key)
+                self.busy += 1
+                self.touch()
+                return self.pool
             if self.pool is None or why is not None:
                 autosave = bool(getattr(args, "autosave", None) or self.autosave.autosave)
                 if why == OTHER_SETTINGS and not autosave:
@@ -255,6 +262,58 @@ class Lifecycle:
         )
         self.pool, self.key = pool, key
         self._arm_idle_timer()
+
+    def _grows(self, args, key: tuple, on_slurm: bool) -> bool:
+        """Whether this cell grows the pool in place: more GPUs, every other setting the same,
+        a sound local pool, and resizing in place on."""
+        if not getattr(self.settings, "resize_in_place", False) or on_slurm or self.key is None:
+            return False
+        (gpus, nodes, per_node), backend_name, timeout = self.key
+        (want, want_nodes, want_per_node), want_backend, want_timeout = key
+        same = (nodes, per_node, backend_name, timeout) == (
+            want_nodes,
+            want_per_node,
+            want_backend,
+            want_timeout,
+        )
+        return same and want > gpus and self.pool is not None and not self.pool.broken
+
+    def _grow(self, args, key: tuple) -> None:
+        """The pool grown in place to ``args.gpus`` ranks (``kernel.resize.grow``): the GPUs it
+        lacks asked for first (a refusal changes nothing), then new engines join the old."""
+        pool = self.pool
+        plan = plan_gpus(server_gpus().gpus, args.gpus)
+        extra_own = [slot for slot in plan.own if slot not in self.own]
+        held = self.burst.size if self.burst is not None else 0
+        need = plan.burst - held
+        added = None
+        if need > 0:
+            node = self.burst.slots[0].node if self.burst is not None and self.burst.slots else plan.node
+            added = request_local_burst(
+                self.terms(), need, len(plan.own) + held, args.gpus, self.burst is None, node
+            )
+        new_slots = [*extra_own, *(added.slots if added is not None else ())]
+        try:
+            grown = resize.grow(pool, new_slots, report_id=added.id if added is not None else 0)
+        except resize.GrowFailed as e:
+            if added is not None and e.stage == "before":
+                added.release()
+            if e.stage == "before":
+                raise UsageError(
+                    f"The pool could not grow in place to {args.gpus} GPUs ({e}); nothing changed. "
+                    "Run the cell with --restart for new engines."
+                ) from None
+            if added is not None:
+                self.burst = added if self.burst is None else self.burst.join(added)
+            self.own = tuple([*self.own, *extra_own])
+            raise UsageError(
+                f"The pool could not grow in place ({e}). Run the cell again for new engines."
+            ) from None
+        if added is not None:
+            self.burst = added if self.burst is None else self.burst.join(added)
+        self.own = tuple([*self.own, *extra_own])
+        self.key = key
+        show("\n".join(resizing.grow_text(grown)))
 
     def _slurm_pool(self, args, timeout: float, launcher) -> EnginePool:
         """Engines as Slurm tasks; a burst job is tagged with the pool's burst."""

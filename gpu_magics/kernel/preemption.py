@@ -123,8 +123,8 @@ class Preemption:
         """The ranks that leave when ``n`` is acted on, and why the pool cannot shrink in place
         (None: it can)."""
         pool = self.lifecycle.pool
-        if not getattr(self.settings, "shrink_in_place", False):
-            return [], "shrinking in place is off (DistributedMagics.shrink_in_place)"
+        if not getattr(self.settings, "resize_in_place", False):
+            return [], "resizing in place is off (DistributedMagics.resize_in_place)"
         if pool is None or pool.view is None:
             return [], "no engines run"
         leaving = resizing.leaving_ranks(pool.specs, [s.label for s in n.part.slots])
@@ -270,7 +270,7 @@ class Preemption:
             lines.append(f"The pool could not shrink in place: {why_not}.")
         kept = [f["name"] for f in saved.files] if saved else []
         if saved:
-            lines.append(f"Kept: {_names(kept)}, saved from rank {saved.rank} before the due time:")
+            lines.append(f"Kept: {_names(kept)}, saved {saved.source()} before the due time:")
             lines += [f"  {f['name']}: {f['path']}" for f in saved.files]
         elif names:
             lines.append(f"Not saved: the autosave of {_names(names)} failed: {problem or 'nothing to save'}")
