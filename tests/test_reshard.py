@@ -110,12 +110,17 @@ def _net():
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
 
 
-def _shard(model, mesh):
-    from torch.distributed.fsdp import fully_shard
+def _shard(model, mesh, grouped: bool = False):
+    """One fully_shard per Linear and one on the root, with arguments of each kind; or
+    (``grouped``) the first two Linears in one call."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    fully_shard(model[0], mesh=mesh)
-    fully_shard(model[2], mesh=mesh, reshard_after_forward=False)
-    fully_shard(model[4], mesh=mesh)
+    if grouped:
+        fully_shard([model[0], model[2]], mesh=mesh, reshard_after_forward=False)
+    else:
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model[4], mesh=mesh, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
     fully_shard(model, mesh=mesh)
     return model
 
@@ -185,19 +190,22 @@ def _equal(a: dict, b: dict, what: str) -> None:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}.{k} differs"
 
 
-def _old_world(d: str, rank: int, world: int, ns: dict) -> dict:
-    """Ranks of the first world: the model sharded and trained two steps, what it was."""
+def _old_world(d: str, rank: int, world: int, ns: dict, grouped: bool) -> dict:
+    """Ranks of the first world: the model sharded and trained two steps with Adam (and an
+    SGD on its last layer that never stepped), what it was; then ``gather``."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     _world(d, "old", rank, world)
-    model = _shard(_net(), init_device_mesh("cpu", (world,)))
+    model = _shard(_net(), init_device_mesh("cpu", (world,)), grouped)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for k in range(2):
         _step(model, opt, k, rank, world)
-    ns.update(model=model, opt=opt, layer=model[2], x=3)
+    sgd = torch.optim.SGD(model[4].parameters(), lr=0.1, momentum=0.9)
+    unnamed = torch.optim.SGD(model[0].parameters(), lr=0.1)  # bound to no name in ns
+    ns.update(model=model, opt=opt, sgd=sgd, layer=model[2], x=3)
     if world == 4:  # HSDP on a 2-D mesh: named, never touched
         hsdp = _net()
         from torch.distributed.fsdp import fully_shard
@@ -211,9 +219,11 @@ def _old_world(d: str, rank: int, world: int, ns: dict) -> dict:
         "osd": _clone(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))),
         "structure": reshard.describe_model(model)[1]["units"],
     }
-    summary = reshard.gather(ns=ns)
-    assert summary["models"] == {"model": {"units": 4, "params": 6}}, summary
-    assert summary["optimizers"] == {"opt": "model"} and summary["inside"] == {"layer": "model"}, summary
+    summary = reshard.gather(["model", "hsdp", "x"], ns=ns)  # optimizers found without their names
+    assert summary["models"] == {"model": {"units": 3 if grouped else 4, "params": 6}}, summary
+    assert summary["optimizers"] == {"opt": "model", "sgd": "model"}, summary
+    assert summary["inside"] == {} and summary["unnamed_optimizers"] == {"model": 1}, summary
+    del unnamed
     assert summary["grads_dropped"] == ["model"]  # the last step's gradients
     if world == 4:
         assert "2-D DeviceMesh" in summary["refused"]["hsdp"], summary
@@ -223,7 +233,14 @@ def _old_world(d: str, rank: int, world: int, ns: dict) -> dict:
     return before
 
 
-def _new_world_checks(d: str, rank: int, world: int, ns: dict, ids: dict, before: dict | None) -> None:
+def _hooks(model) -> list[tuple]:
+    """How many hooks of each kind every module of ``model`` has."""
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks")
+    kinds += ("_load_state_dict_post_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return [(name, *(len(getattr(m, k)) for k in kinds)) for name, m in model.named_modules()]
+
+
+def _new_world_checks(d: str, rank: int, world: int, ns: dict, ids: dict, before: dict | None, grouped: bool) -> None:
     """After ``rebuild`` on every rank of the new world: the same objects, the same full state,
     and the next step equal to a fresh FSDP2 model of this world loaded from that state."""
     import torch
@@ -239,16 +256,20 @@ def _new_world_checks(d: str, rank: int, world: int, ns: dict, ids: dict, before
 
     out = reshard.rebuild(ns=ns)
     assert out["failed"] == {} and out["not_rebuilt"] == [] and out["names_changed"] == [], out
-    assert out["models"] == {"model": {"units": 4, "mesh": world}} and out["optimizers"] == {"opt": "model"}, out
+    units = 3 if grouped else 4
+    assert out["models"] == {"model": {"units": units, "mesh": world}}, out
+    assert out["optimizers"] == {"opt": "model", "sgd": "model"}, out
     json.dumps(out)
-    model, opt = ns["model"], ns["opt"]
+    model, opt, sgd = ns["model"], ns["opt"], ns["sgd"]
     if ids:  # a rank of the old world: the objects the user held
-        assert id(model) == ids["model"] and id(opt) == ids["opt"] and id(ns["layer"]) == ids["layer"]
+        assert {k: id(ns[k]) for k in ids} == ids
     assert ns["layer"] is model[2] and isinstance(model, FSDPModule) and isinstance(model[2], FSDPModule)
     assert not isinstance(model[1], FSDPModule)
     params = list(model.parameters())
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params]
     assert all(isinstance(p, DTensor) and p.device_mesh.size() == world for p in params)
+    assert [id(p) for p in sgd.param_groups[0]["params"]] == [id(p) for p in model[4].parameters()]
+    assert not sgd.state and sgd.param_groups[0]["momentum"] == 0.9
     # what rank 0 had before, to every rank of the new world (a new rank had nothing)
     box = [before if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -259,7 +280,8 @@ def _new_world_checks(d: str, rank: int, world: int, ns: dict, ids: dict, before
     assert opt.param_groups[0]["lr"] == 0.01
 
     # the reference: a fresh FSDP2 model of this world from the same full state
-    fresh = _shard(_net(), init_device_mesh("cpu", (world,)))
+    fresh = _shard(_net(), init_device_mesh("cpu", (world,)), grouped)
+    assert _hooks(model) == _hooks(fresh)  # none of the old FSDP's hooks left, none missing
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)  # lr comes from the state
     full = StateDictOptions(full_state_dict=True)
     set_model_state_dict(fresh, {k: v.clone() for k, v in ref["params"].items()}, options=full)
@@ -273,7 +295,7 @@ def _new_world_checks(d: str, rank: int, world: int, ns: dict, ids: dict, before
         _plain_reference(ref, after, world)
     with open(os.path.join(d, f"done.{rank}"), "w") as f:
         json.dump({"rank": rank, "world": world, "rebuilt": out["models"]}, f)
-    assert reshard.drop()["dropped"] == ["model", "opt"]
+    assert reshard.drop()["dropped"] == ["model", "opt", "sgd"]
     assert reshard.held()["bytes"] == 0
     dist.barrier()
     dist.destroy_process_group()
@@ -311,13 +333,13 @@ def _shrink(index: int, d: str, old: int, new: int) -> None:
 
     torch.set_num_threads(1)
     ns: dict = {}
-    before = _old_world(d, index, old, ns)
-    ids = {k: id(ns[k]) for k in ("model", "opt", "layer")}
+    before = _old_world(d, index, old, ns, grouped=False)
+    ids = {k: id(ns[k]) for k in ("model", "opt", "sgd", "layer")}
     if index >= new:  # departing: gathered, then stopped
         return
     dist.destroy_process_group()
     _world(d, "new", index, new)
-    _new_world_checks(d, index, new, ns, ids, before if index == 0 else None)
+    _new_world_checks(d, index, new, ns, ids, before if index == 0 else None, grouped=False)
 
 
 def _grow(index: int, d: str, old: int, new: int) -> None:
@@ -331,8 +353,8 @@ def _grow(index: int, d: str, old: int, new: int) -> None:
     ids: dict = {}
     before = None
     if index < old:
-        before = _old_world(d, index, old, ns)
-        ids = {k: id(ns[k]) for k in ("model", "opt", "layer")}
+        before = _old_world(d, index, old, ns, grouped=True)
+        ids = {k: id(ns[k]) for k in ("model", "opt", "sgd", "layer")}
         if index == 0:
             blob = reshard.skeleton(ns=ns)
             assert isinstance(blob, bytes) and len(blob) < 100_000
@@ -340,12 +362,12 @@ def _grow(index: int, d: str, old: int, new: int) -> None:
         dist.destroy_process_group()
     else:  # a new rank: nothing until the new world forms, then the skeleton
         got = reshard.adopt(store.get("skeleton"), ns)
-        assert got == {"names": ["layer", "model", "opt"], "models": ["model"], "optimizers": ["opt"]}, got
+        assert got == {"names": ["layer", "model", "opt", "sgd"], "models": ["model"], "optimizers": ["opt", "sgd"]}, got
         assert ns["layer"] is ns["model"][2]
         assert all(p.is_meta for p in ns["model"].parameters())
         assert type(ns["model"]).__name__ == "Sequential" and type(ns["opt"]).__name__ == "Adam"
     _world(d, "new", index, new, store=store)
-    _new_world_checks(d, index, new, ns, ids, before)
+    _new_world_checks(d, index, new, ns, ids, before, grouped=True)
 
 
 def _run(fn, nprocs: int, old: int, new: int) -> list[dict]:

@@ -315,7 +315,9 @@ def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
     Returns {"rank", "models": {name: {"units", "params"}}, "optimizers": {name: model},
     "inside": {name: model} (names bound to a part of a gathered model: they stay bound to it),
     "refused": {name: why}, "bytes": bytes held here (rank 0: the full states; others 0),
-    "grads_dropped": [models whose gradients a rebuild will not keep]}."""
+    "grads_dropped": [models whose gradients a rebuild will not keep], "unnamed_optimizers":
+    {model: how many optimizers bound to no name hold its parameters (not re-pointed)}}.
+    Every optimizer bound to a name in the namespace is looked at, whether named or not."""
     import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -366,10 +368,10 @@ def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
         root = inside.get(parent, parent)
         if root in _HELD:
             out["inside"][k] = root
-    for k in keys:
+    # every optimizer bound to a name, named or not: one left on the old parameters would
+    # update nothing after the rebuild
+    for k in sorted(n for n, v in ns.items() if isinstance(v, torch.optim.Optimizer) and not n.startswith("_")):
         value = ns[k]
-        if not isinstance(value, torch.optim.Optimizer):
-            continue
         ids = [id(p) for g in value.param_groups for p in g[_PARAMS]]
         owner, why = optimizer_owner(ids, accepted)
         if why:
@@ -388,6 +390,7 @@ def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
         _HELD[k] = rec
         _HELD[owner]["optimizers"].append(k)
         out["optimizers"][k] = owner
+    out["unnamed_optimizers"] = _unnamed_optimizers(accepted, {id(ns[k]) for k in out["optimizers"]})
     for owner in sorted(accepted):
         for k in sorted(_HELD[owner]["optimizers"]):
             rec = _HELD[k]
@@ -397,6 +400,24 @@ def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
                 rec["state"] = _owned(osd, _live_pointers(model, [rec["object"]])) if rank == 0 else None
                 out["bytes"] += _nbytes(osd)
     return out
+
+
+def _unnamed_optimizers(models: dict[str, set[int]], named: set[int]) -> dict[str, int]:
+    """How many optimizers in this process, bound to no name in the namespace, hold a
+    parameter of each gathered model (they are not re-pointed: they will update nothing)."""
+    import gc
+
+    import torch
+
+    found: dict[str, int] = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance: that asks every object its __class__, and some warn
+        if issubclass(type(obj), torch.optim.Optimizer) and id(obj) not in named:
+            ids = {id(p) for g in obj.param_groups for p in g[_PARAMS]}
+            for name, params in models.items():
+                if ids & params:
+                    found[name] = found.get(name, 0) + 1
+    return found
 
 
 def held() -> dict:
