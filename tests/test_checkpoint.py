@@ -166,7 +166,9 @@ if rank == 0:
 
 
 def test_a_rank_killed_between_cells_is_named_and_the_pool_restarts(kernel_env):
+    """With resizing in place off (tests/test_shrink_lost.py has it on)."""
     with started_kernel(kernel_env) as (_, kc):
+        assert run_cell(kc, "%config DistributedMagics.resize_in_place = False")[0] == "ok"
         assert run_cell(kc, "%%distributed --gpus 2\nx = 1")[0] == "ok"
         pid = int(re.search(r"rank 1: GPU t:1, pid (\d+)", run_cell(kc, "%distributed status")[1]).group(1))
         os.kill(pid, signal.SIGKILL)

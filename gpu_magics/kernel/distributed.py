@@ -230,6 +230,8 @@ class DistributedMagics(CheckpointCommands, Magics):
             with self.lock:
                 self.busy -= 1
                 self._touch()
+        if outcome.broken:
+            self.lifecycle.shrink_lost(outcome)  # the others go on without the lost ranks, if they can
         self.preemption.after_cell(outcome, pool)
         if outcome.interrupted:
             raise DistributedInterrupt(report(outcome, pool)) from None

@@ -33,7 +33,7 @@ from gpu_magics.kernel.acquire import (
 from gpu_magics.kernel.burst import Burst
 from gpu_magics.kernel.checkpoints import as_html, show
 from gpu_magics.kernel.notices import engines_up
-from gpu_magics.kernel.outcome import DistributedInterrupt
+from gpu_magics.kernel.outcome import DistributedInterrupt, place
 from gpu_magics.kernel.pool import EnginePool
 from gpu_magics.kernel.preemption import Preemption
 
@@ -263,6 +263,38 @@ class Lifecycle:
         self.pool, self.key = pool, key
         self._arm_idle_timer()
 
+    def shrink_lost(self, outcome) -> None:
+        """After a cell that lost ranks (their processes ended): the pool shrinks in place
+        without them where it can, the others keeping their processes and variables; the
+        cell's outcome then says so (``outcome.shrunk``) instead of starting fresh engines."""
+        pool = self.pool
+        lost = sorted(r.rank for r in outcome.ranks if r.status in ("died", "killed", "gone"))
+        if not getattr(self.settings, "resize_in_place", False) or pool is None or not lost:
+            return
+        if backend() == "slurm" or resizing.shrink_problem(pool.specs, lost, remote=pool._remote):
+            return
+        outcome.places = {r.rank: place(pool, r.rank) for r in outcome.failed}
+        labels = [pool.specs[r].slot.label for r in lost]
+        old_size = pool.size
+        try:
+            shrunk = resize.shrink(pool, lost, planned=False)
+        except resize.ShrinkFailed:
+            pool.broken = True
+            return
+        pool.broken = outcome.broken = not shrunk.checked
+        if self.key is not None:
+            (_, nodes, per_node), backend_name, timeout = self.key
+            self.key = ((pool.size, nodes, per_node), backend_name, timeout)
+        lines = resizing.shrink_text(shrunk)
+        gpus = ", ".join(labels)
+        lines.append(
+            f"GPU {gpus} stays held by this session, unused by the pool: a cell with --gpus {old_size} "
+            "adds a rank on it again."
+        )
+        if any(r.status == "gone" for r in outcome.ranks):
+            lines.append(f"This cell did not run: run it again with --gpus {pool.size}.")
+        outcome.shrunk = lines
+
     def _grows(self, args, key: tuple, on_slurm: bool) -> bool:
         """Whether this cell grows the pool in place: more GPUs, every other setting the same,
         a sound local pool, and resizing in place on."""
@@ -282,17 +314,20 @@ class Lifecycle:
         """The pool grown in place to ``args.gpus`` ranks (``kernel.resize.grow``): the GPUs it
         lacks asked for first (a refusal changes nothing), then new engines join the old."""
         pool = self.pool
+        held_slots = [*self.own, *(self.burst.slots if self.burst is not None else ())]
+        used = {spec.slot for spec in pool.specs}
+        idle = [slot for slot in held_slots if slot not in used][: args.gpus - pool.size]  # a lost rank's
         plan = plan_gpus(server_gpus().gpus, args.gpus)
-        extra_own = [slot for slot in plan.own if slot not in self.own]
+        extra_own = [slot for slot in plan.own if slot not in held_slots][: args.gpus - pool.size - len(idle)]
         held = self.burst.size if self.burst is not None else 0
-        need = plan.burst - held
+        need = args.gpus - pool.size - len(idle) - len(extra_own)
         added = None
         if need > 0:
             node = self.burst.slots[0].node if self.burst is not None and self.burst.slots else plan.node
             added = request_local_burst(
                 self.terms(), need, len(plan.own) + held, args.gpus, self.burst is None, node
             )
-        new_slots = [*extra_own, *(added.slots if added is not None else ())]
+        new_slots = [*idle, *extra_own, *(added.slots if added is not None else ())]
         try:
             grown = resize.grow(pool, new_slots, report_id=added.id if added is not None else 0)
         except resize.GrowFailed as e:

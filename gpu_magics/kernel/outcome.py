@@ -9,6 +9,7 @@ from __future__ import annotations
 from IPython.core.error import UsageError
 
 from gpu_magics.kernel.pool import CellOutcome, EnginePool
+from gpu_magics.kernel.resizing import ranks_text
 
 NOT_RUN = "This cell did not run; run it again to start new engines."
 
@@ -91,13 +92,18 @@ def slurm_preemption(pool: EnginePool) -> str | None:
     return preemption_report(autosave[1], job)
 
 
+def place(pool: EnginePool, rank: int) -> str:
+    """Where a rank runs: ``node vm, GPU vm:1, pid 123``."""
+    info = pool.infos[rank] if rank < len(pool.infos) else {}
+    slot = pool.specs[rank].slot
+    return f"node {slot.node}, GPU {slot.label}, pid {info.get('pid', '?')}"
+
+
 def report(outcome: CellOutcome, pool: EnginePool) -> str:
     """What happened to each rank that did not finish, and to the pool: plain lines."""
     lines = []
     for r in outcome.failed:
-        info = pool.infos[r.rank] if r.rank < len(pool.infos) else {}
-        slot = pool.specs[r.rank].slot
-        where = f"node {slot.node}, GPU {slot.label}, pid {info.get('pid', '?')}"
+        where = outcome.places.get(r.rank) or place(pool, r.rank)
         if r.status == "died":
             lines.append(f"rank {r.rank} ({where}) died: its engine process ended during the cell.")
         elif r.status == "gone":
@@ -134,6 +140,10 @@ def report(outcome: CellOutcome, pool: EnginePool) -> str:
             "re-run the cells that define your objects, then %distributed restore NAME... what "
             "you saved."
         )
+    elif outcome.shrunk:
+        lost = [r.rank for r in outcome.ranks if r.status in ("died", "killed", "gone")]
+        lines.append(f"Lost: the process of {ranks_text(lost)} and what only it held.")
+        lines += outcome.shrunk
     elif outcome.failed or outcome.interrupted:
         lines.append("Every rank's variables are kept, in the same processes.")
     return "\n".join(lines)

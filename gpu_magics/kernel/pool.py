@@ -65,6 +65,8 @@ class CellOutcome:
     interrupted: bool = False
     notes: list[str] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)  # ranks freed from a stuck collective
+    places: dict[int, str] = field(default_factory=dict)  # where failed ranks ran, before a shrink
+    shrunk: list[str] = field(default_factory=list)  # the pool shrank in place without the lost ranks
 
     @property
     def failed(self) -> list[RankOutcome]:

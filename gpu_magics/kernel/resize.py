@@ -24,10 +24,11 @@ class ShrinkFailed(Exception):
         self.stage = stage
 
 
-def shrink(pool, leaving: list[int], timeout: float = 60) -> resizing.Shrunk:
+def shrink(pool, leaving: list[int], timeout: float = 60, planned: bool = True) -> resizing.Shrunk:
     """Shrink ``pool`` (an ``EnginePool`` that holds its engines here) by the ranks
-    ``leaving``. Raises :class:`ShrinkFailed` where it cannot; before the departure, the pool
-    is left as it was."""
+    ``leaving``: still running (``planned``, a preemption's notice: sharded models are gathered
+    first) or already gone. Raises :class:`ShrinkFailed` where it cannot; before the departure,
+    the pool is left as it was."""
     from gpu_magics.engine.recovery import holders
     from gpu_magics.engine.resize import ddp_digests, join_world, world_check
 
@@ -40,7 +41,7 @@ def shrink(pool, leaving: list[int], timeout: float = 60) -> resizing.Shrunk:
         found = pool.client[pool.engine_ids[0]].apply_async(holders).get(timeout)
     except Exception as e:
         raise ShrinkFailed(f"rank 0 did not say what it holds ({e})", "before") from None
-    sharded = resharder(pool, found.get("fsdp", []), timeout)
+    sharded = resharder(pool, found.get("fsdp", []), timeout, planned)
     try:
         sharded.gather()  # every rank, old world: the sharded models' full state to rank 0
     except Exception as e:
@@ -101,16 +102,26 @@ def renumbered(survivors: list[RankSpec]) -> list[RankSpec]:
 
 
 class _NoSharded:
+    def __init__(self, names: list[str], planned: bool):
+        self.names, self.planned = names, planned
+
     def gather(self) -> None:
         return None
 
     def rebuild(self) -> dict:
-        return {}
+        why = (
+            "resharding FSDP2 models in place is not built yet"
+            if self.planned
+            else "its shards on the lost rank are gone"
+        )
+        return {
+            "refused": {name: f"{why}: define it again, then %distributed restore it" for name in self.names}
+        }
 
 
-def resharder(pool, names: list[str], timeout: float):
+def resharder(pool, names: list[str], timeout: float, planned: bool = True):
     """What moves the FSDP2 models ``names`` from the old world to the new one."""
-    return _NoSharded()
+    return _NoSharded(names, planned)
 
 
 class GrowFailed(ShrinkFailed):

@@ -1,0 +1,90 @@
+"""A rank's process lost between cells (SIGKILL): the pool shrinks in place without it, the other
+ranks keeping their processes and variables, the DDP model training on at the smaller size; a
+cell asking for the old size grows the pool back onto the GPU the lost rank left. Real kernel,
+real ipyparallel engines, gloo on CPU, the server's own three (simulated) GPUs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from .hubtools import wait_for
+from .kerneltools import OwnKernel
+from .test_checkpoint import _exited
+from .test_grow import CHECK
+
+DEFINE = """%%distributed --gpus 3 --timeout 60
+import copy, os, time
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+def batch(r, k):
+    g = torch.Generator().manual_seed(1000 * k + r)
+    X = torch.randn(16, 8, generator=g)
+    return X, X.sum(dim=1, keepdim=True)
+steps = 0
+def step():
+    global steps
+    X, y = batch(rank, steps)
+    opt.zero_grad()
+    ((model(X) - y) ** 2).mean().backward()
+    opt.step()
+    steps += 1
+class Note:
+    def __init__(self, text):
+        self.text = text
+    def says(self):
+        return f"{self.text} at step {steps}"
+note = Note("defined on 3 ranks")
+step()
+print("defined", os.getpid())
+"""
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    k = OwnKernel(tmp_path, gpus="t:0,t:1,t:2")
+    yield k
+    k.close()
+
+
+def test_a_rank_killed_between_cells_and_the_others_go_on_in_place(kernel):
+    out = kernel.run(DEFINE)
+    assert out["status"] == "ok", out["text"]
+    status = kernel.run("%distributed status")["text"]
+    pids = {int(r): int(p) for r, p in re.findall(r"rank (\d): GPU t:\d, pid (\d+)", status)}
+    os.kill(pids[2], signal.SIGKILL)
+    wait_for(lambda: _exited(pids[2]), 30, "rank 2's engine to die")
+
+    out = kernel.run("%%distributed --gpus 3 --timeout 60\nstep()")
+    text = out["text"]
+    assert out["status"] == "error", text
+    assert f"rank 2 (node t, GPU t:2, pid {pids[2]}) is gone" in text, text
+    assert "Lost: the process of rank 2 and what only it held." in text
+    assert "The pool shrank in place from 3 to 2 ranks: rank 2 (GPU t:2) left" in text
+    assert "The world group was re-formed at 2 ranks and answered a collective on every rank." in text
+    assert "checked equal on every rank: model." in text
+    assert "GPU t:2 stays held by this session, unused by the pool: a cell with --gpus 3 adds a rank" in text
+    assert "This cell did not run: run it again with --gpus 2." in text
+    assert "fresh engines" not in text
+
+    # the two go on, in the same processes, DDP averaging over 2 now
+    gathered = kernel.result(CHECK.replace("--gpus 3", "--gpus 2"))
+    assert [(r, w) for _, r, w, *_ in gathered] == [(0, 2), (1, 2)]
+    assert [pid for pid, *_ in gathered] == [pids[0], pids[1]]
+    assert len({tuple(now) for _, _, _, now, *_ in gathered}) == 1
+    assert all(close for *_, close, _, _ in gathered), "the step left the 2-rank reference"
+
+    # and grow back onto the GPU the lost rank left
+    out = kernel.run(CHECK)
+    assert out["status"] == "ok", out["text"]
+    assert "the pool grew in place from 2 to 3 ranks: new rank 2 on GPU t:2;" in out["text"], out["text"]
+    gathered = eval(out["result"])
+    assert [pid for pid, *_ in gathered][:2] == [pids[0], pids[1]]
+    assert all(close for *_, close, _, _ in gathered), "the step left the 3-rank reference"
+    assert {says for *_, says in gathered} == {"defined on 3 ranks at step 3"}
