@@ -98,6 +98,19 @@ def test_rebuild_order():
     assert reshard.rebuild_order(held, []) == []
 
 
+def test_plan_differs():
+    same = {"models": [("m", "cpu", [(["0"], ["0.weight"])], [("opt", [["0.weight"]], True)])], "holds_state": True}
+    new_rank = dict(same, holds_state=False)  # only rank 0 must hold the state
+    assert reshard.plan_differs([same, new_rank, new_rank]) == ""
+    assert reshard.plan_differs([same]) == ""
+    assert "rank 0 holds no gathered state" in reshard.plan_differs([new_rank, same])
+    other = {"models": [], "holds_state": False}
+    why = reshard.plan_differs([same, same, other, other])
+    assert why.startswith("not rebuilt: rank 2, 3 would rebuild other") and "same names on every rank" in why
+    unit = {"models": [("m", "cpu", [(["0"], ["0.weight", "0.bias"])], [])], "holds_state": False}
+    assert "rank 1 " in reshard.plan_differs([same, unit])
+
+
 # ---------------------------------------------------------------- ranks in processes
 
 
@@ -293,9 +306,18 @@ def _new_world_checks(d: str, rank: int, world: int, ns: dict, ids: dict, before
     _equal(_full_adam(model, opt), _full_adam(fresh, fresh_opt), "adam after the next step")
     if rank == 0:
         _plain_reference(ref, after, world)
+    if world == 3:  # ranks that disagree on what to rebuild: all refuse, none waits, nothing changes
+        if rank == 1:
+            assert reshard.drop(["sgd"])["dropped"] == ["sgd"]
+        again = reshard.rebuild(ns=ns)
+        assert again["models"] == {} and again["failed"] == {
+            "model": "not rebuilt: rank 1 would rebuild other models, units or optimizers than rank 0 "
+            "(gather or adopt the same names on every rank)"
+        }, again
+        _equal(_full_params(model), after, "params after a refused rebuild")
     with open(os.path.join(d, f"done.{rank}"), "w") as f:
         json.dump({"rank": rank, "world": world, "rebuilt": out["models"]}, f)
-    assert reshard.drop()["dropped"] == ["model", "opt", "sgd"]
+    assert reshard.drop()["dropped"] == (["model", "opt"] if (world, rank) == (3, 1) else ["model", "opt", "sgd"])
     assert reshard.held()["bytes"] == 0
     dist.barrier()
     dist.destroy_process_group()

@@ -429,16 +429,23 @@ def held() -> dict:
 
 
 def drop(names: list[str] | None = None) -> dict:
-    """Forget what ``gather`` / ``adopt`` held (all of it when ``names`` is None): the full
-    states on rank 0, the structure everywhere. Local. Returns {"dropped": names, "bytes"}."""
+    """Forget what ``gather`` / ``adopt`` held (all of it when ``names`` is None; a model's
+    optimizers go with it): the full states on rank 0, the structure everywhere. Local.
+    Returns {"dropped": names, "bytes": bytes freed}."""
     import gc
 
-    keys = sorted(_HELD) if names is None else sorted(k for k in names if k in _HELD)
+    keys = set(_HELD) if names is None else {k for k in names if k in _HELD}
+    for k in list(keys):
+        if _HELD[k]["kind"] == "model":
+            keys.update(_HELD[k]["optimizers"])
     freed = sum(_nbytes(_HELD[k].get("state")) for k in keys)
-    for k in keys:
-        del _HELD[k]
+    for k in sorted(keys):
+        rec = _HELD.pop(k)
+        owner = _HELD.get(rec.get("model", ""))
+        if rec["kind"] == "optimizer" and owner is not None:
+            owner["optimizers"].remove(k)
     gc.collect()
-    return {"dropped": keys, "bytes": freed}
+    return {"dropped": sorted(keys), "bytes": freed}
 
 
 # ---------------------------------------------------------------- skeleton / adopt (growing)
@@ -709,6 +716,50 @@ def _check_structure(root, structure: dict) -> str:
     return ""
 
 
+def plan(order: list[str]) -> dict:
+    """What this rank is about to rebuild, as every rank must agree on it (``plan_differs``)."""
+    models = []
+    for k in order:
+        rec = _HELD[k]
+        units = [(u["modules"], sorted(u["params"])) for u in rec["structure"]["units"]]
+        opts = [(o, _HELD[o]["groups"], _HELD[o]["stateful"]) for o in sorted(rec["optimizers"])]
+        models.append((k, rec["structure"]["device_type"], units, opts))
+    held_state = all(_HELD[k]["state"] is not None for k in order) and all(
+        _HELD[o]["state"] is not None for k in order for o in _HELD[k]["optimizers"] if _HELD[o]["stateful"]
+    )
+    return {"models": models, "holds_state": held_state}
+
+
+def plan_differs(plans: list[dict]) -> str:
+    """"" when every rank's plan (in rank order) is the same and rank 0 holds the gathered
+    state, else what is wrong (the same answer on every rank: each sees every plan)."""
+    if not plans:
+        return ""
+    if not plans[0]["holds_state"]:
+        return "not rebuilt: rank 0 holds no gathered state for these names (gather must run on every rank of the old world first)"
+    odd = [r for r, p in enumerate(plans) if p["models"] != plans[0]["models"]]
+    if odd:
+        ranks = ", ".join(map(str, odd))
+        return (
+            f"not rebuilt: rank {ranks} would rebuild other models, units or optimizers than rank 0 "
+            "(gather or adopt the same names on every rank)"
+        )
+    return ""
+
+
+def _agree(mine: dict, world: int) -> str:
+    """Every rank's plan to every rank (``all_gather_object`` on the world group), judged the
+    same way on each."""
+    import torch.distributed as dist
+
+    if world == 1 or not dist.is_initialized():
+        return plan_differs([mine])
+    plans: list = [None] * world
+    with _device_types_of_inner():
+        dist.all_gather_object(plans, mine)
+    return plan_differs(plans)
+
+
 def _copy_osd(osd: dict) -> dict:
     """A full optimizer state to load, its containers and scalars new (``load_state_dict``
     keeps a ``step`` tensor as given, and torch's loading changes the dicts it is given):
@@ -750,6 +801,10 @@ def rebuild(names: list[str] | None = None, mesh=None, ns: dict | None = None) -
     out["not_rebuilt"], out["names_changed"] = [], []
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     meshes: dict[str, object] = {}
+    why = _agree(plan(order), world)  # one collective: every rank goes on, or none does
+    if why:
+        out["failed"] = {k: why for k in order}
+        return out
     for i, k in enumerate(order):
         rec = _HELD[k]
         root = rec["object"]
