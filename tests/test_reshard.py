@@ -109,6 +109,8 @@ def test_plan_differs():
     assert why.startswith("not rebuilt: rank 2, 3 would rebuild other") and "same names on every rank" in why
     unit = {"models": [("m", "cpu", [(["0"], ["0.weight", "0.bias"])], [])], "holds_state": False}
     assert "rank 1 " in reshard.plan_differs([same, unit])
+    why = reshard.plan_differs([same, unit], "gather")
+    assert why.startswith("not gathered: rank 1 would gather other") and "(gather the same names" in why
 
 
 # ---------------------------------------------------------------- ranks in processes

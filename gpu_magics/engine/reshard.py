@@ -309,15 +309,18 @@ def _is_dtensor(t) -> bool:
 def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
     """On every rank of the old world, the same ``names`` (None: every name in the
     namespace): the full state of each FSDP2 model named and of each optimizer of one gathered
-    onto rank 0's CPU, the structure kept on every rank. Collectives over each model's mesh
-    group (the old world), models in sorted name order, each model's optimizers after it.
+    onto rank 0's CPU, the structure kept on every rank (what an earlier gather held is
+    dropped first). Collectives over the old world: one to agree on the plan (a rank that
+    would gather something else, and every rank refuses), then each model's state (sorted
+    names) and its optimizers' (sorted names) over the model's mesh group.
 
     Returns {"rank", "models": {name: {"units", "params"}}, "optimizers": {name: model},
     "inside": {name: model} (names bound to a part of a gathered model: they stay bound to it),
-    "refused": {name: why}, "bytes": bytes held here (rank 0: the full states; others 0),
-    "grads_dropped": [models whose gradients a rebuild will not keep], "unnamed_optimizers":
-    {model: how many optimizers bound to no name hold its parameters (not re-pointed)}}.
-    Every optimizer bound to a name in the namespace is looked at, whether named or not."""
+    "refused": {name: why}, "failed": {name: why} (a collective that failed: nothing held),
+    "bytes": bytes held here (rank 0: the full states; others 0), "grads_dropped": [models
+    whose gradients a rebuild will not keep], "unnamed_optimizers": {model: how many
+    optimizers bound to no name hold its parameters (they are not re-pointed)}}. Every
+    optimizer bound to a name in the namespace is looked at, whether named or not."""
     import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -325,81 +328,86 @@ def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
         get_optimizer_state_dict,
     )
 
+    drop()
     ns = _ns(ns)
-    rank, _ = _rank_world()
+    rank, world = _rank_world()
     keys = sorted(k for k in (ns if names is None else names) if k in ns and not k.startswith("_"))
     models = {k: ns[k] for k in keys if _is_sharded_model(ns[k])}
+    out: dict = {"rank": rank, "models": {}, "optimizers": {}, "inside": {}, "refused": {}, "failed": {}}
+    out.update(bytes=0, grads_dropped=[], unnamed_optimizers={})
     # a name bound to a part of another gathered model moves with it
-    inside = {}
-    for k, m in models.items():
-        for other, om in models.items():
-            if other != k and any(sub is m for sub in om.modules()):
-                inside[k] = other
-    out: dict = {"rank": rank, "models": {}, "optimizers": {}, "inside": {}, "refused": {}, "bytes": 0}
-    out["grads_dropped"] = []
-    accepted: dict[str, set[int]] = {}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    inside = {k: o for k, m in models.items() for o, om in models.items() if o != k and any(s is m for s in om.modules())}
+    # local decisions first: what each rank will gather
+    chosen: dict[str, dict] = {}
     for k in sorted(models):
         if k in inside:
             continue
-        model = models[k]
-        facts, structure = describe_model(model)
+        facts, structure = describe_model(models[k])
         why = refusal(facts)
         if why:
             out["refused"][k] = why
             continue
-        state = get_model_state_dict(model, options=options)  # collective; reshards every group
-        state = _owned(state, _live_pointers(model)) if rank == 0 else None
-        _HELD[k] = {
-            "kind": "model",
-            "object": model,
-            "structure": structure,
-            "state": state,
-            "optimizers": [],
-            "fqn": {id(p): n for n, p in model.named_parameters()},
-        }
-        accepted[k] = set(_HELD[k]["fqn"])
-        out["models"][k] = {"units": len(structure["units"]), "params": len(_HELD[k]["fqn"])}
-        if any(p.grad is not None for p in model.parameters()):
-            out["grads_dropped"].append(k)
-        out["bytes"] += _nbytes(state)
-    # names bound to parts of a gathered model
-    for k, parent in inside.items():
-        root = inside.get(parent, parent)
-        if root in _HELD:
-            out["inside"][k] = root
+        chosen[k] = {"kind": "model", "object": models[k], "structure": structure, "state": None}
+        chosen[k].update(optimizers=[], fqn=_param_names(models[k]))
+    accepted = {k: set(rec["fqn"]) for k, rec in chosen.items()}
+    opts: dict[str, dict] = {}
     # every optimizer bound to a name, named or not: one left on the old parameters would
     # update nothing after the rebuild
     for k in sorted(n for n, v in ns.items() if isinstance(v, torch.optim.Optimizer) and not n.startswith("_")):
         value = ns[k]
-        ids = [id(p) for g in value.param_groups for p in g[_PARAMS]]
-        owner, why = optimizer_owner(ids, accepted)
+        owner, why = optimizer_owner([id(p) for g in value.param_groups for p in g[_PARAMS]], accepted)
         if why:
             out["refused"][k] = why
-        if not owner:
-            continue
-        fqn = _HELD[owner]["fqn"]
-        rec = {
-            "kind": "optimizer",
-            "object": value,
-            "model": owner,
-            "groups": [[fqn[id(p)] for p in g[_PARAMS]] for g in value.param_groups],
-            "stateful": bool(value.state),
-            "state": None,
-        }
-        _HELD[k] = rec
-        _HELD[owner]["optimizers"].append(k)
-        out["optimizers"][k] = owner
-    out["unnamed_optimizers"] = _unnamed_optimizers(accepted, {id(ns[k]) for k in out["optimizers"]})
-    for owner in sorted(accepted):
-        for k in sorted(_HELD[owner]["optimizers"]):
-            rec = _HELD[k]
-            if rec["stateful"]:  # an optimizer that never stepped is not given state (torch would)
-                model = _HELD[owner]["object"]
-                osd = get_optimizer_state_dict(model, rec["object"], options=options)
-                rec["state"] = _owned(osd, _live_pointers(model, [rec["object"]])) if rank == 0 else None
-                out["bytes"] += _nbytes(osd)
+        if owner:
+            fqn = chosen[owner]["fqn"]
+            groups = [[fqn[id(p)] for p in g[_PARAMS]] for g in value.param_groups]
+            opts[k] = {"kind": "optimizer", "object": value, "model": owner, "groups": groups}
+            opts[k].update(stateful=bool(value.state), state=None)
+            chosen[owner]["optimizers"].append(k)
+    why = _agree(_plan(chosen, opts, holds_state=True), world, "gather")
+    if why:
+        out["refused"].update({k: why for k in [*chosen, *opts]})
+        return out
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    try:
+        for k, rec in sorted(chosen.items()):
+            model = rec["object"]
+            state = get_model_state_dict(model, options=options)  # reshards every group first
+            rec["state"] = _owned(state, _live_pointers(model)) if rank == 0 else None
+            out["bytes"] += _nbytes(state)
+            for o in sorted(rec["optimizers"]):
+                if opts[o]["stateful"]:  # one that never stepped is not given state (torch would)
+                    osd = get_optimizer_state_dict(model, opts[o]["object"], options=options)
+                    opts[o]["state"] = _owned(osd, _live_pointers(model, [opts[o]["object"]])) if rank == 0 else None
+                    out["bytes"] += _nbytes(osd)
+    except Exception as e:  # every rank's collective fails with it: nothing is held anywhere
+        out["failed"] = {k: f"not gathered: {_describe(e)}" for k in [*chosen, *opts]}
+        out["bytes"] = 0
+        return out
+    _HELD.update(chosen)
+    _HELD.update(opts)
+    for k, rec in chosen.items():
+        out["models"][k] = {"units": len(rec["structure"]["units"]), "params": len(set(rec["fqn"].values()))}
+        if any(p.grad is not None for p in rec["object"].parameters()):
+            out["grads_dropped"].append(k)
+    out["optimizers"] = {k: rec["model"] for k, rec in opts.items()}
+    out["inside"] = {k: inside.get(p, p) for k, p in inside.items() if inside.get(p, p) in chosen}
+    out["unnamed_optimizers"] = _unnamed_optimizers(accepted, {id(rec["object"]) for rec in opts.values()})
     return out
+
+
+def _param_names(root) -> dict[int, str]:
+    """Parameter id -> name in ``root``, for the parameters registered now and for each
+    FSDP2 parameter's sharded one (registered between a forward and its backward, an
+    unsharded one stands in for it; an optimizer holds the sharded one)."""
+    names = {id(p): n for n, p in root.named_parameters()}
+    fqn = {id(m): name for name, m in root.named_modules()}
+    for state in _states(root):
+        for group in state._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                info = fp._module_info
+                names.setdefault(id(fp.sharded_param), ".".join(x for x in (fqn[id(info.module)], info.param_name) if x))
+    return names
 
 
 def _unnamed_optimizers(models: dict[str, set[int]], named: set[int]) -> dict[str, int]:
@@ -716,48 +724,48 @@ def _check_structure(root, structure: dict) -> str:
     return ""
 
 
-def plan(order: list[str]) -> dict:
-    """What this rank is about to rebuild, as every rank must agree on it (``plan_differs``)."""
-    models = []
-    for k in order:
-        rec = _HELD[k]
+def _plan(models: dict[str, dict], opts: dict[str, dict], holds_state: bool) -> dict:
+    """What this rank is about to gather or rebuild, as every rank must agree on it:
+    each model's name, device type, units (modules and parameters) and optimizers (names,
+    parameter names, whether they have state); and whether it holds the gathered state."""
+    plan = []
+    for k in sorted(models):
+        rec = models[k]
         units = [(u["modules"], sorted(u["params"])) for u in rec["structure"]["units"]]
-        opts = [(o, _HELD[o]["groups"], _HELD[o]["stateful"]) for o in sorted(rec["optimizers"])]
-        models.append((k, rec["structure"]["device_type"], units, opts))
-    held_state = all(_HELD[k]["state"] is not None for k in order) and all(
-        _HELD[o]["state"] is not None for k in order for o in _HELD[k]["optimizers"] if _HELD[o]["stateful"]
-    )
-    return {"models": models, "holds_state": held_state}
+        mine = [(o, opts[o]["groups"], opts[o]["stateful"]) for o in sorted(rec["optimizers"])]
+        plan.append((k, rec["structure"]["device_type"], units, mine))
+    return {"models": plan, "holds_state": holds_state}
 
 
-def plan_differs(plans: list[dict]) -> str:
+def plan_differs(plans: list[dict], doing: str = "rebuild") -> str:
     """"" when every rank's plan (in rank order) is the same and rank 0 holds the gathered
-    state, else what is wrong (the same answer on every rank: each sees every plan)."""
+    state, else what is wrong: the same answer on every rank (each sees every plan)."""
+    done = {"rebuild": "rebuilt", "gather": "gathered"}[doing]
     if not plans:
         return ""
     if not plans[0]["holds_state"]:
-        return "not rebuilt: rank 0 holds no gathered state for these names (gather must run on every rank of the old world first)"
+        return f"not {done}: rank 0 holds no gathered state for these names (gather must run on every rank of the old world first)"
     odd = [r for r, p in enumerate(plans) if p["models"] != plans[0]["models"]]
     if odd:
         ranks = ", ".join(map(str, odd))
         return (
-            f"not rebuilt: rank {ranks} would rebuild other models, units or optimizers than rank 0 "
-            "(gather or adopt the same names on every rank)"
+            f"not {done}: rank {ranks} would {doing} other models, units or optimizers than rank 0 "
+            f"({'gather or adopt' if doing == 'rebuild' else 'gather'} the same names on every rank)"
         )
     return ""
 
 
-def _agree(mine: dict, world: int) -> str:
+def _agree(mine: dict, world: int, doing: str) -> str:
     """Every rank's plan to every rank (``all_gather_object`` on the world group), judged the
     same way on each."""
     import torch.distributed as dist
 
     if world == 1 or not dist.is_initialized():
-        return plan_differs([mine])
+        return plan_differs([mine], doing)
     plans: list = [None] * world
     with _device_types_of_inner():
         dist.all_gather_object(plans, mine)
-    return plan_differs(plans)
+    return plan_differs(plans, doing)
 
 
 def _copy_osd(osd: dict) -> dict:
@@ -801,7 +809,12 @@ def rebuild(names: list[str] | None = None, mesh=None, ns: dict | None = None) -
     out["not_rebuilt"], out["names_changed"] = [], []
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     meshes: dict[str, object] = {}
-    why = _agree(plan(order), world)  # one collective: every rank goes on, or none does
+    held_state = all(_HELD[k]["state"] is not None for k in order) and all(
+        _HELD[o]["state"] is not None for k in order for o in _HELD[k]["optimizers"] if _HELD[o]["stateful"]
+    )
+    models = {k: _HELD[k] for k in order}
+    opts = {o: _HELD[o] for k in order for o in _HELD[k]["optimizers"]}
+    why = _agree(_plan(models, opts, held_state), world, "rebuild")  # every rank goes on, or none
     if why:
         out["failed"] = {k: why for k in order}
         return out
