@@ -38,6 +38,7 @@ BATCH = 12  # rows of every global batch: divisible by 4, 3, 2 and 1 ranks
         ({"units": 3, "mesh_dims": [1], "meshes": 1, "mesh_size": 2, "world": 4}, "2 of the world's 4"),
         ({"units": 1, "mesh_dims": [1], "meshes": 1, "mesh_size": 4, "world": 4, "placements": False}, "dimension other than 0"),
         ({"units": 1, "mesh_dims": [1], "meshes": 1, "mesh_size": 4, "world": 4, "groups_per_unit": 2}, "several meshes"),
+        ({"units": 1, "mesh_dims": [1], "meshes": 1, "mesh_size": 4, "world": 4, "other_dtensors": 2}, "tensor parallel"),
     ],
 )
 def test_refusal(facts, says):
@@ -45,7 +46,7 @@ def test_refusal(facts, says):
     if not says:
         assert why == ""
     else:
-        assert says in why and why.startswith("not resharded: ") and "%distributed save" in why
+        assert says in why and why.startswith("not resharded: ") and "(%distributed save NAME) before" in why
 
 
 @pytest.mark.parametrize(

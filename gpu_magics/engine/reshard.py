@@ -5,33 +5,40 @@ same processes, the objects the user holds kept (``model`` and ``opt`` stay the 
 The order, on every rank of a pool (the kernel side drives it; ``engine.resize`` re-forms the
 world group between the steps):
 
-1. ``gather(names)`` on every rank of the OLD world (collectives on each model's mesh group, the
-   old world): each FSDP2 model named, and each optimizer of one, has its full state gathered
-   onto rank 0's CPU (``get_model_state_dict`` / ``get_optimizer_state_dict``, full and
-   offloaded: the other ranks hold nothing) and its FSDP structure remembered on every rank
-   (which modules were ``fully_shard``'ed, bottom-up, with their ``reshard_after_forward``,
-   ``mp_policy`` and ``offload_policy``). What cannot be moved is named with the reason.
-2. Growing only: ``skeleton()`` on rank 0 (local): the models' architecture with parameters on
-   the meta device, their optimizers (class, hyperparameters) and the structure, as bytes;
-   ``adopt(blob)`` on each NEW rank (local) binds those names there.
+1. ``gather(names)`` on every rank of the OLD world. Collectives on the old world: one
+   ``all_gather_object`` (every rank agrees on what it will gather, or all refuse), then per
+   model (sorted names) ``get_model_state_dict`` and per optimizer of it (sorted names)
+   ``get_optimizer_state_dict`` on the model's mesh group, full and offloaded: rank 0 holds the
+   full state on its CPU, the other ranks nothing. Every rank remembers the FSDP structure
+   (which modules were ``fully_shard``'ed, bottom-up, with ``reshard_after_forward``,
+   ``mp_policy``, ``offload_policy``; ignored parameters). What cannot be moved is named with
+   the reason (``refusal``).
+2. Growing only: ``skeleton()`` on rank 0 (local): the models' architecture unsharded with
+   parameters on the meta device, their optimizers (class, hyperparameters) and the structure,
+   as cloudpickle bytes; ``adopt(blob)`` on each NEW rank (local) binds those names there.
 3. The world group is re-formed at the new size (rank 0 stays rank 0).
-4. ``rebuild()`` on every rank of the NEW world (collectives on the new world group): each
-   model's FSDP2 is undone in place (the original classes back, FSDP's hooks and state gone),
-   ``fully_shard`` is applied again with the same arguments on a new 1-D mesh of the new world,
-   and rank 0's full state is broadcast into it (``set_model_state_dict`` /
-   ``set_optimizer_state_dict`` with ``broadcast_from_rank0``); each optimizer object is
-   re-pointed at the new parameters by name before its state is loaded.
+4. ``rebuild()`` on every rank of the NEW world. Collectives on the new world: one
+   ``all_gather_object`` (the same plan on every rank, rank 0 holding the state, or all refuse,
+   none waits), then per model: FSDP2 undone in place (local: the original classes back, FSDP's
+   hooks and state gone), ``fully_shard`` applied again with the same arguments on a new 1-D
+   mesh of the new world (``init_device_mesh``: the world group itself), rank 0's full state
+   broadcast into it (``set_model_state_dict`` with ``broadcast_from_rank0``), each optimizer
+   object re-pointed at the new parameters by name and its state broadcast
+   (``set_optimizer_state_dict``).
 5. ``drop()`` (local) frees what ``gather`` held.
 
-Torch internals this relies on (torch 2.13; named in docs/known-issues.md): the attributes
-``fully_shard`` leaves on a module (the ``FSDP<Class>`` class with the original at
+Torch internals this relies on (torch 2.13; for docs/known-issues.md): what ``fully_shard``
+leaves on a module (the ``FSDP<Class>`` class with the original at
 ``__mro__[FSDPModule._orig_cls_mro_index]``, ``contract``'s ``STATE_KEY`` / ``REGISTRY_KEY``
-entries in the module's ``__dict__``, ``_composable_state._module_state_mapping``,
-``_is_fsdp_managed_module`` / ``_fsdp_use_orig_params``), and ``FSDPState``'s
-``_pre_forward_hook_handle`` / ``_post_forward_hook_handle`` / ``_fsdp_param_groups`` /
-``_auto_reshard_after_forward`` / ``_mp_policy``, ``FSDPParamGroup``'s ``fsdp_params``,
-``mesh_info``, ``post_forward_mesh_info``, ``offload_policy`` and state-dict hook handles, and
-``FSDPParam``'s ``sharded_param``, ``_module_info`` and ``_post_load_hook_handle``.
+entries in the module's ``__dict__``, ``_composable_state._module_state_mapping`` (read through
+``_fsdp_state._get_module_fsdp_state``), ``_is_fsdp_managed_module`` /
+``_fsdp_use_orig_params``); ``FSDPState``'s ``_modules``, ``_pre_forward_hook_handle`` /
+``_post_forward_hook_handle``, ``_fsdp_param_groups``, ``_auto_reshard_after_forward``,
+``_mp_policy``; ``FSDPParamGroup``'s ``fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``
+(its ``shard_mesh_size``), ``offload_policy`` and ``_module_to_pre_save_state_dict_hook_handle``
+/ ``_module_to_pre_load_state_dict_hook_handle``; ``FSDPParam``'s ``sharded_param``,
+``_module_info`` and ``_post_load_hook_handle``; and c10d's ``ProcessGroup._device_types``,
+which torch's ``broadcast_from_rank0`` loading reads (``_device_types_of_inner``).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import contextlib
 # name -> what gather (or adopt) keeps for it in this process: models and optimizers
 _HELD: dict[str, dict] = {}
 
-# hyperparameter keys of an optimizer's param group that are not hyperparameters
+# the key of an optimizer's param group that holds its parameters
 _PARAMS = "params"
 
 
@@ -54,8 +61,9 @@ def refusal(facts: dict) -> str:
     found: ``mesh_dims`` (the set of its meshes' dimension counts), ``meshes`` (how many
     distinct meshes), ``mesh_size`` (the mesh's size), ``world`` (the world size),
     ``placements`` (whether every shard is ``Shard(0)``), ``groups_per_unit`` (the most
-    parameter groups in one ``fully_shard`` call), ``units`` (how many calls)."""
-    what = "save it with %distributed save and restore it after the resize"
+    parameter groups in one ``fully_shard`` call), ``units`` (how many calls),
+    ``other_dtensors`` (parameters that are DTensors fully_shard does not manage)."""
+    what = "save it (%distributed save NAME) before the resize, then define it again and restore it"
     if not facts.get("units"):
         return ""  # not an FSDP2 model: nothing to reshard (it is not gathered)
     if any(d != 1 for d in facts.get("mesh_dims", ())):
@@ -72,6 +80,8 @@ def refusal(facts: dict) -> str:
         return f"not resharded: a parameter is sharded on a dimension other than 0 (shard_placement_fn); {what}"
     if facts.get("groups_per_unit", 1) > 1:
         return f"not resharded: a fully_shard call puts parameters on several meshes (shard_placement_fn); {what}"
+    if facts.get("other_dtensors"):
+        return f"not resharded: some parameters are DTensors that fully_shard does not manage (tensor parallel); {what}"
     return ""
 
 
@@ -287,6 +297,7 @@ def describe_model(root) -> tuple[dict, dict]:
         "world": world,
         "placements": placements,
         "groups_per_unit": groups_per_unit,
+        "other_dtensors": sum(1 for p in root.parameters() if id(p) not in managed and _is_dtensor(p)),
     }
     ignored = [n for n, p in root.named_parameters() if id(p) not in managed and not _is_dtensor(p)]
     structure = {
@@ -858,7 +869,7 @@ def rebuild(names: list[str] | None = None, mesh=None, ns: dict | None = None) -
                 out["optimizers"][o] = k
             out["models"][k] = {"units": len(rec["structure"]["units"]), "mesh": use.size()}
         except Exception as e:
-            out["failed"][k] = _describe(e)
+            out["failed"][k] = f"not rebuilt: {_describe(e)}"
             out["not_rebuilt"] = order[i + 1 :]
             break
     for k in order:
