@@ -418,3 +418,39 @@ def test_shrink(old, new):
 def test_grow():
     done = _run(_grow, 3, 2, 3)
     assert [r["rank"] for r in done] == [0, 1, 2] and all(r["world"] == 3 for r in done)
+
+
+def test_unshard_in_place_leaves_a_plain_module():
+    """``fully_shard`` undone on a one-rank world: the module is its own class again with no
+    FSDP hook, state or registry entry, its parameters full-size on the meta device, and it can
+    be sharded again."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "s"), 1), rank=0, world_size=1)
+        try:
+            model = _net()
+            plain_hooks = _hooks(model)
+            _shard(model, init_device_mesh("cpu", (1,)))
+            model(torch.randn(2, 8)).sum().backward()
+            assert reshard.unshard_in_place(model) == 4
+            assert not any(isinstance(m, FSDPModule) for m in model.modules())
+            assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
+            assert _hooks(model) == plain_hooks
+            for m in model.modules():
+                assert STATE_KEY not in m.__dict__ and REGISTRY_KEY not in m.__dict__
+                assert "_is_fsdp_managed_module" not in m.__dict__ and m not in _module_state_mapping
+            assert {n: (tuple(p.shape), p.is_meta) for n, p in model.named_parameters()} == {
+                n: (tuple(p.shape), True) for n, p in _net().named_parameters()
+            }
+            assert all(type(p) is nn.Parameter and p.grad is None for p in model.parameters())
+            _shard(model, init_device_mesh("cpu", (1,)))  # fully_shard takes it again
+            assert isinstance(model, FSDPModule)
+        finally:
+            dist.destroy_process_group()
