@@ -452,5 +452,16 @@ def test_unshard_in_place_leaves_a_plain_module():
             assert all(type(p) is nn.Parameter and p.grad is None for p in model.parameters())
             _shard(model, init_device_mesh("cpu", (1,)))  # fully_shard takes it again
             assert isinstance(model, FSDPModule)
+            # a tied weight stays one parameter through undoing and applying again
+            tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+            tied[1].weight = tied[0].weight
+            mesh = init_device_mesh("cpu", (1,))
+            fully_shard(tied, mesh=mesh)
+            _, structure = reshard.describe_model(tied)
+            reshard.unshard_in_place(tied)
+            assert tied[1].weight is tied[0].weight and tied[0].weight.is_meta
+            reshard._reapply(tied, structure, mesh)
+            assert tied[1].weight is tied[0].weight and not tied[0].weight.is_meta
+            assert [n for n, _ in tied.named_parameters()] == ["0.weight"]
         finally:
             dist.destroy_process_group()
