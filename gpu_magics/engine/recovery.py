@@ -13,7 +13,7 @@ reconnected in the same process, so an interrupt or an error never costs the ran
   every group agrees and none was freed the groups are kept, else ``recover`` reconnects each
   gpuhub group in place on a fresh rendezvous (``engine.groups``): the group objects stay, so
   DDP, FSDP2's ``DeviceMesh`` and ``DTensor``, subgroups and a user's own objects that hold one go
-  on with them. DDP's reducer is reset (``_update_process_group``), FSDP2 drops what the interrupted
+  on with them. DDP's reducer is made afresh, FSDP2 drops what the interrupted
   step left (``reset_iter_state``), DDP modules bound to a name are made equal to rank 0's, and every
   group is then checked with a collective before the cell says it was kept.
 """
@@ -162,9 +162,40 @@ def _is_fsdp(obj) -> bool:
     return isinstance(obj, FSDPModule)
 
 
-def _reset_holders() -> dict:
+def ddp_options(ddp) -> dict:
+    """The options a DDP module was built with (what building it again needs)."""
+    mib = getattr(ddp, "bucket_bytes_cap", 25 * 1024 * 1024) / (1024 * 1024)
+    return {
+        "device_ids": ddp.device_ids,
+        "output_device": ddp.output_device,
+        "dim": getattr(ddp, "dim", 0),
+        "broadcast_buffers": getattr(ddp, "broadcast_buffers", True),
+        "find_unused_parameters": getattr(ddp, "find_unused_parameters", False),
+        "gradient_as_bucket_view": getattr(ddp, "gradient_as_bucket_view", False),
+        "static_graph": getattr(ddp, "static_graph", False),
+        "bucket_cap_mb": mib,
+    }
+
+
+def fresh_reducer(ddp, group) -> None:
+    """A DDP module built again in place, on ``group``, around the same module (the object
+    stays: whatever holds it goes on; no broadcast: ``init_sync=False``): a reducer as a new
+    DDP module's (buckets in the parameters' order, nothing recorded), the same on every
+    rank, whatever an interrupted backward left in the old one (a reducer reset in place
+    keeps what it had recorded, and ranks that recorded differently disagree on the next
+    step's collectives), and the layout a new rank's DDP starts from (buckets laid out
+    differently are summed element by element wrongly)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    options, module, training = ddp_options(ddp), ddp.module, ddp.training
+    ddp._remove_autograd_hooks()
+    DistributedDataParallel.__init__(ddp, module, process_group=group, init_sync=False, **options)
+    ddp.train(training)
+
+
+def reset_holders() -> dict:
     """Every DDP module and FSDP2 module in this process (wherever it is held) made ready for a
-    new step on its reconnected group: DDP's reducer forgets an interrupted backward, and FSDP2
+    new step on its reconnected group: DDP's reducer made afresh (``fresh_reducer``), and FSDP2
     drops what an interrupted step left (its own ``reset_iter_state``). Local: no collective."""
     import gc
 
@@ -175,7 +206,7 @@ def _reset_holders() -> dict:
     for obj in gc.get_objects():
         try:
             if isinstance(obj, DistributedDataParallel):
-                obj._update_process_group(obj.process_group)
+                fresh_reducer(obj, obj.process_group)
                 ddp += 1
             elif _is_fsdp(obj):
                 _reset_fsdp(obj)
@@ -257,7 +288,7 @@ def recover(rendezvous: dict, env_update: dict, timeout_s: float, names: list[st
             by_name[name].reconfigure(root, _STATE["generation"])
         except Exception as e:
             failed[name] = f"{type(e).__name__}: {e}".split("\n")[0][:200]
-    reset = _reset_holders()
+    reset = reset_holders()
     synced = _sync_ddp(sync) if not failed else []
     checked = check_groups([n for n in names if n not in failed])
     _STATE["freed"] = 0

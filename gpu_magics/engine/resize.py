@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from gpu_magics.engine import groups
-from gpu_magics.engine.recovery import _STATE, init_group
+from gpu_magics.engine.recovery import _STATE, ddp_options, fresh_reducer, init_group
 from gpu_magics.engine.rendezvous import group_store
 
 
@@ -34,18 +34,6 @@ def bound_groups(ns: dict | None = None) -> dict[str, list[str]]:
         elif type(value).__name__ == "DeviceMesh":
             found["mesh"].append(key)
     return found
-
-
-def _fresh_reducer(ddp, group) -> None:
-    """A DDP module's gradient buckets made again, as a new DDP module builds them (in the
-    parameters' order): the layout every rank of a grown pool starts from. A reducer moved to
-    a new group keeps the layout it rebuilt from its first steps, which a new rank's DDP does
-    not have, and buckets laid out differently are summed element by element wrongly."""
-    ddp._remove_autograd_hooks()
-    ddp.process_group = group
-    parameters, expect_sparse = ddp._build_params_for_reducer()
-    mapping = ddp._build_debug_param_to_name_mapping(parameters)
-    ddp._ddp_init_helper(parameters, expect_sparse, mapping, ddp.static_graph)
 
 
 def join_world(rendezvous: dict, env_update: dict, timeout_s: float, fresh: bool = False) -> dict:
@@ -74,7 +62,7 @@ def join_world(rendezvous: dict, env_update: dict, timeout_s: float, fresh: bool
     for obj in gc.get_objects():
         if isinstance(obj, DistributedDataParallel):
             if fresh:  # new ranks join: every rank's buckets as a new DDP module's
-                _fresh_reducer(obj, dist.group.WORLD)
+                fresh_reducer(obj, dist.group.WORLD)
             else:  # the same ranks, fewer: their common layout goes on
                 obj._update_process_group(dist.group.WORLD)
             moved.append(obj)
@@ -124,20 +112,6 @@ def ddp_digests(names: list[str]) -> dict[str, str]:
 # growing: a copy of rank 0's names for the new ranks ---------------------------------------
 
 
-def _ddp_options(ddp) -> dict:
-    mib = getattr(ddp, "bucket_bytes_cap", 25 * 1024 * 1024) / (1024 * 1024)
-    return {
-        "device_ids": ddp.device_ids,
-        "output_device": ddp.output_device,
-        "dim": getattr(ddp, "dim", 0),
-        "broadcast_buffers": getattr(ddp, "broadcast_buffers", True),
-        "find_unused_parameters": getattr(ddp, "find_unused_parameters", False),
-        "gradient_as_bucket_view": getattr(ddp, "gradient_as_bucket_view", False),
-        "static_graph": getattr(ddp, "static_graph", False),
-        "bucket_cap_mb": mib,
-    }
-
-
 def _rebuilt_ddp(module, options: dict):
     """A DDP module on a new rank, around the copy of rank 0's module (the same parameters as
     every other rank's replica: no broadcast, which the other ranks would have to join)."""
@@ -156,7 +130,7 @@ def _pickler(file):
     class Pickler(cloudpickle.Pickler):
         def reducer_override(self, obj):
             if isinstance(obj, DistributedDataParallel):
-                return _rebuilt_ddp, (obj.module, _ddp_options(obj))
+                return _rebuilt_ddp, (obj.module, ddp_options(obj))
             if isinstance(obj, dist.ProcessGroup) or type(obj).__name__ == "DeviceMesh":
                 raise TypeError("it holds a process group of the old world")
             if _is_fsdp(obj):

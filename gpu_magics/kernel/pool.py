@@ -401,7 +401,7 @@ class EnginePool:
         each has run the same collectives on it and none was freed, else reconnect them in
         place on a fresh rendezvous (``engine.recovery.recover``, decided by ``regroup``), and
         check each with a collective. Notes for the cell."""
-        from gpu_magics.engine.recovery import ddp_names, group_state, holders, recover
+        from gpu_magics.engine.recovery import ddp_names, group_state, holders, recover, reset_holders
 
         try:
             states = [self.client[eid].apply_async(group_state).get(timeout) for eid in self.engine_ids]
@@ -409,7 +409,14 @@ class EnginePool:
             self.broken = True
             return [f"The ranks did not answer after the cell ({e}); the next cell starts fresh engines."]
         if regroup.keep_groups(states):
-            return []
+            # the groups go on; what holds them may have stopped mid-step (an interrupt between
+            # two collectives): every DDP and FSDP2 model made ready for a new step, locally
+            try:
+                resets = [self.client[eid].apply_async(reset_holders).get(timeout) for eid in self.engine_ids]
+            except Exception as e:
+                self.broken = True
+                return [f"The ranks did not answer after the cell ({e}); the next cell starts fresh engines."]
+            return regroup.reset_notes(resets)
         order = sorted(range(len(states)), key=lambda i: states[i].get("rank", i))
         engines = [self.engine_ids[i] for i in order]
         states = [states[i] for i in order]

@@ -79,6 +79,16 @@ def plan(states: list[dict]) -> Plan:
     return result
 
 
+def reset_notes(resets: list[dict]) -> list[str]:
+    """What could not be made ready for a new step (``recovery.reset_holders`` of each rank)."""
+    failed = sorted({f for r in resets for f in r.get("failed", [])})
+    return (
+        ["Could not be made ready for the next step (rebuild them): " + "; ".join(failed) + "."]
+        if failed
+        else []
+    )
+
+
 def group_label(name: str, ranks: list[int], bound: dict[str, list[str]]) -> str:
     if name == WORLD:
         return f"the world group ({count(len(ranks), 'rank')})"
@@ -141,9 +151,7 @@ def report(the_plan: Plan, results: list[dict], found: dict) -> tuple[list[str],
         notes.append(
             "Made equal to rank 0's on every rank (parameters and buffers): " + ", ".join(synced) + "."
         )
-    unreset = sorted({f for r in results if r for f in r.get("reset", {}).get("failed", [])})
-    if unreset:
-        notes.append("Could not be made ready for the next step (rebuild them): " + "; ".join(unreset) + ".")
+    notes += reset_notes([r.get("reset", {}) for r in results if r])
     for name, why in the_plan.lost.items():
         notes.append(f"Not reconnected: {label[name]}, {why}.")
     for name, why in bad.items():
