@@ -97,3 +97,72 @@ def test_a_pool_grows_from_2_to_3_ranks_in_place(kernel):
     # the copied function rebinds the new rank's own `steps`; the copied class reads it
     assert [s for *_, s, _ in gathered] == [3, 3, 3]
     assert {says for *_, says in gathered} == {"defined on 2 ranks at step 3"}
+
+
+SHARDED = """%%distributed --gpus 2 --timeout 60
+import copy, hashlib, os
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))  # the one-process reference
+ref_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+fs = copy.deepcopy(plain)
+mesh = init_device_mesh("cpu", (world_size,))
+for layer in fs:
+    if isinstance(layer, nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(fs, mesh=mesh)
+fs_opt = torch.optim.Adam(fs.parameters(), lr=0.01)
+def batch(r, k):
+    g = torch.Generator().manual_seed(1000 * k + r)
+    X = torch.randn(16, 8, generator=g)
+    return X, X.sum(dim=1, keepdim=True)
+steps = 0
+def step():
+    global steps
+    X, y = batch(rank, steps)
+    fs_opt.zero_grad()
+    ((fs(X) - y) ** 2).mean().backward()
+    fs_opt.step()
+    ref_opt.zero_grad()
+    losses = [((plain(Xr) - yr) ** 2).mean() for Xr, yr in (batch(r, steps) for r in range(world_size))]
+    (sum(losses) / world_size).backward()
+    ref_opt.step()
+    steps += 1
+def digest():
+    full = torch.cat([p.full_tensor().detach().flatten() for p in fs.parameters()])
+    return hashlib.sha256(full.numpy().tobytes()).hexdigest()
+step()
+print("digest", digest())
+"""
+
+SHARDED_CHECK = """%%distributed --gpus 3 --timeout 60
+before = digest()
+meshes = {p.device_mesh.size() for p in fs.parameters()}
+step()
+full = torch.cat([p.full_tensor().detach().flatten() for p in fs.parameters()])
+ref = torch.cat([p.detach().flatten() for p in plain.parameters()])
+gathered = [None] * world_size
+dist.all_gather_object(gathered, (os.getpid(), before, sorted(meshes), full.tolist(), bool(torch.allclose(full, ref, atol=1e-6))))
+gathered
+"""
+
+
+def test_an_fsdp2_model_is_resharded_onto_the_grown_pool(kernel):
+    out = kernel.run(SHARDED)
+    assert out["status"] == "ok", out["text"]
+    [saved] = {line.split()[-1] for line in out["text"].splitlines() if "] digest" in line}
+    out = kernel.run(SHARDED_CHECK)
+    text = out["text"]
+    assert out["status"] == "ok", text
+    assert "the pool grew in place from 2 to 3 ranks" in text, text
+    assert (
+        "Resharded onto 3 ranks: fs (FSDP2) with fs_opt, its full state checked equal to the state "
+        "before the move." in text
+    ), text
+    gathered = eval(out["result"])
+    assert [b for _, b, *_ in gathered] == [saved] * 3  # the full parameters, bit for bit, on every rank
+    assert all(m == [3] for _, _, m, _, _ in gathered)  # sharded over the 3 ranks
+    assert len({tuple(full) for *_, full, _ in gathered}) == 1
+    assert all(close for *_, close in gathered), "the step on 3 ranks left the one-process reference"

@@ -34,8 +34,13 @@ import copy, os, time
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 torch.manual_seed(0)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
+fs = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))  # sharded over the 4 ranks
+fully_shard(fs, mesh=init_device_mesh("cpu", (world_size,)))
+fs_opt = torch.optim.SGD(fs.parameters(), lr=0.01)
 notes = {"defined on": world_size}
 def batch(r, k):
     g = torch.Generator().manual_seed(1000 * k + r)
@@ -45,9 +50,10 @@ steps = 0
 def step():
     global steps
     X, y = batch(rank, steps)
-    opt.zero_grad()
-    ((model(X) - y) ** 2).mean().backward()
-    opt.step()
+    for m, o in ((model, opt), (fs, fs_opt)):
+        o.zero_grad()
+        ((m(X) - y) ** 2).mean().backward()
+        o.step()
     steps += 1
 step()
 print("defined", os.getpid())
@@ -66,17 +72,25 @@ while time.monotonic() - t0 < 240:
 # the mean of the 3 ranks' losses (DDP now averages over 3)
 CHECK = """%%distributed --gpus 3 --timeout 30
 ref = copy.deepcopy(model.module)
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+ref_fs = copy.deepcopy(model.module)  # the sharded model's full parameters, in one process
+with torch.no_grad():
+    for p, q in zip(ref_fs.parameters(), fs.parameters()):
+        p.copy_(q.full_tensor())
 k = steps
 step()
-losses = [((ref(Xr) - yr) ** 2).mean() for Xr, yr in (batch(r, k) for r in range(world_size))]
-ref_opt.zero_grad()
-(sum(losses) / world_size).backward()
-ref_opt.step()
+for r_model in (ref, ref_fs):
+    r_opt = torch.optim.SGD(r_model.parameters(), lr=0.01)
+    losses = [((r_model(Xr) - yr) ** 2).mean() for Xr, yr in (batch(r, k) for r in range(world_size))]
+    r_opt.zero_grad()
+    (sum(losses) / world_size).backward()
+    r_opt.step()
 now = torch.cat([p.detach().flatten() for p in model.parameters()])
 want = torch.cat([p.detach().flatten() for p in ref.parameters()])
+fs_now = torch.cat([p.full_tensor().detach().flatten() for p in fs.parameters()])
+fs_want = torch.cat([p.detach().flatten() for p in ref_fs.parameters()])
 gathered = [None] * world_size
-close = bool(torch.allclose(now, want, atol=1e-6))
+close = bool(torch.allclose(now, want, atol=1e-6) and torch.allclose(fs_now, fs_want, atol=1e-6))
+close = close and {p.device_mesh.size() for p in fs.parameters()} == {world_size}
 dist.all_gather_object(gathered, (os.getpid(), rank, world_size, now.tolist(), close, notes))
 gathered
 """
@@ -121,6 +135,10 @@ def test_a_preempted_borrowed_gpu_shrinks_the_pool_in_place(tmp_path):
             "DDP models go on with the new group from their replicated parameters, checked equal on "
             "every rank: model." in text
         )
+        assert (
+            "Resharded onto 3 ranks: fs (FSDP2) with fs_opt, its full state checked equal to the state "
+            "before the move." in text
+        ), text
         assert "Run the next cells with --gpus 3." in text
         assert "interrupting the cell to shrink the pool in place" in text
         assert "1 borrowed GPU given back now (due at " in text

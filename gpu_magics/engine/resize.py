@@ -120,15 +120,26 @@ def _rebuilt_ddp(module, options: dict):
     return DistributedDataParallel(module, init_sync=False, **options)
 
 
-def _pickler(file):
+def _by_name(name: str):
+    """On a new rank: the object bound to ``name`` there (a sharded model or its optimizer,
+    which the move of sharded models put there before the copy arrives)."""
+    return _ns()[name]
+
+
+def _pickler(file, refs: dict[int, str] | None = None):
     import cloudpickle
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from gpu_magics.engine.recovery import _is_fsdp
 
+    refs = refs or {}
+
     class Pickler(cloudpickle.Pickler):
         def reducer_override(self, obj):
+            name = refs.get(id(obj))
+            if name is not None:  # moved another way (a sharded model): referred to by name
+                return _by_name, (name,)
             if isinstance(obj, DistributedDataParallel):
                 return _rebuilt_ddp, (obj.module, ddp_options(obj))
             if isinstance(obj, dist.ProcessGroup) or type(obj).__name__ == "DeviceMesh":
@@ -140,11 +151,11 @@ def _pickler(file):
     return Pickler(file, protocol=5)
 
 
-def _dumps(values: dict) -> bytes:
+def _dumps(values: dict, refs: dict[int, str] | None = None) -> bytes:
     import io
 
     buf = io.BytesIO()
-    _pickler(buf).dump(values)
+    _pickler(buf, refs).dump(values)
     return buf.getvalue()
 
 
@@ -155,8 +166,9 @@ def _short(e: BaseException) -> str:
 def snapshot(skip: list[str] | None = None) -> dict:
     """Rank 0's names for the ranks a pool grows by: one cloudpickle of every name a cell
     defined or imported (functions and classes of cells by value; DDP modules as their module
-    and options), less ``skip`` and what cannot be pickled (named, with why). Modules go by
-    name. Shared objects stay shared (one pickle)."""
+    and options), less ``skip`` (moved another way: what refers to them refers by name) and
+    what cannot be pickled (named, with why). Modules go by name. Shared objects stay shared
+    (one pickle)."""
     import types
 
     from IPython import get_ipython
@@ -176,21 +188,22 @@ def snapshot(skip: list[str] | None = None) -> dict:
     ]
     modules = {n: ns[n].__name__ for n in names if isinstance(ns[n], types.ModuleType)}
     objects = [n for n in names if n not in modules]
+    refs = {id(ns[n]): n for n in skip or () if n in ns}  # what the cells' objects refer to by name
     failed: dict[str, str] = {}
     while True:
         try:
-            blob = _dumps({n: ns[n] for n in objects})
+            blob = _dumps({n: ns[n] for n in objects}, refs)
             break
         except Exception:
             bad = {}
             for n in objects:
                 try:
-                    _dumps({n: ns[n]})
+                    _dumps({n: ns[n]}, refs)
                 except Exception as e:
                     bad[n] = _short(e)
             if not bad:  # each alone pickles, together not: copy none rather than guess
                 failed.update({n: "could not be copied together with the others" for n in objects})
-                objects, blob = [], _dumps({})
+                objects, blob = [], _dumps({}, refs)
                 break
             failed.update(bad)
             objects = [n for n in objects if n not in bad]
@@ -230,3 +243,63 @@ def adopt(copy: dict) -> list[str]:
     for name, value in values.items():
         ns[name] = _own_globals(value, ns)
     return sorted([*copy["modules"], *values])
+
+
+def difference(a, b, path: str = "") -> str:
+    """Where two state dicts first differ ("" where they are equal bit for bit: tensors by
+    ``torch.equal``, with dtype and shape)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.detach().cpu(), b.detach().cpu())
+        )
+        return "" if same else path or "the tensor"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path} (keys {sorted(map(str, a.keys() ^ b.keys()))[:3]})"
+        return next((d for k in a if (d := difference(a[k], b[k], f"{path}.{k}" if path else str(k)))), "")
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path} (length)"
+        return next(
+            (d for i, (x, y) in enumerate(zip(a, b, strict=True)) if (d := difference(x, y, f"{path}[{i}]"))),
+            "",
+        )
+    return "" if a == b else f"{path} ({a!r} != {b!r})"[:200]
+
+
+def check_resharded(models: dict[str, list[str]]) -> dict[str, str]:
+    """Every rank of the new world, after ``reshard.rebuild`` and before ``reshard.drop``: each
+    model's (and its optimizers') full state gathered again from the new shards, compared on
+    rank 0 with what ``reshard.gather`` held: "" where equal, else where they differ (the other
+    ranks answer "")."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from gpu_magics.engine import reshard
+
+    ns = _ns()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    out = {}
+    for name in sorted(models):
+        model = ns[name]
+        now = get_model_state_dict(model, options=options)
+        found = ""
+        for opt in models[name]:
+            osd = get_optimizer_state_dict(model, ns[opt], options=options)
+            held = reshard._HELD[opt]["state"]  # None: an optimizer without state (nothing moved)
+            if dist.get_rank() == 0 and not found and held is not None:
+                found = difference(osd, held, opt)
+        if dist.get_rank() == 0 and not found:
+            found = difference(now, reshard._HELD[name]["state"], name)
+        out[name] = found
+    return out

@@ -90,7 +90,7 @@ def shrink(pool, leaving: list[int], timeout: float = 60, planned: bool = True) 
         ddp_equal=all(d == digests[0] for d in digests),
         resharded=resharded,
         lost_groups=joined[0]["lost_groups"],
-        lost_meshes=[m for m in joined[0]["lost_meshes"] if m not in resharded.get("meshes", [])],
+        lost_meshes=[m for m in joined[0]["lost_meshes"] if m not in sharded.skip()],
     )
 
 
@@ -101,27 +101,83 @@ def renumbered(survivors: list[RankSpec]) -> list[RankSpec]:
     return specs
 
 
-class _NoSharded:
-    def __init__(self, names: list[str], planned: bool):
-        self.names, self.planned = names, planned
+class Sharded:
+    """The FSDP2 models of a pool moved to its new size (``engine.reshard``): gathered to rank 0
+    on the old world, rebuilt and resharded on the new one, then dropped. ``planned``: the
+    departing ranks are still there to give their shards; else nothing can be gathered, and
+    each sharded model is named with what to do."""
+
+    def __init__(self, pool, names: list[str], timeout: float, planned: bool):
+        self.pool, self.names, self.timeout, self.planned = pool, names, timeout, planned
+        self.gathered: dict = {}
 
     def gather(self) -> None:
-        return None
+        from gpu_magics.engine import reshard
+
+        if not self.names or not self.planned:
+            return
+        answers = self.pool.view.apply_async(reshard.gather).get(self.timeout)
+        failed = {k: v for a in answers for k, v in a.get("failed", {}).items()}
+        if failed:
+            raise RuntimeError("; ".join(f"{k}: {v}" for k, v in sorted(failed.items())))
+        self.gathered = answers[0]
+
+    def skeleton(self) -> bytes | None:
+        """Rank 0's models and optimizers for the ranks a pool grows by (after ``gather``)."""
+        from gpu_magics.engine import reshard
+
+        if not self.gathered.get("models"):
+            return None
+        return self.pool.client[self.pool.engine_ids[0]].apply_async(reshard.skeleton).get(self.timeout)
+
+    def skip(self) -> list[str]:
+        """The names the models' move takes care of (the models, their optimizers, their parts)."""
+        g = self.gathered
+        return sorted({*g.get("models", {}), *g.get("optimizers", {}), *g.get("inside", {})})
 
     def rebuild(self) -> dict:
-        why = (
-            "resharding FSDP2 models in place is not built yet"
-            if self.planned
-            else "its shards on the lost rank are gone"
-        )
-        return {
-            "refused": {name: f"{why}: define it again, then %distributed restore it" for name in self.names}
-        }
+        from gpu_magics.engine import reshard
+
+        if not self.names:
+            return {}
+        if not self.planned:
+            why = "its shards on the lost rank are gone: define it again, then %distributed restore it"
+            return {"refused": {name: why for name in self.names}}
+        g = self.gathered
+        refused = dict(g.get("refused", {}))
+        if not g.get("models"):
+            return {"refused": refused}
+        from gpu_magics.engine.resize import check_resharded
+
+        try:
+            answers = self.pool.view.apply_async(reshard.rebuild).get(self.timeout)
+            first = answers[0]
+            failed = {k: v for a in answers for k, v in a.get("failed", {}).items()}
+            owned = {
+                name: sorted(o for o, m in first.get("optimizers", {}).items() if m == name)
+                for name in first.get("models", {})
+                if name not in failed
+            }
+            checks = self.pool.view.apply_async(check_resharded, owned).get(self.timeout)
+        finally:
+            self.pool.view.apply_async(reshard.drop).get(self.timeout)
+        models = {}
+        for name, optimizers in owned.items():
+            differs = next((c[name] for c in checks if c.get(name)), "")
+            if not differs:
+                models[name] = {"optimizers": optimizers}
+            else:
+                failed[name] = f"its state after the move differs from the state before it at {differs}"
+        for name, why in failed.items():
+            refused[name] = f"could not be resharded ({why})"
+        for name in first.get("not_rebuilt", []):
+            refused.setdefault(name, "not resharded: a model before it failed")
+        return {"models": models, "refused": refused, "meshes": [], "notes": first.get("notes", [])}
 
 
-def resharder(pool, names: list[str], timeout: float, planned: bool = True):
+def resharder(pool, names: list[str], timeout: float, planned: bool = True) -> Sharded:
     """What moves the FSDP2 models ``names`` from the old world to the new one."""
-    return _NoSharded(names, planned)
+    return Sharded(pool, names, timeout, planned)
 
 
 class GrowFailed(ShrinkFailed):
@@ -139,7 +195,17 @@ def grow(pool, new_slots: list, report_id: int = 0, timeout: float = 120) -> res
     problem = resizing.grow_problem(pool.broken, pool._remote, len(new_slots))
     if problem:
         raise GrowFailed(problem, "before")
+    from gpu_magics.engine import reshard
+    from gpu_magics.engine.recovery import holders
+
     old_ids, old_n = list(pool.engine_ids), pool.size
+    found = pool.client[old_ids[0]].apply_async(holders).get(timeout)
+    sharded = resharder(pool, found.get("fsdp", []), timeout)
+    try:
+        sharded.gather()  # the old world: the sharded models' full state to rank 0
+        blob = sharded.skeleton()
+    except Exception as e:
+        raise GrowFailed(f"the sharded models could not be gathered ({e})", "before") from None
     before = set(pool.client.ids)
     try:
         pool.launcher.launch(pool.cluster, len(new_slots))
@@ -188,7 +254,11 @@ def grow(pool, new_slots: list, report_id: int = 0, timeout: float = 120) -> res
         pool._remove_rendezvous(old_rendezvous)
     try:
         checked = pool.view.apply_async(world_check).get(timeout)
-        copy = pool.client[old_ids[0]].apply_async(snapshot).get(timeout)
+        if blob is not None:
+            for eid in new_ids:
+                pool.client[eid].apply_async(reshard.adopt, blob).get(timeout)
+        resharded = sharded.rebuild()
+        copy = pool.client[old_ids[0]].apply_async(snapshot, sharded.skip()).get(timeout)
         adopted = [pool.client[eid].apply_async(adopt, copy).get(timeout) for eid in new_ids]
         digests = pool.view.apply_async(ddp_digests, joined[0]["ddp"]).get(timeout)
     except Exception as e:
@@ -207,6 +277,7 @@ def grow(pool, new_slots: list, report_id: int = 0, timeout: float = 120) -> res
         ddp=joined[0]["ddp"],
         ddp_equal=all(d == digests[0] for d in digests),
         adopted_everywhere=all(sorted(a) == sorted(adopted[0]) for a in adopted),
+        resharded=resharded,
         lost_groups=joined[0]["lost_groups"],
-        lost_meshes=joined[0]["lost_meshes"],
+        lost_meshes=[m for m in joined[0]["lost_meshes"] if m not in sharded.skip()],
     )

@@ -94,8 +94,8 @@ def shrink_text(s: Shrunk) -> list[str]:
         with_opt = info.get("optimizers") or []
         extra = f" with {', '.join(with_opt)}" if with_opt else ""
         lines.append(
-            f"Resharded onto {count(s.size, 'rank')}: {name} (FSDP2){extra}, checked against the "
-            "gathered state."
+            f"Resharded onto {count(s.size, 'rank')}: {name} (FSDP2){extra}, its full state checked "
+            "equal to the state before the move."
         )
     for name, why in sorted(s.resharded.get("refused", {}).items()):
         lines.append(f"Not resharded: {name} ({why}).")
@@ -193,7 +193,12 @@ def grow_text(g: Grown) -> list[str]:
     for name, info in sorted(g.resharded.get("models", {}).items()):
         with_opt = info.get("optimizers") or []
         extra = f" with {', '.join(with_opt)}" if with_opt else ""
-        lines.append(f"Resharded onto {count(g.size, 'rank')}: {name} (FSDP2){extra}.")
+        lines.append(
+            f"Resharded onto {count(g.size, 'rank')}: {name} (FSDP2){extra}, its full state checked "
+            "equal to the state before the move."
+        )
+    for name, why in sorted(g.resharded.get("refused", {}).items()):
+        lines.append(f"Not resharded: {name} ({why}).")
     not_copied = {k: v for k, v in g.failed.items() if k not in g.resharded.get("models", {})}
     if not_copied:
         lines.append(
