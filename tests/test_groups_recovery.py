@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 
+from .cells import BATCH
 from .kerneltools import OwnKernel
 
 N = 2
 
-DEFINE = """%%distributed --gpus 2 --timeout 120
+DEFINE = (
+    """%%distributed --gpus 2 --timeout 120
 import copy, os, time
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -36,11 +38,9 @@ ddp = DDP(copy.deepcopy(plain))
 ddp_opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
 sub = dist.new_group([0, 1])
 {extra}
-def batch(r, k):
-    g = torch.Generator().manual_seed(1000 * k + r)
-    X = torch.randn(16, 8, generator=g)
-    return X, X.sum(dim=1, keepdim=True)
-steps = 0
+"""
+    + BATCH
+    + """steps = 0
 def step():
     global steps
     X, y = batch(rank, steps)
@@ -59,6 +59,7 @@ def step():
 step()
 print("defined")
 """
+)
 
 CHECK = """%%distributed --gpus 2 --timeout 120
 before = steps

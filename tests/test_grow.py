@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import pytest
 
+from .cells import BATCH
 from .kerneltools import OwnKernel
 
-DEFINE = """%%distributed --gpus 2 --timeout 60
+DEFINE = (
+    """%%distributed --gpus 2 --timeout 60
 import copy, os, time
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 torch.manual_seed(0)
 model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-def batch(r, k):
-    g = torch.Generator().manual_seed(1000 * k + r)
-    X = torch.randn(16, 8, generator=g)
-    return X, X.sum(dim=1, keepdim=True)
-steps = 0
+"""
+    + BATCH
+    + """steps = 0
 def step():
     global steps
     X, y = batch(rank, steps)
@@ -39,6 +39,7 @@ step()
 step()
 print("defined", os.getpid())
 """
+)
 
 # one step on 3 ranks against a one-process reference from the same parameters and momentum:
 # SGD on the mean of the 3 ranks' losses (DDP averages over 3 now)
@@ -99,7 +100,8 @@ def test_a_pool_grows_from_2_to_3_ranks_in_place(kernel):
     assert {says for *_, says in gathered} == {"defined on 2 ranks at step 3"}
 
 
-SHARDED = """%%distributed --gpus 2 --timeout 60
+SHARDED = (
+    """%%distributed --gpus 2 --timeout 60
 import copy, hashlib, os
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -114,11 +116,9 @@ for layer in fs:
         fully_shard(layer, mesh=mesh)
 fully_shard(fs, mesh=mesh)
 fs_opt = torch.optim.Adam(fs.parameters(), lr=0.01)
-def batch(r, k):
-    g = torch.Generator().manual_seed(1000 * k + r)
-    X = torch.randn(16, 8, generator=g)
-    return X, X.sum(dim=1, keepdim=True)
-steps = 0
+"""
+    + BATCH
+    + """steps = 0
 def step():
     global steps
     X, y = batch(rank, steps)
@@ -136,6 +136,7 @@ def digest():
 step()
 print("digest", digest())
 """
+)
 
 SHARDED_CHECK = """%%distributed --gpus 3 --timeout 60
 before = digest()
@@ -144,7 +145,8 @@ step()
 full = torch.cat([p.full_tensor().detach().flatten() for p in fs.parameters()])
 ref = torch.cat([p.detach().flatten() for p in plain.parameters()])
 gathered = [None] * world_size
-dist.all_gather_object(gathered, (os.getpid(), before, sorted(meshes), full.tolist(), bool(torch.allclose(full, ref, atol=1e-6))))
+close = bool(torch.allclose(full, ref, atol=1e-6))
+dist.all_gather_object(gathered, (os.getpid(), before, sorted(meshes), full.tolist(), close))
 gathered
 """
 

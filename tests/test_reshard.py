@@ -36,9 +36,18 @@ BATCH = 12  # rows of every global batch: divisible by 4, 3, 2 and 1 ranks
         ({"units": 3, "mesh_dims": [1, 2], "meshes": 2, "mesh_size": 4, "world": 4}, "2-D DeviceMesh"),
         ({"units": 3, "mesh_dims": [1], "meshes": 2, "mesh_size": 4, "world": 4}, "2 different meshes"),
         ({"units": 3, "mesh_dims": [1], "meshes": 1, "mesh_size": 2, "world": 4}, "2 of the world's 4"),
-        ({"units": 1, "mesh_dims": [1], "meshes": 1, "mesh_size": 4, "world": 4, "placements": False}, "dimension other than 0"),
-        ({"units": 1, "mesh_dims": [1], "meshes": 1, "mesh_size": 4, "world": 4, "groups_per_unit": 2}, "several meshes"),
-        ({"units": 1, "mesh_dims": [1], "meshes": 1, "mesh_size": 4, "world": 4, "other_dtensors": 2}, "tensor parallel"),
+        (
+            {"units": 1, "mesh_dims": [1], "meshes": 1, "mesh_size": 4, "world": 4, "placements": False},
+            "dimension other than 0",
+        ),
+        (
+            {"units": 1, "mesh_dims": [1], "meshes": 1, "mesh_size": 4, "world": 4, "groups_per_unit": 2},
+            "several meshes",
+        ),
+        (
+            {"units": 1, "mesh_dims": [1], "meshes": 1, "mesh_size": 4, "world": 4, "other_dtensors": 2},
+            "tensor parallel",
+        ),
     ],
 )
 def test_refusal(facts, says):
@@ -100,7 +109,10 @@ def test_rebuild_order():
 
 
 def test_plan_differs():
-    same = {"models": [("m", "cpu", [(["0"], ["0.weight"])], [("opt", [["0.weight"]], True)])], "holds_state": True}
+    same = {
+        "models": [("m", "cpu", [(["0"], ["0.weight"])], [("opt", [["0.weight"]], True)])],
+        "holds_state": True,
+    }
     new_rank = dict(same, holds_state=False)  # only rank 0 must hold the state
     assert reshard.plan_differs([same, new_rank, new_rank]) == ""
     assert reshard.plan_differs([same]) == ""
@@ -178,7 +190,9 @@ def _full_adam(model, opt) -> dict:
 
     names = {id(p): n for n, p in model.named_parameters()}
     return {
-        names[id(p)]: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in s.items()}
+        names[id(p)]: {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in s.items()
+        }
         for p, s in opt.state.items()
     }
 
@@ -256,7 +270,9 @@ def _hooks(model) -> list[tuple]:
     return [(name, *(len(getattr(m, k)) for k in kinds)) for name, m in model.named_modules()]
 
 
-def _new_world_checks(d: str, rank: int, world: int, ns: dict, ids: dict, before: dict | None, grouped: bool) -> None:
+def _new_world_checks(
+    d: str, rank: int, world: int, ns: dict, ids: dict, before: dict | None, grouped: bool
+) -> None:
     """After ``rebuild`` on every rank of the new world: the same objects, the same full state,
     and the next step equal to a fresh FSDP2 model of this world loaded from that state."""
     import torch
@@ -320,7 +336,9 @@ def _new_world_checks(d: str, rank: int, world: int, ns: dict, ids: dict, before
         _equal(_full_params(model), after, "params after a refused rebuild")
     with open(os.path.join(d, f"done.{rank}"), "w") as f:
         json.dump({"rank": rank, "world": world, "rebuilt": out["models"]}, f)
-    assert reshard.drop()["dropped"] == (["model", "opt"] if (world, rank) == (3, 1) else ["model", "opt", "sgd"])
+    assert reshard.drop()["dropped"] == (
+        ["model", "opt"] if (world, rank) == (3, 1) else ["model", "opt", "sgd"]
+    )
     assert reshard.held()["bytes"] == 0
     dist.barrier()
     dist.destroy_process_group()
@@ -387,7 +405,11 @@ def _grow(index: int, d: str, old: int, new: int) -> None:
         dist.destroy_process_group()
     else:  # a new rank: nothing until the new world forms, then the skeleton
         got = reshard.adopt(store.get("skeleton"), ns)
-        assert got == {"names": ["layer", "model", "opt", "sgd"], "models": ["model"], "optimizers": ["opt", "sgd"]}, got
+        assert got == {
+            "names": ["layer", "model", "opt", "sgd"],
+            "models": ["model"],
+            "optimizers": ["opt", "sgd"],
+        }, got
         assert ns["layer"] is ns["model"][2]
         assert all(p.is_meta for p in ns["model"].parameters())
         assert type(ns["model"]).__name__ == "Sequential" and type(ns["opt"]).__name__ == "Adam"

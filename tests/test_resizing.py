@@ -54,8 +54,8 @@ def test_the_report_says_the_new_size_what_was_kept_resharded_and_lost():
     assert "The world group was re-formed at 3 ranks and answered a collective on every rank." in text
     assert "checked equal on every rank: model." in text
     assert (
-        "Resharded onto 3 ranks: fs (FSDP2) with fs_opt, its full state checked equal to the state before the move."
-        in text
+        "Resharded onto 3 ranks: fs (FSDP2) with fs_opt, its full state checked equal to the state "
+        "before the move." in text
     )
     assert "Not resharded: hs (uses a 2-D DeviceMesh)." in text
     assert "Lost: sub (a process group of the old world), mesh2d (a DeviceMesh of the old world)" in text

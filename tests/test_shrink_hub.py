@@ -15,6 +15,7 @@ import pytest
 
 from spawner.ledger import Ledger
 
+from .cells import BATCH
 from .hubtools import Hub, wait_for
 from .kerneltools import BrokerKernel
 
@@ -29,7 +30,8 @@ c.GpuHub.preempt_grace_seconds = 15
 c.GpuHub.queue_keepalive_seconds = 20
 """
 
-DEFINE = """%%distributed --gpus 4 --timeout 30
+DEFINE = (
+    """%%distributed --gpus 4 --timeout 30
 import copy, os, time
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -42,11 +44,9 @@ fs = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))  # sharded ove
 fully_shard(fs, mesh=init_device_mesh("cpu", (world_size,)))
 fs_opt = torch.optim.SGD(fs.parameters(), lr=0.01)
 notes = {"defined on": world_size}
-def batch(r, k):
-    g = torch.Generator().manual_seed(1000 * k + r)
-    X = torch.randn(16, 8, generator=g)
-    return X, X.sum(dim=1, keepdim=True)
-steps = 0
+"""
+    + BATCH
+    + """steps = 0
 def step():
     global steps
     X, y = batch(rank, steps)
@@ -58,6 +58,7 @@ def step():
 step()
 print("defined", os.getpid())
 """
+)
 
 TRAIN = """%%distributed --gpus 4 --timeout 30
 if rank == 0:

@@ -15,35 +15,10 @@ from .hubtools import wait_for
 from .kerneltools import OwnKernel
 from .test_checkpoint import _exited
 from .test_grow import CHECK
+from .test_grow import DEFINE as GROW_DEFINE
 
-DEFINE = """%%distributed --gpus 3 --timeout 60
-import copy, os, time
-import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-torch.manual_seed(0)
-model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
-opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-def batch(r, k):
-    g = torch.Generator().manual_seed(1000 * k + r)
-    X = torch.randn(16, 8, generator=g)
-    return X, X.sum(dim=1, keepdim=True)
-steps = 0
-def step():
-    global steps
-    X, y = batch(rank, steps)
-    opt.zero_grad()
-    ((model(X) - y) ** 2).mean().backward()
-    opt.step()
-    steps += 1
-class Note:
-    def __init__(self, text):
-        self.text = text
-    def says(self):
-        return f"{self.text} at step {steps}"
-note = Note("defined on 3 ranks")
-step()
-print("defined", os.getpid())
-"""
+# test_grow's model, optimizer, functions and class, defined on 3 ranks
+DEFINE = GROW_DEFINE.replace("--gpus 2", "--gpus 3").replace("defined on 2 ranks", "defined on 3 ranks")
 
 
 @pytest.fixture
@@ -87,4 +62,4 @@ def test_a_rank_killed_between_cells_and_the_others_go_on_in_place(kernel):
     gathered = eval(out["result"])
     assert [pid for pid, *_ in gathered][:2] == [pids[0], pids[1]]
     assert all(close for *_, close, _, _ in gathered), "the step left the 3-rank reference"
-    assert {says for *_, says in gathered} == {"defined on 3 ranks at step 3"}
+    assert {says for *_, says in gathered} == {"defined on 3 ranks at step 4"}

@@ -77,11 +77,19 @@ def refusal(facts: dict) -> str:
             f"{facts.get('world')} ranks; {what}"
         )
     if not facts.get("placements", True):
-        return f"not resharded: a parameter is sharded on a dimension other than 0 (shard_placement_fn); {what}"
+        return (
+            f"not resharded: a parameter is sharded on a dimension other than 0 (shard_placement_fn); {what}"
+        )
     if facts.get("groups_per_unit", 1) > 1:
-        return f"not resharded: a fully_shard call puts parameters on several meshes (shard_placement_fn); {what}"
+        return (
+            "not resharded: a fully_shard call puts parameters on several meshes "
+            f"(shard_placement_fn); {what}"
+        )
     if facts.get("other_dtensors"):
-        return f"not resharded: some parameters are DTensors that fully_shard does not manage (tensor parallel); {what}"
+        return (
+            "not resharded: some parameters are DTensors that fully_shard does not manage "
+            f"(tensor parallel); {what}"
+        )
     return ""
 
 
@@ -176,7 +184,12 @@ def _device_types_of_inner():
 
     pg = dist.group.WORLD if dist.is_initialized() else None
     cls = type(pg)
-    patch = pg is not None and hasattr(pg, "_inner") and "_device_types" not in cls.__dict__ and not pg._device_types
+    patch = (
+        pg is not None
+        and hasattr(pg, "_inner")
+        and "_device_types" not in cls.__dict__
+        and not pg._device_types
+    )
     if patch:
         cls._device_types = property(lambda self: self._inner._device_types)
     try:
@@ -347,7 +360,12 @@ def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
     out: dict = {"rank": rank, "models": {}, "optimizers": {}, "inside": {}, "refused": {}, "failed": {}}
     out.update(bytes=0, grads_dropped=[], unnamed_optimizers={})
     # a name bound to a part of another gathered model moves with it
-    inside = {k: o for k, m in models.items() for o, om in models.items() if o != k and any(s is m for s in om.modules())}
+    inside = {
+        k: o
+        for k, m in models.items()
+        for o, om in models.items()
+        if o != k and any(s is m for s in om.modules())
+    }
     # local decisions first: what each rank will gather
     chosen: dict[str, dict] = {}
     for k in sorted(models):
@@ -364,7 +382,9 @@ def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
     opts: dict[str, dict] = {}
     # every optimizer bound to a name, named or not: one left on the old parameters would
     # update nothing after the rebuild
-    for k in sorted(n for n, v in ns.items() if isinstance(v, torch.optim.Optimizer) and not n.startswith("_")):
+    for k in sorted(
+        n for n, v in ns.items() if isinstance(v, torch.optim.Optimizer) and not n.startswith("_")
+    ):
         value = ns[k]
         owner, why = optimizer_owner([id(p) for g in value.param_groups for p in g[_PARAMS]], accepted)
         if why:
@@ -381,7 +401,7 @@ def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
         return out
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     try:
-        for k, rec in sorted(chosen.items()):
+        for _k, rec in sorted(chosen.items()):
             model = rec["object"]
             state = get_model_state_dict(model, options=options)  # reshards every group first
             rec["state"] = _owned(state, _live_pointers(model)) if rank == 0 else None
@@ -389,7 +409,9 @@ def gather(names: list[str] | None = None, ns: dict | None = None) -> dict:
             for o in sorted(rec["optimizers"]):
                 if opts[o]["stateful"]:  # one that never stepped is not given state (torch would)
                     osd = get_optimizer_state_dict(model, opts[o]["object"], options=options)
-                    opts[o]["state"] = _owned(osd, _live_pointers(model, [opts[o]["object"]])) if rank == 0 else None
+                    opts[o]["state"] = (
+                        _owned(osd, _live_pointers(model, [opts[o]["object"]])) if rank == 0 else None
+                    )
                     out["bytes"] += _nbytes(osd)
     except Exception as e:  # every rank's collective fails with it: nothing is held anywhere
         out["failed"] = {k: f"not gathered: {_describe(e)}" for k in [*chosen, *opts]}
@@ -417,7 +439,9 @@ def _param_names(root) -> dict[int, str]:
         for group in state._fsdp_param_groups:
             for fp in group.fsdp_params:
                 info = fp._module_info
-                names.setdefault(id(fp.sharded_param), ".".join(x for x in (fqn[id(info.module)], info.param_name) if x))
+                names.setdefault(
+                    id(fp.sharded_param), ".".join(x for x in (fqn[id(info.module)], info.param_name) if x)
+                )
     return names
 
 
@@ -490,7 +514,9 @@ def _new_optimizer(cls, defaults, groups):
         opt = cls(groups, **defaults)
     except Exception:
         opt = cls.__new__(cls)
-        opt.__setstate__({"defaults": dict(defaults), "state": collections.defaultdict(dict), "param_groups": groups})
+        opt.__setstate__(
+            {"defaults": dict(defaults), "state": collections.defaultdict(dict), "param_groups": groups}
+        )
     return opt
 
 
@@ -504,7 +530,10 @@ def _fsdp_hook_ids(root) -> set[int]:
         for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
             ids.update(_handle_ids(h))
         for group in state._fsdp_param_groups:
-            for d in (group._module_to_pre_save_state_dict_hook_handle, group._module_to_pre_load_state_dict_hook_handle):
+            for d in (
+                group._module_to_pre_save_state_dict_hook_handle,
+                group._module_to_pre_load_state_dict_hook_handle,
+            ):
                 for h in d.values():
                     ids.update(_handle_ids(h))
             for fp in group.fsdp_params:
@@ -531,7 +560,9 @@ def _plain_state(module, hook_ids: set[int]) -> dict:
             value = collections.OrderedDict(
                 (k, None if v is None else v.detach().cpu().clone()) for k, v in value.items()
             )
-        elif key.endswith(("hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
+        elif key.endswith(("hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(
+            value, dict
+        ):
             value = type(value)((i, h) for i, h in value.items() if i not in hook_ids)
         state[key] = value
     return state
@@ -580,7 +611,12 @@ def skeleton(names: list[str] | None = None, ns: dict | None = None) -> bytes:
         for o in rec["optimizers"]:
             orec = _HELD[o]
             bound[o] = orec["object"]
-            records[o] = {"kind": "optimizer", "model": k, "groups": orec["groups"], "stateful": orec["stateful"]}
+            records[o] = {
+                "kind": "optimizer",
+                "model": k,
+                "groups": orec["groups"],
+                "stateful": orec["stateful"],
+            }
     # names bound to parts of the models go with them (the same objects after adopt)
     for key, value in ns.items():
         if key in bound or key.startswith("_") or not isinstance(value, nn.Module):
@@ -634,10 +670,15 @@ def unshard_in_place(root) -> int:
     states = _states(root)
     replaced: dict[int, nn.Parameter] = {}
     for state in states:
-        for h in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():
+        for h in {
+            id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)
+        }.values():
             h.remove()
         for group in state._fsdp_param_groups:
-            for d in (group._module_to_pre_save_state_dict_hook_handle, group._module_to_pre_load_state_dict_hook_handle):
+            for d in (
+                group._module_to_pre_save_state_dict_hook_handle,
+                group._module_to_pre_load_state_dict_hook_handle,
+            ):
                 for h in d.values():
                     h.remove()
                 d.clear()
@@ -649,13 +690,20 @@ def unshard_in_place(root) -> int:
                     new = _meta_param(tuple(sharded.shape), sharded.dtype, sharded.requires_grad)
                     replaced[id(sharded)] = new
                 info = fp._module_info
-                for module, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+                for module, name in [
+                    (info.module, info.param_name),
+                    *zip(info.shared_modules, info.shared_param_names, strict=True),
+                ]:
                     module._parameters[name] = new
     for module in root.modules():
         for key in (STATE_KEY, REGISTRY_KEY):
             entries = module.__dict__.get(key)
             if isinstance(entries, dict):
-                for k in [k for k, v in entries.items() if k == "fully_shard" or getattr(k, "__name__", "") == "fully_shard"]:
+                for k in [
+                    k
+                    for k, v in entries.items()
+                    if k == "fully_shard" or getattr(k, "__name__", "") == "fully_shard"
+                ]:
                     del entries[k]
                 if not entries:
                     del module.__dict__[key]
@@ -726,7 +774,7 @@ def _reapply(root, structure: dict, mesh) -> list[str]:
 
 
 def _check_structure(root, structure: dict) -> str:
-    """"" when the rebuilt units manage the same parameters as before, else what differs."""
+    """ "" when the rebuilt units manage the same parameters as before, else what differs."""
     _, now = describe_model(root)
     before = [(u["modules"], sorted(u["params"])) for u in structure["units"]]
     after = [(u["modules"], sorted(u["params"])) for u in now["units"]]
@@ -749,13 +797,16 @@ def _plan(models: dict[str, dict], opts: dict[str, dict], holds_state: bool) -> 
 
 
 def plan_differs(plans: list[dict], doing: str = "rebuild") -> str:
-    """"" when every rank's plan (in rank order) is the same and rank 0 holds the gathered
+    """ "" when every rank's plan (in rank order) is the same and rank 0 holds the gathered
     state, else what is wrong: the same answer on every rank (each sees every plan)."""
     done = {"rebuild": "rebuilt", "gather": "gathered"}[doing]
     if not plans:
         return ""
     if not plans[0]["holds_state"]:
-        return f"not {done}: rank 0 holds no gathered state for these names (gather must run on every rank of the old world first)"
+        return (
+            f"not {done}: rank 0 holds no gathered state for these names (gather must run on every "
+            "rank of the old world first)"
+        )
     odd = [r for r, p in enumerate(plans) if p["models"] != plans[0]["models"]]
     if odd:
         ranks = ", ".join(map(str, odd))
@@ -856,7 +907,7 @@ def rebuild(names: list[str] | None = None, mesh=None, ns: dict | None = None) -
                 orec = _HELD[o]
                 opt = orec["object"]
                 opt.state.clear()
-                for group, fqns in zip(opt.param_groups, orec["groups"]):
+                for group, fqns in zip(opt.param_groups, orec["groups"], strict=True):
                     group[_PARAMS] = [params[f] for f in fqns]
                 if orec["stateful"]:
                     osd = orec["state"]

@@ -68,6 +68,20 @@ def _lost_line(groups: list[str], meshes: list[str]) -> list[str]:
     return ["Lost: " + ", ".join(lost) + "; make them again for the new world."] if lost else []
 
 
+def _resharded_lines(resharded: dict, size: int) -> list[str]:
+    """What became of the FSDP2 models in a move (``kernel.resize.Sharded.rebuild``)."""
+    lines = []
+    for name, info in sorted(resharded.get("models", {}).items()):
+        with_opt = info.get("optimizers") or []
+        extra = f" with {', '.join(with_opt)}" if with_opt else ""
+        lines.append(
+            f"Resharded onto {count(size, 'rank')}: {name} (FSDP2){extra}, its full state checked "
+            "equal to the state before the move."
+        )
+    lines += [f"Not resharded: {name} ({why})." for name, why in sorted(resharded.get("refused", {}).items())]
+    return lines
+
+
 def shrink_text(s: Shrunk) -> list[str]:
     """The report's lines: new size, what was kept, what was resharded, what was lost."""
     left = ", ".join(f"{r} (GPU {gpu})" for r, gpu in s.left)
@@ -90,15 +104,7 @@ def shrink_text(s: Shrunk) -> list[str]:
                 + ", ".join(s.ddp)
                 + "; restore them from a checkpoint."
             )
-    for name, info in sorted(s.resharded.get("models", {}).items()):
-        with_opt = info.get("optimizers") or []
-        extra = f" with {', '.join(with_opt)}" if with_opt else ""
-        lines.append(
-            f"Resharded onto {count(s.size, 'rank')}: {name} (FSDP2){extra}, its full state checked "
-            "equal to the state before the move."
-        )
-    for name, why in sorted(s.resharded.get("refused", {}).items()):
-        lines.append(f"Not resharded: {name} ({why}).")
+    lines += _resharded_lines(s.resharded, s.size)
     lines += _lost_line(s.lost_groups, s.lost_meshes)
     lines.append(f"Run the next cells with --gpus {s.size}.")
     return lines
@@ -190,15 +196,7 @@ def grow_text(g: Grown) -> list[str]:
             lines.append(
                 "DDP models differ between ranks after the copy: " + ", ".join(g.ddp) + "; rebuild them."
             )
-    for name, info in sorted(g.resharded.get("models", {}).items()):
-        with_opt = info.get("optimizers") or []
-        extra = f" with {', '.join(with_opt)}" if with_opt else ""
-        lines.append(
-            f"Resharded onto {count(g.size, 'rank')}: {name} (FSDP2){extra}, its full state checked "
-            "equal to the state before the move."
-        )
-    for name, why in sorted(g.resharded.get("refused", {}).items()):
-        lines.append(f"Not resharded: {name} ({why}).")
+    lines += _resharded_lines(g.resharded, g.size)
     not_copied = {k: v for k, v in g.failed.items() if k not in g.resharded.get("models", {})}
     if not_copied:
         lines.append(
