@@ -437,6 +437,7 @@ def magic(monkeypatch):
     FakePool.made = []
     m = magicsmod.DistributedMagics(shell=None)
     m.lease_seconds = 30
+    m.resize_in_place = False  # the steps of a restart (fake engines cannot grow: tests/test_grow.py)
     yield m
     m.shutdown()
 
@@ -478,6 +479,20 @@ def test_beyond_the_servers_gpus_only_the_difference_is_asked_for(magic, broker)
     assert magic.burst.id == 11 and pool.report_allocation == 0  # the kernel reports the burst
     same = ensure(magic, args(3))
     assert same is pool and len(fake.calls) == 1  # warm: nothing asked again
+
+
+def test_a_refused_growth_in_place_stops_nothing(magic, broker):
+    magic.resize_in_place = True  # refused before anything of the pool is touched
+    fake = broker(refuse=over_limit_beyond(1))
+    pool = ensure(magic, args(3))
+    with pytest.raises(
+        UsageError,
+        match=r"refused 2 more GPUs for %%distributed --gpus 5 \(beside the pool's 3\): .* "
+        r"In this cell that is %%distributed --gpus 4 or fewer",
+    ):
+        ensure(magic, args(5))
+    assert magic.pool is pool and not pool.stopped and magic.burst.id == 11
+    assert fake.made("release") == []
 
 
 def test_a_refused_resize_stops_nothing(magic, broker):

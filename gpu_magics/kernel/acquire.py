@@ -150,7 +150,9 @@ class Terms:
     on_notice: Callable[[Part, dict], None]
 
 
-def request_burst(terms: Terms, n: int, held: int, wanted: int, wait: bool = True, **where) -> Burst:
+def request_burst(
+    terms: Terms, n: int, held: int, wanted: int, wait: bool = True, beside: str = "this server's", **where
+) -> Burst:
     """``wait``: join the queue when the GPUs are all taken (never while the pool still
     holds a burst: waiting for GPUs behind its own would never end)."""
     return Burst.request(
@@ -163,6 +165,7 @@ def request_burst(terms: Terms, n: int, held: int, wanted: int, wait: bool = Tru
         activity=terms.activity,
         check_seconds=terms.check_seconds,
         on_notice=terms.on_notice,
+        beside=beside,
         **where,
     )
 
@@ -182,17 +185,21 @@ def room() -> int | None:
     return may_take if isinstance(may_take, int) and left > 0 else None
 
 
-def request_local_burst(terms: Terms, n: int, held: int, wanted: int, wait: bool, node: str | None) -> Burst:
+def request_local_burst(
+    terms: Terms, n: int, held: int, wanted: int, wait: bool, node: str | None, beside: str = "this server's"
+) -> Burst:
     """A local burst of ``n`` GPUs on one node. Where only part of it fits the user's limit
     it is asked for as two parts, the part within the limit and the borrowed rest
     (:meth:`Burst.join`): a preemption then takes back only the borrowed GPUs."""
     within = room()
     if within is None or within <= 0 or within >= n:
-        return request_burst(terms, n, held, wanted, wait=wait, nodes=1, node=node)
-    first = request_burst(terms, within, held, wanted, wait=wait, nodes=1, node=node)
+        return request_burst(terms, n, held, wanted, wait=wait, beside=beside, nodes=1, node=node)
+    first = request_burst(terms, within, held, wanted, wait=wait, beside=beside, nodes=1, node=node)
     try:
         node = node or (first.slots[0].node if first.slots else None)
-        second = request_burst(terms, n - within, held + within, wanted, wait=False, nodes=1, node=node)
+        second = request_burst(
+            terms, n - within, held + within, wanted, wait=False, beside=beside, nodes=1, node=node
+        )
     except UsageError as e:
         first.release()
         text = str(e).split(": ", 1)[-1]

@@ -155,6 +155,7 @@ class Burst:
         show: Callable[[str], None] | None = None,
         check_seconds: float | None = None,
         on_notice: Callable[[Part, dict], None] | None = None,
+        beside: str = "this server's",
     ) -> Burst:
         """Ask the broker for ``gpus`` GPUs (``node``: all on that node, beside the server's own).
 
@@ -188,7 +189,7 @@ class Burst:
                     client, alloc["queued"], magic=magic, poll=queue_poll_seconds(), show=show
                 )
         except BrokerError as e:
-            raise refused(magic, gpus, wanted, held, e) from None
+            raise refused(magic, gpus, wanted, held, e, beside) from None
         part = Part(
             client,
             alloc,
@@ -293,11 +294,14 @@ def queue_poll_seconds() -> float:
         return 1.0
 
 
-def refused(magic: str, gpus: int, wanted: int, held: int, e: BrokerError) -> UsageError:
-    """The broker's refusal as the user reads it; ``e`` stays on it as ``.refusal``."""
+def refused(
+    magic: str, gpus: int, wanted: int, held: int, e: BrokerError, beside: str = "this server's"
+) -> UsageError:
+    """The broker's refusal as the user reads it; ``e`` stays on it as ``.refusal``. ``held``
+    GPUs are ``beside``'s (the server's own, or a pool's that grows)."""
     if held and wanted > gpus:
         text = (
-            f"gpuhub refused {count(gpus, 'more GPU')} for {magic} --gpus {wanted} (beside this server's "
+            f"gpuhub refused {count(gpus, 'more GPU')} for {magic} --gpus {wanted} (beside {beside} "
             f"{held}): {e.message}"
         )
         if e.reason == "over_limit" and e.fits is not None:  # the broker counts GPUs beyond the server's

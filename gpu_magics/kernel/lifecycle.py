@@ -319,13 +319,12 @@ class Lifecycle:
         idle = [slot for slot in held_slots if slot not in used][: args.gpus - pool.size]  # a lost rank's
         plan = plan_gpus(server_gpus().gpus, args.gpus)
         extra_own = [slot for slot in plan.own if slot not in held_slots][: args.gpus - pool.size - len(idle)]
-        held = self.burst.size if self.burst is not None else 0
         need = args.gpus - pool.size - len(idle) - len(extra_own)
         added = None
         if need > 0:
             node = self.burst.slots[0].node if self.burst is not None and self.burst.slots else plan.node
             added = request_local_burst(
-                self.terms(), need, len(plan.own) + held, args.gpus, self.burst is None, node
+                self.terms(), need, pool.size, args.gpus, self.burst is None, node, beside="the pool's"
             )
         new_slots = [*idle, *extra_own, *(added.slots if added is not None else ())]
         try:
