@@ -63,3 +63,53 @@ def test_a_rank_killed_between_cells_and_the_others_go_on_in_place(kernel):
     assert [pid for pid, *_ in gathered][:2] == [pids[0], pids[1]]
     assert all(close for *_, close, _, _ in gathered), "the step left the 3-rank reference"
     assert {says for *_, says in gathered} == {"defined on 3 ranks at step 4"}
+
+
+SHARDED = """%%distributed --gpus 3 --timeout 60 --autosave fs fs_opt --dir {dir}
+import hashlib, os
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+fs = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+fully_shard(fs, mesh=init_device_mesh("cpu", (world_size,)))
+fs_opt = torch.optim.Adam(fs.parameters(), lr=0.01)
+def train():
+    X = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank))
+    fs_opt.zero_grad()
+    fs(X).pow(2).mean().backward()
+    fs_opt.step()
+def digest():
+    full = torch.cat([p.full_tensor().detach().flatten() for p in fs.parameters()])
+    return hashlib.sha256(full.numpy().tobytes()).hexdigest()
+train()
+print("digest", digest())
+"""
+
+
+def test_a_lost_rank_and_the_sharded_model_comes_back_from_its_checkpoint(kernel, tmp_path):
+    d = tmp_path / "ck"
+    out = kernel.run(SHARDED.format(dir=d))
+    assert out["status"] == "ok", out["text"]
+    [saved] = {line.split()[-1] for line in out["text"].splitlines() if "] digest" in line}
+    out = kernel.run(f"%distributed save fs fs_opt --dir {d}")
+    assert out["status"] == "ok", out["text"]
+    out = kernel.run("%%distributed --gpus 3 --timeout 60\ntrain()")  # learned after the save: lost
+    assert out["status"] == "ok", out["text"]
+    status = kernel.run("%distributed status")["text"]
+    pids = {int(r): int(p) for r, p in re.findall(r"rank (\d): GPU t:\d, pid (\d+)", status)}
+    os.kill(pids[1], signal.SIGKILL)
+    wait_for(lambda: _exited(pids[1]), 30, "rank 1's engine to die")
+
+    out = kernel.run("%%distributed --gpus 3 --timeout 60\ntrain()")
+    text = out["text"]
+    assert "The pool shrank in place from 3 to 2 ranks: rank 1 (GPU t:1) left" in text, text
+    assert f"Restored from the last checkpoint into 2 ranks from {d}:" in text, text
+    assert "fs: " in text and "fs_opt: " in text and "resharded from 3 to 2 ranks" in text, text
+    assert "What they learned after that checkpoint is lost." in text
+    assert "Not resharded: fs" not in text
+    out = kernel.run("%%distributed --gpus 2 --timeout 60\nprint('digest', digest(), os.getpid())\ntrain()")
+    assert out["status"] == "ok", out["text"]
+    lines = [line.split()[-2:] for line in out["text"].splitlines() if "] digest" in line]
+    assert [digest for digest, _ in lines] == [saved, saved]  # the checkpoint's parameters, bit for bit
+    assert sorted(int(pid) for _, pid in lines) == sorted([pids[0], pids[2]])  # the same processes

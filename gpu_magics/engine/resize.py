@@ -303,3 +303,49 @@ def check_resharded(models: dict[str, list[str]]) -> dict[str, str]:
             found = difference(now, reshard._HELD[name]["state"], name)
         out[name] = found
     return out
+
+
+def reshard_empty(names: list[str], old_world: int) -> dict:
+    """Every rank of the new world, after a rank was lost (its shards with it): each FSDP2
+    model named made again on a mesh of the new world, in place (the same module and optimizer
+    objects; ``engine.reshard``'s undo and re-apply), its parameters not yet filled and its
+    optimizers' state cleared: what a checkpoint is then restored into. ``old_world``: the size
+    of the world its mesh spanned. Returns, per model,
+    its optimizers' names, or why it was not made again."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gpu_magics.engine import reshard
+
+    ns = _ns()
+    out: dict = {"models": {}, "refused": {}}
+    for name in sorted(names):
+        root = ns.get(name)
+        try:
+            facts, structure = reshard.describe_model(root)
+            why = reshard.refusal(dict(facts, world=old_world))  # its mesh was the old world's
+            if why:
+                out["refused"][name] = why
+                continue
+            fqn = reshard._param_names(root)
+            mine = set(fqn)
+            opts = {
+                k: [[fqn[id(p)] for p in g["params"]] for g in v.param_groups]
+                for k, v in ns.items()
+                if isinstance(v, torch.optim.Optimizer)
+                and not k.startswith("_")
+                and all(id(p) in mine for g in v.param_groups for p in g["params"])
+            }
+            reshard.unshard_in_place(root)
+            mesh = init_device_mesh(structure.get("device_type", "cpu"), (dist.get_world_size(),))
+            reshard._reapply(root, structure, mesh)
+            params = dict(root.named_parameters())
+            for k, groups in opts.items():
+                for group, fqns in zip(ns[k].param_groups, groups, strict=True):
+                    group["params"] = [params[f] for f in fqns]
+                ns[k].state.clear()
+            out["models"][name] = sorted(opts)
+        except Exception as e:
+            out["refused"][name] = f"could not be made again ({_short(e)})"
+    return out

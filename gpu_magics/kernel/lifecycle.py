@@ -285,7 +285,9 @@ class Lifecycle:
         if self.key is not None:
             (_, nodes, per_node), backend_name, timeout = self.key
             self.key = ((pool.size, nodes, per_node), backend_name, timeout)
-        lines = resizing.shrink_text(shrunk)
+        restored = self._restore_sharded(pool, shrunk)  # the lost rank's shards: from a checkpoint
+        text = resizing.shrink_text(shrunk)
+        lines = [*text[:-1], *restored, text[-1]]  # "Run the next cells with --gpus N." last
         gpus = ", ".join(labels)
         lines.append(
             f"GPU {gpus} stays held by this session, unused by the pool: a cell with --gpus {old_size} "
@@ -294,6 +296,43 @@ class Lifecycle:
         if any(r.status == "gone" for r in outcome.ranks):
             lines.append(f"This cell did not run: run it again with --gpus {pool.size}.")
         outcome.shrunk = lines
+
+    def _restore_sharded(self, pool, shrunk) -> list[str]:
+        """After a lost rank: each FSDP2 model that has a checkpoint (in the autosave directory,
+        or the default one) made again on the smaller world and restored from it, with its
+        optimizers' checkpoints; the lines that say so (``shrunk``'s refusals then drop them)."""
+        from gpu_magics.common.checkpoint import resolve_dir
+        from gpu_magics.engine.resize import reshard_empty
+        from gpu_magics.kernel.checkpoints import Checkpointer, list_checkpoints
+
+        refused = shrunk.resharded.get("refused", {})
+        directory = getattr(self.autosave, "autosave_dir", None) or resolve_dir(None)
+        have = set(list_checkpoints(directory))
+        names = sorted(n for n in refused if n in have)
+        if not names:
+            return []
+        try:
+            made = pool.view.apply_async(reshard_empty, names, shrunk.old_size).get(60)
+            models = made[0]["models"]
+            if any(m["models"] != models for m in made):
+                raise RuntimeError("the ranks made different models again")
+            not_made = made[0]["refused"]
+            for name, why in not_made.items():
+                refused[name] = f"{refused[name]}; not made again for a restore: {why}"
+            if not models:
+                return []
+            wanted = sorted({*models, *(o for opts in models.values() for o in opts if o in have)})
+            restored = Checkpointer(pool).restore(wanted, directory)
+        except Exception as e:
+            return [f"Could not restore {', '.join(names)} from {directory}: {e}"]
+        for name in restored.records:
+            refused.pop(name, None)
+        if not restored.records:
+            return []
+        return [
+            restored.text().replace("gpuhub: restored into", "Restored from the last checkpoint into", 1),
+            "What they learned after that checkpoint is lost.",
+        ]
 
     def _grows(self, args, key: tuple, on_slurm: bool) -> bool:
         """Whether this cell grows the pool in place: more GPUs, every other setting the same,
