@@ -63,7 +63,7 @@ def shrink(pool, leaving: list[int], timeout: float = 60, planned: bool = True) 
     pool.specs = new_specs
     pool.n = len(new_specs)
     pool.view = pool.client[pool.engine_ids]
-    pool._start_reaper([pool.controller_pid, *pool.pids, *pool.launcher.local_pids])
+    pool._start_reaper([pool.controller_pid, *([] if pool._remote else pool.pids), *pool.launcher.local_pids])
     try:
         envs, rendezvous = pool._open_rendezvous([spec.env() for spec in new_specs], timeout)
         replies = [
@@ -249,7 +249,7 @@ def grow(pool, new_slots: list, report_id: int = 0, timeout: float = 120) -> res
     pool.infos = [dict(info, rank=i) for i, info in enumerate(pool.infos)] + setups
     pool.specs, pool.n = specs, len(specs)
     pool.view = pool.client[pool.engine_ids]
-    pool._start_reaper([pool.controller_pid, *pool.pids, *pool.launcher.local_pids])
+    pool._start_reaper([pool.controller_pid, *([] if pool._remote else pool.pids), *pool.launcher.local_pids])
     if old_rendezvous:
         pool._remove_rendezvous(old_rendezvous)
     try:
