@@ -126,6 +126,14 @@ def ranks_of(out: str) -> dict[int, tuple]:
     return {int(m[0]): m[1:] for m in LINE.findall(out)}
 
 
+STEP7 = """%%distributed --gpus 7 --nodes 2
+x = torch.randn(16, 8)
+loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+opt.zero_grad(); loss.backward(); opt.step()
+total = round(sum(float(p.sum()) for p in model.parameters()), 6)
+print("pid", os.getpid(), "world", world_size, "sum", total)
+"""
+
 SHARDED = """%%distributed --gpus 8 --nodes 2
 import hashlib
 import torch.nn as nn
@@ -301,9 +309,11 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         assert {r[1] for r in ranks_of(out).values()} != {job}  # a new job
 
         # 4. a rank's process is killed on the other node mid-cell: the cell names the rank and its
-        # node, the next cell works on fresh engines
+        # node, and the pool shrinks in place across the nodes: the other 7 ranks keep their
+        # processes and the DDP model, the world group re-formed over the new TCP rendezvous
         status, out = run(kc, pids)
-        victim = dict(re.findall(r"\[rank (\d+)\] pid (\d+)", out))["6"]
+        before = dict(re.findall(r"\[rank (\d+)\] pid (\d+)", out))
+        victim = before["6"]
         marker = f"/home/alice/.gpuhub-test-rank6-{uuid.uuid4().hex}"
         killer = threading.Thread(target=kill_when_there, args=(marker, "gpu-node2", victim))
         killer.start()
@@ -315,12 +325,23 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         killer.join()
         assert status == "error", out
         assert f"rank 6 (node gpu-node2, GPU gpu-node2:2, pid {victim}) died" in out, out
-        status, out = run(kc, HOSTS.format(args="--gpus 8 --nodes 2"))
+        assert "The pool shrank in place from 8 to 7 ranks: rank 6 (GPU gpu-node2:2) left" in out, out
+        assert "The world group was re-formed at 7 ranks and answered a collective on every rank." in out
+        assert "checked equal on every rank: model." in out, out
+        assert "Run the next cells with --gpus 7 --nodes 2." in out, out
+        status, out = run(kc, STEP7)
+        assert status == "ok", out
+        after = {r: pid for r, pid, _ in re.findall(r"\[rank (\d+)\] pid (\d+) world 7 sum (\S+)", out)}
+        kept = [before[str(r)] for r in (0, 1, 2, 3, 4, 5, 7)]  # rank 7 is rank 6 now
+        assert [after[str(r)] for r in range(7)] == kept, out
+        assert len(set(re.findall(r"world 7 sum (\S+)", out))) == 1, out  # one model on every rank
+        status, out = run(kc, HOSTS.format(args="--gpus 8 --nodes 2 --restart"))
         assert status == "ok" and hosts_of(out) == ["gpu-node1"] * 4 + ["gpu-node2"] * 4, out
 
         # 5. the kernel is shut down (JupyterLab's "Shut Down Kernel"): the engines end on both nodes
         [burst] = [a for a in ledger.active(user="alice") if a.purpose == "distributed"]
-        assert len(engines_of("alice")) == 8, [open(f"/proc/{p}/cmdline").read() for p in engines_of("alice")]
+        # the shrunk pool's engines end with its job (scancel at the restart above), the new 8 run
+        wait_for(lambda: len(engines_of("alice")) == 8, 60, "only the new pool's 8 engines")
         kc.stop_channels()
         r = hub.api_url_request("DELETE", f"/user/alice/api/kernels/{kid}")
         assert r.status_code == 204, r.text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import socket
 import sys
 import threading
@@ -59,6 +60,27 @@ def _hold_sigterm() -> None:
 
     with contextlib.suppress(ValueError, OSError):  # not the main thread: nothing to do
         _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
+
+
+def silent_ranks(pool, timeout: float = 5.0) -> list[int]:
+    """The ranks whose engine does not answer a trivial request within ``timeout`` s (after a
+    cell every live rank is idle and answers at once)."""
+    calls = {}
+    for rank, eid in enumerate(pool.engine_ids):
+        try:
+            calls[rank] = pool.client[eid].apply_async(os.getpid)
+        except Exception:
+            calls[rank] = None
+    deadline = time.monotonic() + timeout
+    silent = []
+    for rank, ar in calls.items():
+        try:
+            if ar is None:
+                raise RuntimeError("no engine")
+            ar.get(max(0.1, deadline - time.monotonic()))
+        except Exception:
+            silent.append(rank)
+    return silent
 
 
 class Lifecycle:
@@ -271,7 +293,10 @@ class Lifecycle:
         lost = sorted(r.rank for r in outcome.ranks if r.status in ("died", "killed", "gone"))
         if not getattr(self.settings, "resize_in_place", False) or pool is None or not lost:
             return
-        if backend() == "slurm" or resizing.shrink_problem(pool.specs, lost, remote=pool._remote):
+        if self.lease_lost():  # the burst ended (its Slurm job too): nothing to go on with
+            return
+        lost = sorted({*lost, *silent_ranks(pool)})  # a job's end takes its ranks one by one
+        if resizing.shrink_problem(pool.specs, lost):  # lost ranks: on other machines too
             return
         outcome.places = {r.rank: place(pool, r.rank) for r in outcome.failed}
         labels = [pool.specs[r].slot.label for r in lost]
@@ -282,19 +307,24 @@ class Lifecycle:
             pool.broken = True
             return
         pool.broken = outcome.broken = not shrunk.checked
+        hint = f"--gpus {pool.size}"
         if self.key is not None:
             (_, nodes, per_node), backend_name, timeout = self.key
+            if nodes is not None or per_node is not None:  # a Slurm pool's shape: as it is now
+                per = {s.slot.node for s in pool.specs}
+                nodes, per_node = len(per), None
+                hint += f" --nodes {nodes}"
             self.key = ((pool.size, nodes, per_node), backend_name, timeout)
         restored = self._restore_sharded(pool, shrunk)  # the lost rank's shards: from a checkpoint
         text = resizing.shrink_text(shrunk)
-        lines = [*text[:-1], *restored, text[-1]]  # "Run the next cells with --gpus N." last
+        lines = [*text[:-1], *restored, f"Run the next cells with {hint}."]
         gpus = ", ".join(labels)
         lines.append(
             f"GPU {gpus} stays held by this session, unused by the pool: a cell with --gpus {old_size} "
             "adds a rank on it again."
         )
         if any(r.status == "gone" for r in outcome.ranks):
-            lines.append(f"This cell did not run: run it again with --gpus {pool.size}.")
+            lines.append(f"This cell did not run: run it again with {hint}.")
         outcome.shrunk = lines
 
     def _restore_sharded(self, pool, shrunk) -> list[str]:

@@ -32,7 +32,9 @@ def shrink(pool, leaving: list[int], timeout: float = 60, planned: bool = True) 
     from gpu_magics.engine.recovery import holders
     from gpu_magics.engine.resize import ddp_digests, join_world, world_check
 
-    problem = resizing.shrink_problem(pool.specs, leaving, remote=pool._remote)
+    # a lost rank of a pool on other machines (Slurm) is gone already; a planned departure
+    # there is Slurm's (it preempts whole jobs)
+    problem = resizing.shrink_problem(pool.specs, leaving, remote=pool._remote and planned)
     if problem:
         raise ShrinkFailed(problem, "before")
     keep = [i for i, spec in enumerate(pool.specs) if spec.rank not in leaving]
@@ -54,7 +56,10 @@ def shrink(pool, leaving: list[int], timeout: float = 60, planned: bool = True) 
     leaving_pids = [pool.infos[i]["pid"] for i in gone]
     left = [(pool.specs[i].rank, pool.specs[i].slot.label) for i in gone]
     pool._ask_engines_to_shut_down(leaving_ids)
-    kill_trees(leaving_pids, grace=3.0)
+    if pool._remote:
+        pool.kill([pool.specs[i].rank for i in gone])  # through Slurm on other nodes, by pid here
+    else:
+        kill_trees(leaving_pids, grace=3.0)
     old_rendezvous = pool.rendezvous
     survivors = [pool.specs[i] for i in keep]
     new_specs = renumbered(survivors)
