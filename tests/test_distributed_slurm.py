@@ -88,11 +88,19 @@ def engines_of(user: str) -> list[int]:
     return found
 
 
-def kill_when_there(marker: str, node: str, pid: str) -> None:
-    """Once ``marker`` exists, SIGKILL ``pid`` from inside ``node`` (as its OOM killer would)."""
+def hang_cell(gpus, rank, marker):
+    """A cell on 2 nodes whose rank RANK writes MARKER (the killer's signal), then every rank waits."""
+    return (
+        f"%%distributed --gpus {gpus} --nodes 2\nimport time\nif rank == {rank}:\n"
+        f"    open({marker!r}, 'w').close()\nfor _ in range(600):\n    time.sleep(0.1)\n"
+    )
+
+
+def kill_when_there(marker: str, node: str, *pids: str) -> None:
+    """Once ``marker`` exists, SIGKILL ``pids`` from inside ``node`` (as its OOM killer would)."""
     wait_for(lambda: os.path.exists(marker), 120, f"{marker} to be written")
     os.unlink(marker)
-    subprocess.run([str(slurmtools.SCRIPT), "exec", node, "kill", "-KILL", pid], check=True, timeout=30)
+    subprocess.run([str(slurmtools.SCRIPT), "exec", node, "kill", "-KILL", *pids], check=True, timeout=30)
 
 
 def interrupted(hub, kc, kid: str, code: str, when: str) -> tuple[dict, str]:
@@ -319,8 +327,7 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         killer.start()
         status, out = run(
             kc,
-            "%%distributed --gpus 8 --nodes 2\nimport time\nif rank == 6:\n"
-            f"    open({marker!r}, 'w').close()\nfor _ in range(600):\n    time.sleep(0.1)\n",
+            hang_cell(8, 6, marker),
         )
         killer.join()
         assert status == "error", out
@@ -329,12 +336,44 @@ def test_ddp_in_the_sessions_own_allocation_and_across_two_nodes(hub):
         assert "The world group was re-formed at 7 ranks and answered a collective on every rank." in out
         assert "checked equal on every rank: model." in out, out
         assert "Run the next cells with --gpus 7 --nodes 2." in out, out
+        assert (
+            "GPU gpu-node2:2 stays held by this session's Slurm job, unused by the pool. A Slurm pool "
+            "does not grow in place: a cell with --gpus 8 --nodes 2 --restart starts a new pool" in out
+        ), out
         status, out = run(kc, STEP7)
         assert status == "ok", out
         after = {r: pid for r, pid, _ in re.findall(r"\[rank (\d+)\] pid (\d+) world 7 sum (\S+)", out)}
         kept = [before[str(r)] for r in (0, 1, 2, 3, 4, 5, 7)]  # rank 7 is rank 6 now
         assert [after[str(r)] for r in range(7)] == kept, out
         assert len(set(re.findall(r"world 7 sum (\S+)", out))) == 1, out  # one model on every rank
+        # then the rest of gpu-node2's ranks go at once (the node's ranks leave): the 4 ranks on
+        # gpu-node1 keep their processes and the model, and the pool goes on on one node
+        status, out = run(kc, pids.replace("--gpus 8", "--gpus 7"))
+        mid = dict(re.findall(r"\[rank (\d+)\] pid (\d+)", out))
+        assert status == "ok" and [mid[str(r)] for r in range(7)] == kept, out
+        victims = [mid[str(r)] for r in (4, 5, 6)]
+        marker = f"/home/alice/.gpuhub-test-node2-{uuid.uuid4().hex}"
+        killer = threading.Thread(target=kill_when_there, args=(marker, "gpu-node2", *victims))
+        killer.start()
+        status, out = run(
+            kc,
+            hang_cell(7, 4, marker),
+        )
+        killer.join()
+        assert status == "error", out
+        assert (
+            "The pool shrank in place from 7 to 4 ranks: ranks 4 (GPU gpu-node2:0), 5 (GPU gpu-node2:1), "
+            "6 (GPU gpu-node2:3) left"
+        ) in out, out
+        assert "The world group was re-formed at 4 ranks and answered a collective on every rank." in out
+        assert "checked equal on every rank: model." in out, out
+        assert "Run the next cells with --gpus 4 --nodes 1." in out, out
+        status, out = run(kc, STEP7.replace("--gpus 7 --nodes 2", "--gpus 4 --nodes 1"))
+        assert status == "ok", out
+        after = {r: pid for r, pid, _ in re.findall(r"\[rank (\d+)\] pid (\d+) world 4 sum (\S+)", out)}
+        assert [after[str(r)] for r in range(4)] == kept[:4], out
+        assert len(set(re.findall(r"world 4 sum (\S+)", out))) == 1, out
+        assert hosts_of(run(kc, HOSTS.format(args="--gpus 4 --nodes 1"))[1]) == ["gpu-node1"] * 4
         status, out = run(kc, HOSTS.format(args="--gpus 8 --nodes 2 --restart"))
         assert status == "ok" and hosts_of(out) == ["gpu-node1"] * 4 + ["gpu-node2"] * 4, out
 

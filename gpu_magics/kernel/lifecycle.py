@@ -308,9 +308,11 @@ class Lifecycle:
             return
         pool.broken = outcome.broken = not shrunk.checked
         hint = f"--gpus {pool.size}"
+        regrow = None  # a Slurm pool's way back to its size: a new job
         if self.key is not None:
             (_, nodes, per_node), backend_name, timeout = self.key
             if nodes is not None or per_node is not None:  # a Slurm pool's shape: as it is now
+                regrow = f"--gpus {old_size} --nodes {nodes} --restart" if nodes else None
                 per = {s.slot.node for s in pool.specs}
                 nodes, per_node = len(per), None
                 hint += f" --nodes {nodes}"
@@ -319,10 +321,23 @@ class Lifecycle:
         text = resizing.shrink_text(shrunk)
         lines = [*text[:-1], *restored, f"Run the next cells with {hint}."]
         gpus = ", ".join(labels)
-        lines.append(
+        held = (
             f"GPU {gpus} stays held by this session, unused by the pool: a cell with --gpus {old_size} "
             "adds a rank on it again."
         )
+        if len(labels) > 1:
+            held = (
+                f"GPUs {gpus} stay held by this session, unused by the pool: a cell with --gpus "
+                f"{old_size} adds ranks on them again."
+            )
+        if pool._remote or regrow:  # a Slurm pool grows through a new job, not in place
+            held = (
+                f"{'GPUs' if len(labels) > 1 else 'GPU'} {gpus} {'stay' if len(labels) > 1 else 'stays'} "
+                "held by this session's Slurm job, unused by the pool. A Slurm pool does not grow in "
+                f"place: a cell with {regrow or f'--gpus {old_size} --restart'} starts a new pool in a "
+                "new job (save what you need first: %distributed save NAMES)."
+            )
+        lines.append(held)
         if any(r.status == "gone" for r in outcome.ranks):
             lines.append(f"This cell did not run: run it again with {hint}.")
         outcome.shrunk = lines
