@@ -28,6 +28,7 @@ from gpu_magics.kernel.broker import BrokerClient
 from gpu_magics.kernel.burst import Burst, Part
 
 OTHER_SETTINGS = "the pool had other settings"
+LOST_BURST = "the pool lost its burst allocation"
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def why_new_engines(
     if not has_pool:
         return None
     if lease_lost:
-        return "the pool lost its burst allocation"
+        return LOST_BURST
     if broken:
         return "the pool was left broken by the last cell"
     if restart:

@@ -69,6 +69,8 @@ class BrokerClient:
             "lease_seconds": lease_seconds,
             "node": node,
             "wait": wait or None,
+            # the server this kernel runs in: its stop gives the burst back at once
+            "server": os.environ.get("JUPYTERHUB_SERVER_NAME"),
         }
         return self._call("POST", "allocations", {k: v for k, v in body.items() if v is not None})
 
@@ -103,9 +105,10 @@ class BrokerClient:
         """GPU samples (and activity) of an allocation; the answer holds its idle state."""
         return self._call("POST", f"allocations/{allocation_id}/samples", body)
 
-    def release(self, allocation_id: int) -> None:
+    def release(self, allocation_id: int, why: str | None = None) -> None:
+        """Give a burst back; ``why``: one of the broker's fixed reasons (``kernel_gone``)."""
         try:
-            self._call("DELETE", f"allocations/{allocation_id}")
+            self._call("DELETE", f"allocations/{allocation_id}" + (f"?why={why}" if why else ""))
         except BrokerError as e:
             if e.status not in (404, 409):  # already gone is fine
                 raise
@@ -142,6 +145,7 @@ class LeaseKeeper:
         self.expires = allocation.get("lease_expires")
         self.lost = False
         self.reason = ""  # why the broker ended it, once lost
+        self.ended: str | None = None  # when, as the broker says (ISO), once lost
         self.preemption: dict | None = allocation.get("preemption")
         self.check_seconds = check_seconds
         self.on_notice = on_notice
@@ -175,10 +179,8 @@ class LeaseKeeper:
                     next_renewal = time.monotonic() + every
                 else:
                     answer = self.client.get(self.allocation["id"])
-                    if answer.get("ended") or answer.get("state") == "released":
-                        self.reason = answer.get("end_reason") or "released by the hub"
+                    if self._ended(answer):
                         self._noticed(answer)
-                        self.lost = True
                         return
                 self._noticed(answer)
             except BrokerError as e:
@@ -217,9 +219,38 @@ class LeaseKeeper:
 
     def _end_reason(self) -> str:
         try:
-            return self.client.get(self.allocation["id"]).get("end_reason") or ""
+            answer = self.client.get(self.allocation["id"])
         except BrokerError:
             return ""
+        self.ended = answer.get("ended")
+        return answer.get("end_reason") or ""
+
+    def _ended(self, answer: dict) -> bool:
+        """Take the broker's answer: True (and ``lost``, ``reason``, ``ended`` set) if it ended."""
+        if not (answer.get("ended") or answer.get("state") == "released"):
+            return False
+        self.reason = answer.get("end_reason") or "released by the hub"
+        self.ended = answer.get("ended")
+        self.lost = True
+        return True
+
+    def check_now(self) -> bool:
+        """Ask the broker now whether it ended the allocation, as a cell is about to use it (a
+        kernel that was paused runs its cell before this thread wakes); True if it did. A
+        broker that cannot answer leaves it as it was."""
+        if self.lost or self._stop.is_set():
+            return self.lost
+        try:
+            answer = self.client.get(self.allocation["id"])
+        except BrokerError as e:
+            if e.status == 404:
+                self.reason, self.lost = e.message, True
+            return self.lost
+        except Exception:
+            return False
+        if self._ended(answer):
+            self._stop.set()  # nothing left to renew
+        return self.lost
 
     def _say(self, text: str) -> None:
         if self.log:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 from IPython.core.error import UsageError
 
+from gpu_magics.common import guard
 from gpu_magics.common.ranks import Slot
 from gpu_magics.common.words import count
 from gpu_magics.kernel.broker import BrokerClient, BrokerError, LeaseKeeper
@@ -62,6 +63,7 @@ class Part:
         self.released = False
         self._lock = threading.Lock()
         self._reporting = False
+        guard.kernel_guard().add(self.id)  # the reaper gives it back should the kernel die
 
     @property
     def id(self) -> int:
@@ -111,6 +113,23 @@ class Part:
         self._reporting = True
         start_burst_reporter(self.id, [s.label for s in self.slots])
 
+    def check_now(self) -> bool:
+        """Ask the broker now whether the hub ended it (see ``LeaseKeeper.check_now``)."""
+        return not self.released and self.lease.check_now()
+
+    def lost_text(self) -> str:
+        """How the hub ended it, once ``lost``: ``allocation #5 (2 borrowed GPUs) ended at
+        2026-12-04 21:40:05 UTC: preempted: ...``."""
+        what = f"{count(self.borrowed, 'borrowed GPU')}" if self.borrowed else count(self.size, "GPU")
+        at = when(self.lease.ended)
+        return f"allocation #{self.id} ({what}) ended{f' at {at}' if at else ''}: {self.reason}"
+
+    def unguard(self) -> None:
+        """The kernel answers for this allocation's end itself (it acts on its notice, or gives
+        it back): the reaper no longer stops the pool when the hub ends it
+        (:mod:`gpu_magics.common.guard`)."""
+        guard.kernel_guard().remove(self.id)
+
     def release(self) -> bool:
         """Stop renewing and give the GPUs back; idempotent. True if this call released it.
         A broker that cannot be told is reported (``log``); the lease then runs out."""
@@ -118,6 +137,7 @@ class Part:
             if self.released:
                 return False
             self.released = True
+        self.unguard()  # before the broker hears of it: the reaper then knows it was this kernel
         self.lease.stop()
         try:
             self.client.release(self.id)
@@ -244,6 +264,14 @@ class Burst:
     @property
     def reason(self) -> str:
         return next((p.reason for p in self.parts if p.lost), "")
+
+    def check_now(self) -> bool:
+        """Ask the broker now whether the hub ended a part (a cell is about to use the GPUs)."""
+        return any([p.check_now() for p in self.parts])
+
+    def lost_text(self) -> str:
+        """How the hub ended the parts it ended (``Part.lost_text``), ``; ``-joined."""
+        return "; ".join(p.lost_text() for p in self.parts if p.lost)
 
     @property
     def expires(self) -> str | None:

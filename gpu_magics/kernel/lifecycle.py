@@ -21,6 +21,7 @@ from gpu_magics.common.ranks import Slot, make_rank_specs
 from gpu_magics.common.session import backend, server_gpus
 from gpu_magics.kernel import resize, resizing
 from gpu_magics.kernel.acquire import (
+    LOST_BURST,
     OTHER_SETTINGS,
     Terms,
     describe_settings,
@@ -145,6 +146,8 @@ class Lifecycle:
         key = (shape, args.backend, timeout)
         restart = bool(getattr(args, "restart", False))
         with self.lock:
+            if self.pool is not None and self.burst is not None and not self.burst.lost:
+                self.burst.check_now()  # a kernel that was paused runs this before its lease thread wakes
             why = why_new_engines(
                 has_pool=self.pool is not None,
                 same_settings=self.key == key,
@@ -152,6 +155,8 @@ class Lifecycle:
                 lease_lost=self.lease_lost(),
                 restart=restart,
             )
+            if why == LOST_BURST:
+                why = f"{why}: {self.burst.lost_text()}"
             resized = False
             if why == OTHER_SETTINGS and not restart and self._grows(args, key, on_slurm):
                 self._grow(args, key)
@@ -462,6 +467,11 @@ class Lifecycle:
                     print(f"gpuhub: could not save before restarting the engines: {e}", file=sys.stderr)
             first = f": {saved.brief()} first" if saved is not None and not verbose else ""
             show(f"gpuhub: restarting the engines ({why}){first}.")
+            if saved is None and why is not None and why.startswith(LOST_BURST):
+                show(
+                    "gpuhub: what the old pool's ranks held is lost with its engines (no autosave kept "
+                    "it: %distributed autosave NAMES does); the new pool starts empty."
+                )
             self.stop_pool(release=release)
         elif release:
             self.release_burst()

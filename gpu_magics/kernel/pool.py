@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gpu_magics.common import guard
 from gpu_magics.common.procs import ExitWatch, alive
 from gpu_magics.common.ranks import RankSpec
 from gpu_magics.engine.recovery import FREE_SIGNAL
@@ -252,6 +253,7 @@ class EnginePool:
             self.reaper.kill()
             self.reaper.wait()
         sockets = getattr(self.launcher, "socket_dir", None)  # removed too, should the kernel die
+        held = guard.current_path()  # the kernel's bursts: given back at its death
         self.reaper = subprocess.Popen(
             [
                 sys.executable,
@@ -260,6 +262,7 @@ class EnginePool:
                 str(os.getpid()),
                 *map(str, pids),
                 *([f"--remove={sockets}"] if sockets else []),
+                *([f"--guard={held}"] if held else []),
             ],
             start_new_session=True,
             stdin=subprocess.DEVNULL,

@@ -235,6 +235,7 @@ class Preemption:
         due time (so that the hub records it as preempted); the report of what was kept and
         what was lost. Called under the lifecycle's lock."""
         n.acted = True
+        n.part.unguard()  # acted on here: the reaper leaves this pool to the kernel
         shrunk, why_not = self.shrink(n)
         if shrunk is not None:
             return shrunk

@@ -96,6 +96,8 @@ class AllocationsHandler(APIHandler):
                 backend=self.broker.backend,
                 lease_seconds=req.lease_seconds or cfg.lease_seconds,
                 on_nodes=None if req.node is None else [req.node],
+                server_name=req.server or "",
+                of_server=req.server is not None,
                 **({} if queued else {"deferred": slurm}),
             )
         except policy.Refusal as e:
@@ -110,6 +112,10 @@ class AllocationsHandler(APIHandler):
         self.set_status(201)
         self.set_header("Location", f"{self.broker.prefix}api/v1/allocations/{allocation.id}")
         self.finish(self.allocation_json(allocation))
+
+
+# DELETE allocations/{id}?why=...: what the owner's own processes may say about a release
+RELEASE_WHY = {"kernel_gone": "its kernel ended (given back by the pool's reaper)"}
 
 
 class AllocationHandler(APIHandler):
@@ -130,7 +136,13 @@ class AllocationHandler(APIHandler):
                 "server_allocation",
             )
         who = "admin " + caller.name if caller.name != a.user else "owner"
-        await self.broker.run(self.broker.ledger.release, a.id, f"released through the API by {who}")
+        why = self.get_argument("why", None)  # the owner's side says why, from a fixed set
+        if why is not None and why not in RELEASE_WHY:
+            return self.fail(
+                400, f"'why' must be one of {', '.join(sorted(RELEASE_WHY))}, or absent.", "bad_request"
+            )
+        reason = RELEASE_WHY[why] if why else f"released through the API by {who}"
+        await self.broker.run(self.broker.ledger.release, a.id, reason)
         self.finish(self.allocation_json(await self.broker.run(self.broker.ledger.get, a.id)))
 
 

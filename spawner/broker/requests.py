@@ -89,6 +89,8 @@ class BurstRequest:
     lease_seconds: float | None = None
     node: str | None = None  # every GPU on this node (a kernel adding GPUs beside its server's)
     wait: bool = False  # join the queue when the GPUs are all taken (202), instead of a 409
+    server: str | None = None  # the caller's server whose kernel asks ("": the default server):
+    # the burst is released when that server stops; None: it lives by its lease alone
 
 
 def _label(body: dict, key: str) -> str | None:
@@ -103,8 +105,13 @@ def _label(body: dict, key: str) -> str | None:
 
 
 def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest:
-    _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds", "node", "wait"))
-    model, node = _label(body, "gpu_model"), _label(body, "node")
+    _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds", "node", "wait", "server"))
+    model, node, server = _label(body, "gpu_model"), _label(body, "node"), _label(body, "server")
+    if server is not None and "/" in server:
+        raise BadRequest(
+            "'server' must be the name of the server the kernel runs in (no '/'), or \"\" for the "
+            f"default one; got {values.show(server)}."
+        )
     wait = body.get("wait", False)
     if not isinstance(wait, bool):
         raise BadRequest(f"'wait' must be true or false; got {values.show(wait)}.")
@@ -118,6 +125,7 @@ def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest
         lease_seconds=_number(body, "lease_seconds", lo=10, hi=max_lease_seconds, unit="seconds"),
         node=node,
         wait=wait,
+        server=server,
     )
     if req.node is not None and (req.nodes or 1) != 1:
         raise BadRequest(

@@ -43,6 +43,7 @@ def allocation_json(a: AllocationInfo, notice_seconds: float | None = None) -> d
         "user": a.user,
         "purpose": a.purpose,
         "server_name": a.server_name,
+        "of_server": a.of_server,
         "state": a.state,
         "created": iso(a.created),
         "started": iso(a.started),

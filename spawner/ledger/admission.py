@@ -69,6 +69,7 @@ def entry_request(e: QueueEntry) -> AllocationRequest:
         server_name=e.server_name,
         backend=e.backend,
         lease_seconds=e.lease_seconds,
+        of_server=bool(e.of_server),
     )
 
 
@@ -171,6 +172,7 @@ class AdmissionRecords:
         lease_seconds: float | None = None,
         on_nodes: Iterable[str] | None = None,
         deferred: bool = False,
+        of_server: bool = False,
     ) -> AllocationInfo:
         """Admit and record a request now, or raise :class:`policy.Refusal` leaving nothing
         behind. (:meth:`request` waits in the queue instead of a refusal for capacity.)
@@ -203,6 +205,7 @@ class AdmissionRecords:
         backend: str = "local",
         lease_seconds: float | None = None,
         on_nodes: Iterable[str] | None = None,
+        of_server: bool = False,
     ) -> Admission:
         """Like :meth:`allocate`, but a request that fits the limit and not the free GPUs
         joins the queue (``Admission.entry``; its waiter then calls :meth:`wait_turn`).
@@ -322,7 +325,7 @@ class AdmissionRecords:
         e.gpu_count, e.model = req.count, req.model
         e.max_nodes, e.gpus_per_node = req.max_nodes, req.gpus_per_node
         e.on_nodes = None if nodes is None else ",".join(sorted(nodes))[:4000]
-        e.lease_seconds, e.seen = req.lease_seconds, now
+        e.lease_seconds, e.seen, e.of_server = req.lease_seconds, now, req.of_server
         if adopt is None:
             s.add(e)
             s.info["queued"] = True  # someone waits now (the next write of a combined turn reads it)
@@ -373,6 +376,7 @@ class AdmissionRecords:
             gpu_count=req.count,
             borrowed=borrowed,
             backfill_for=borrowing.backfill_text(backfill_for),
+            of_server=req.of_server,
         )
         conn = connection(s)
         aid = conn.execute(NEW_ALLOCATION, row).scalar_one()
@@ -398,4 +402,5 @@ class AdmissionRecords:
             gpu_count=max(req.count, len(gpus)),
             borrowed=borrowed,
             backfill=row["backfill_for"] is not None,
+            of_server=req.of_server,
         )

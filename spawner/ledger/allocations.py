@@ -51,7 +51,8 @@ class AllocationRecords:
     Uses ``_tx``/``_write``/``_read``/``_end``/``_end_row``/``_active``/``_live_infos``
     (``LedgerBase``, ``CombinedWrites``), ``reclaim_reason_in``/``undo_if_used_in``
     (``ReclaimRecords``), ``preempt_reason_in`` (``BorrowingRecords``), ``withdraw_unwanted_in``
-    (``TakeBackRecords``), ``end_stale_in`` (``QueueRecords``). Every other part calls ``expire_in``."""
+    (``TakeBackRecords``), ``end_stale_in`` and ``_leave`` (``QueueRecords``). Every other part
+    calls ``expire_in``."""
 
     def mark_running(self, allocation_id: int, backend_job_id: str | None = None) -> AllocationInfo:
         with self._tx() as s:
@@ -140,6 +141,39 @@ class AllocationRecords:
     def release(self, allocation_id: int, reason: str = "released") -> bool:
         """Give the GPUs back. Idempotent: False when it was already released or unknown."""
         return self._write(lambda s: self._release_in(s, allocation_id, reason))
+
+    def release_server(self, user: str, server_name: str, allocation_id: int, reason: str) -> list[int]:
+        """A server stopped or died: give back its own allocation (``allocation_id``; 0: none)
+        and every burst its kernels asked for (``of_server``), and end the queue entries its
+        kernels wait in. Returns the ids released by this call (idempotent)."""
+
+        bursts = select(Allocation.id).where(
+            is_live(),
+            Allocation.user == user,
+            Allocation.server_name == server_name,
+            Allocation.of_server.is_(True),
+        )
+        waits = select(QueueEntry).where(
+            QueueEntry.state == "waiting",
+            QueueEntry.user == user,
+            QueueEntry.server_name == server_name,
+            QueueEntry.of_server.is_(True),
+        )
+        if not allocation_id:  # most stops of a server without GPUs: nothing to write
+            with self._read() as s:
+                if s.scalar(bursts.limit(1)) is None and s.scalar(waits.limit(1)) is None:
+                    return []
+
+        def write(s: Session) -> list[int]:
+            ids = ([allocation_id] if allocation_id else []) + sorted(
+                set(s.scalars(bursts)) - {allocation_id}
+            )
+            released = [i for i in ids if self._release_in(s, i, reason)]
+            for e in s.scalars(waits).all():
+                self._leave(e, reason)
+            return released
+
+        return self._write(write)
 
     def _release_in(self, s: Session, allocation_id: int, reason: str) -> bool:
         found = connection(s).execute(RELEASE_READ, {"id": allocation_id}).first()

@@ -25,6 +25,7 @@ from sqlalchemy import (
     String,
     UniqueConstraint,
     bindparam,
+    false,
     literal_column,
     text,
     true,
@@ -141,6 +142,9 @@ class Allocation(Base):
     # until every one of them has started or left, it may be taken back for them with notice,
     # as borrowed GPUs are (migration 0009); None: it went ahead of nobody
     backfill_for: Mapped[str | None] = mapped_column(String(4000))
+    # a burst asked for by a kernel of the server ``server_name``: released when that server
+    # stops or dies, whoever stops it (migration 0010); False for servers and other bursts
+    of_server: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     gpus: Mapped[list[AllocationGpu]] = relationship(
         back_populates="allocation", cascade="all, delete-orphan"
     )
@@ -230,6 +234,7 @@ class QueueEntry(Base):
     ended: Mapped[datetime | None] = mapped_column(DateTime)
     end_reason: Mapped[str | None] = mapped_column(String(255))
     allocation_id: Mapped[int | None] = mapped_column(ForeignKey("allocations.id"))
+    of_server: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # as allocations'
 
 
 class Preemption(Base):

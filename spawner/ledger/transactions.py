@@ -168,6 +168,7 @@ def _info(a: Allocation, booked: Iterable[policy.Gpu] | None = None) -> Allocati
         withdrawn=preemption.withdrawn if preemption is not None else None,
         withdrawn_reason=preemption.withdrawn_reason if preemption is not None else None,
         backfill=a.backfill_for is not None,
+        of_server=bool(a.of_server),
     )
 
 
@@ -364,6 +365,7 @@ class LedgerBase(CombinedWrites):
                     withdrawn=withdrawn,
                     withdrawn_reason=withdrawn_reason,
                     backfill=a["backfill_for"] is not None,
+                    of_server=bool(a["of_server"]),
                 )
             )
         return out

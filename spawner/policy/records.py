@@ -40,6 +40,7 @@ class AllocationRequest:
     on_nodes: frozenset[str] | None = None
     deferred: bool = False
     wait: bool = False
+    of_server: bool = False  # a burst of server ``server_name``'s kernels: released at its stop
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class AllocationInfo:
     withdrawn: datetime | None = None  # a notice it had was withdrawn then (nobody waits for it)
     withdrawn_reason: str | None = None
     backfill: bool = False  # it started ahead of a reservation that still waits: may be taken back
+    of_server: bool = False  # a burst of server ``server_name``'s kernels: released at its stop
 
     @property
     def active(self) -> bool:

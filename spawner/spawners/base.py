@@ -453,6 +453,18 @@ class GpuSpawnerMixin(Configurable):
             self.allocation_id = 0
             self.gpu_allocation = None
 
+    async def _release_server(self, allocation_id: int, reason: str) -> None:
+        """The server stopped or died: its GPUs back, with every burst its kernels held and
+        their places in the queue (whoever stopped it: home page, REST, culler, reclaim,
+        preemption, hub shutdown), within seconds rather than a lease."""
+        released = await self._in_ledger("release_server", self.user.name, self.name, allocation_id, reason)
+        bursts = [i for i in released if i != allocation_id]
+        if bursts:
+            self.log.info("Server %s: released its kernels' bursts %s (%s)", self._log_name, bursts, reason)
+        if self.allocation_id == allocation_id:
+            self.allocation_id = 0
+            self.gpu_allocation = None
+
     async def stop(self, now=False):
         allocation_id = self.allocation_id
         self._gpuhub_stopped = True
@@ -464,18 +476,18 @@ class GpuSpawnerMixin(Configurable):
         try:
             await super().stop(now=now)
         finally:
-            await self._release(allocation_id, "server stopped")
+            await self._release_server(allocation_id, "server stopped")
 
     async def poll(self):
         allocation_id = self.allocation_id  # super().poll() may clear the state
         status = await super().poll()
-        if status is not None and allocation_id:
+        if status is not None and (allocation_id or not self._gpuhub_stopped):
             if self._stop_pending:
                 reason = "server stopped"
             else:
                 reason = "server exited"
                 self.log.info("Server %s is gone; releasing its GPUs", self._log_name)
-            await self._release(allocation_id, reason)
+            await self._release_server(allocation_id, reason)
         return status
 
     def get_state(self):
