@@ -66,6 +66,7 @@ c.GpuHub.db_url = "sqlite:///gpuhub.sqlite"
 c.GpuHub.default_limit = 1
 c.GpuHub.group_limits = {"students": 2}
 c.GpuHub.user_limits = {"alice": 3}
+c.GpuHub.group_max_hours = {"students": 8}  # a student's session ends after 8 h (docs/time-limits.md)
 # the showcase (the docstring above): borrowing with a short notice, idle reclaim in minutes
 c.GpuHub.default_borrow = 2
 c.GpuHub.preempt_grace_seconds = 60

@@ -20,6 +20,7 @@ from spawner.policy.borrowing import BorrowRules, allowance_problem
 from spawner.policy.fairshare import Shares, Weights, share_problem
 from spawner.policy.limits import DEFAULT_WINDOW_HOURS, Limit, LimitRules, parse_limit_field
 from spawner.policy.scoped import Scoped, checked
+from spawner.policy.timelimits import TimeRules, read_hours
 from spawner.spawners import inventory
 
 LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
@@ -139,6 +140,31 @@ class GpuHub(Configurable):
         help="""Limits per user, winning over their groups and the default. A ledger row
         written by ``gpuhub limits set --user NAME N`` wins over the entry here.
         ``c.GpuHub.user_limits = {"alice": 4}``
+        """,
+    ).tag(config=True)
+
+    default_max_hours = Float(
+        None,
+        allow_none=True,
+        help="""The longest a server or a burst of GPUs may run, in hours, unless a group or user
+        entry says otherwise: it ends then (a server is stopped, a burst's engines stop; on
+        Slurm it is the job's time limit, ``--time``). A request may ask for less (the spawn
+        form's hours, a burst's ``hours``, ``%%distributed --hours``), never more: that is
+        refused at once with the maximum. None: no limit. From a minute (1/60) to a year.
+        ``c.GpuHub.default_max_hours = 8``
+        """,
+    ).tag(config=True)
+
+    group_max_hours = Dict(
+        help="""The longest session per JupyterHub group, in hours (None: no limit), like
+        ``default_max_hours``. A user in several groups gets the most generous (no limit beats
+        any number). ``c.GpuHub.group_max_hours = {"students": 8, "staff": None}``
+        """,
+    ).tag(config=True)
+
+    user_max_hours = Dict(
+        help="""The longest session per user, in hours (None: no limit), winning over their
+        groups and the default. ``c.GpuHub.user_max_hours = {"alice": 48}``
         """,
     ).tag(config=True)
 
@@ -338,6 +364,10 @@ class GpuHub(Configurable):
     def limit_rules(self) -> LimitRules:
         return self._scoped(LimitRules, ("default_limit", "group_limits", "user_limits"), parse_limit)
 
+    def time_rules(self) -> TimeRules:
+        """The longest sessions, checked (a bad one raises ``ValueError`` naming its trait)."""
+        return self._scoped(TimeRules, ("default_max_hours", "group_max_hours", "user_max_hours"), read_hours)
+
     def shares(self) -> Shares:
         """The fair-share weights, checked (a bad one raises ``ValueError`` naming its trait)."""
         return self._scoped(Shares, ("default_share", "group_shares", "user_shares"), checked(share_problem))
@@ -413,6 +443,7 @@ class GpuHub(Configurable):
                 config_rules=self.limit_rules(),
                 queue=self.queue_settings(),
                 borrow=self.borrow_settings(),
+                time_rules=self.time_rules(),
                 sqlite_sync=self.sqlite_synchronous,
             )
             _LEDGERS[self.db_url] = ledger

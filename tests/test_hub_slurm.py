@@ -386,3 +386,14 @@ def test_a_burst_takes_only_its_own_users_tagged_engines_job(hub, ledger, clean)
     wait_for(lambda: len(ledger.get(burst["id"]).gpus) == 1, 30, "the burst's GPU to be recorded")
     assert hub.broker("DELETE", f"allocations/{burst['id']}", alice).status_code == 200
     wait_for(lambda: job_state(mine) in ("CANCELLED", "GONE"), 30, "the released burst's job to be cancelled")
+
+
+def test_a_sessions_time_limit_is_its_jobs_time_limit(hub, ledger, clean):
+    """A spawn asking for 1.5 h (no longest is set here) runs as a job with ``--time=90``:
+    Slurm itself ends it then, whatever happens to the hub."""
+    assert hub.spawn("bob", {"gpus": 1, "hours": 1.5}).status_code in (201, 202)
+    hub.wait_ready("bob")
+    [alloc] = ledger.active(user="bob")
+    assert alloc.time_limit_seconds == 5400
+    shown = slurm("scontrol", "show", "job", alloc.backend_job_id).stdout
+    assert "TimeLimit=01:30:00" in shown, shown

@@ -209,7 +209,7 @@ SERVER = dict(
 ENGINES = dict(
     user="alice", job_name="gpuhub-engines", output="/home/alice/.gpuhub-engines-%j.log",
     workdir="/home/alice", nodes=2, per_node=4, gres="gpu:a100:4", partition="gpu", cpus=8, memory="16G",
-    account="research",
+    account="research", runtime="480",
     directives=["--qos=interactive", "--exclusive"],
     command=["/opt/venv/bin/python", "-m", "ipyparallel.engine", "--profile-dir=/home/alice/my dir", "$HOME"],
 )

@@ -38,3 +38,15 @@ def stamp(when: datetime | float | int) -> str:
 def clock(when: datetime | float | int) -> str:
     """``07:36:41 UTC``: the time of day of a moment in UTC, for a sentence about today."""
     return _utc(when).strftime(CLOCK)
+
+
+def duration(seconds: float) -> str:
+    """A length to the minute, short for a line or a column: ``under a minute``, ``12 min``,
+    ``2 h 5 min``."""
+    minutes = max(0, round(seconds / 60))
+    if minutes < 1:
+        return "under a minute"
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, rest = divmod(minutes, 60)
+    return f"{hours} h" if rest == 0 else f"{hours} h {rest} min"

@@ -448,6 +448,7 @@ class Lifecycle:
             launcher.allocation_id = burst.id
             launcher.on_submitted = burst.attach_job
             launcher.borrowed = burst.borrowed  # beyond the limit: the job runs preemptible
+            launcher.time_limit_seconds = (burst.parts[0].allocation.get("time_limit") or {}).get("seconds")
         return EnginePool([], args.backend, timeout, launcher=launcher, n=args.gpus)
 
     # stop -------------------------------------------------------------------------------

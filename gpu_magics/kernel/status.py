@@ -8,6 +8,7 @@ from __future__ import annotations
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
+from gpu_magics.common import words
 from gpu_magics.common.session import describe, server_gpus
 from gpu_magics.common.words import stamp
 from gpu_magics.kernel.broker import BrokerClient, BrokerError
@@ -25,6 +26,12 @@ def notice_text(a: dict, notice: dict) -> str:
     n = int(a.get("borrowed") or 0) or burst_size(a)
     what = taken(int(a.get("borrowed") or 0), burst_size(a))
     return taken_back(what, n, a["id"], parse_due(notice.get("due")), notice.get("reason"))
+
+
+def time_limit_text(allocation_id: int, limit: dict) -> str:
+    """``allocation #3 ends at 2026-12-04 23:00:00 UTC (its time limit, 8 h)``."""
+    hours = words.duration(limit["seconds"])
+    return f"allocation #{allocation_id} ends at {stamp(parse_due(limit['ends']))} (its time limit, {hours})."
 
 
 def describe_use(me: dict, grid: dict) -> str:
@@ -54,6 +61,9 @@ def describe_use(me: dict, grid: dict) -> str:
         notice = a.get("preemption")
         if notice:
             lines.append("  NOTICE: " + notice_text(a, notice))
+        limit = a.get("time_limit")
+        if limit:
+            lines.append(f"  TIME: {time_limit_text(a['id'], limit)}")
     for r in me.get("reclaimed", []):
         name = f" {r['server_name']!r}" if r.get("server_name") else ""
         lines.append(f"  Your server{name} was reclaimed at {stamp(parse_due(r['created']))}: {r['reason']}.")

@@ -117,6 +117,7 @@ class SlurmLauncher:
         self.step = ""
         self.on_submitted = None  # called with the job id once sbatch accepted the engines' job
         self.borrowed = 0  # GPUs of the burst beyond the limit: the job runs preemptible
+        self.time_limit_seconds: float | None = None  # the burst's time limit: the job's --time
         self.borrow_qos = os.environ.get("GPUHUB_SLURM_BORROW_QOS", "")
         self.autosave: tuple[list[str], str] | None = None  # the pool's --autosave: saved at SIGTERM
         self.facts: dict[int, EngineFacts] = {}  # engine id -> where it runs (set by ``ranks``)
@@ -194,6 +195,7 @@ class SlurmLauncher:
             cpus="",
             memory="",
             account=self.account,
+            runtime=commands.job_time(self.time_limit_seconds),
         )
 
     def job_environ(self, environ) -> dict[str, str]:

@@ -98,6 +98,7 @@ class AllocationsHandler(APIHandler):
                 on_nodes=None if req.node is None else [req.node],
                 server_name=req.server or "",
                 of_server=req.server is not None,
+                hours=req.hours,
                 **({} if queued else {"deferred": slurm}),
             )
         except policy.Refusal as e:

@@ -26,6 +26,7 @@ from spawner.broker.reclaimer import Reclaimer
 from spawner.broker.routes import routes
 from spawner.broker.sampling import OwnSampler, own_nodes
 from spawner.broker.settings import GpuBroker, GpuReclaim
+from spawner.broker.timekeeper import TimeKeeper
 from spawner.broker.utilization import Utilization
 from spawner.ledger.db import safe_url
 from spawner.settings import GpuHub
@@ -96,6 +97,7 @@ async def main() -> None:
     make_app(broker).listen(url.port, url.hostname)
 
     preempter = Preempter(broker)
+    timekeeper = TimeKeeper(broker)
 
     async def sweep():
         expired = await asyncio.to_thread(ledger.expire_leases)
@@ -105,6 +107,10 @@ async def main() -> None:
             await preempter.check()
         except Exception:  # one bad pass must not end the sweeps
             log.exception("the preemption pass failed; it runs again in %s s", settings.sweep_seconds)
+        try:
+            await timekeeper.check()
+        except Exception:
+            log.exception("the time-limit pass failed; it runs again in %s s", settings.sweep_seconds)
 
     PeriodicCallback(sweep, settings.sweep_seconds * 1000).start()
 

@@ -17,7 +17,7 @@ import logging
 import time
 
 from gpu_magics.common.words import clock, count
-from spawner.broker.reclaimer import stop_server
+from spawner.broker.reclaimer import ServerStops
 
 log = logging.getLogger("gpuhub.broker")
 RETRY_SECONDS = 60.0
@@ -26,8 +26,7 @@ RETRY_SECONDS = 60.0
 class Preempter:
     def __init__(self, broker, clock=time.monotonic):
         self.broker = broker
-        self.clock = clock
-        self._asked: dict[int, float] = {}  # allocation id -> when its server's stop was asked
+        self.stops = ServerStops(broker, RETRY_SECONDS, clock)
 
     async def check(self) -> list[int]:
         """One pass; returns the allocations given notice in it."""
@@ -58,14 +57,5 @@ class Preempter:
                 p.for_user,
                 clock(p.due),
             )
-        live = {p.allocation_id for p in settled.servers}
-        for gone in set(self._asked) - live:
-            del self._asked[gone]
-        for p in settled.servers:
-            asked = self._asked.get(p.allocation_id)
-            if asked is not None and self.clock() - asked < RETRY_SECONDS:
-                continue
-            self._asked[p.allocation_id] = self.clock()
-            if await stop_server(broker, p.user, p.server_name):
-                log.warning("stopped %s's server %r: %s", p.user, p.server_name, p.reason)
+        await self.stops.stop([(p.allocation_id, p.user, p.server_name, p.reason) for p in settled.servers])
         return [p.allocation_id for p in made]

@@ -57,6 +57,29 @@ async def stop_server(broker, user: str, server_name: str) -> bool:
     return True
 
 
+class ServerStops:
+    """Stops of servers asked of the hub by a pass that finds them due each time (a notice's
+    due time, a time limit), each asked again only after ``retry`` seconds: the hub's stop
+    takes a while, and a refused one is asked again."""
+
+    def __init__(self, broker, retry: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.broker, self.retry, self.clock = broker, retry, clock
+        self._asked: dict[int, float] = {}  # allocation id -> when its server's stop was asked
+
+    async def stop(self, due: list[tuple[int, str, str, str]]) -> None:
+        """Stop each ``(allocation id, user, server name, why)``; forget the ones no longer due."""
+        live = {allocation_id for allocation_id, *_ in due}
+        for gone in set(self._asked) - live:
+            del self._asked[gone]
+        for allocation_id, user, server_name, why in due:
+            asked = self._asked.get(allocation_id)
+            if asked is not None and self.clock() - asked < self.retry:
+                continue
+            self._asked[allocation_id] = self.clock()
+            if await stop_server(self.broker, user, server_name):
+                log.warning("stopped %s's server %r: %s", user, server_name, why)
+
+
 class Reclaimer:
     def __init__(self, broker, rules: IdleRules, clock: Callable[[], float] = time.monotonic):
         self.broker = broker

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spawner import policy
-from spawner.policy import values
+from spawner.policy import timelimits, values
 
 MAX_BODY_BYTES = 16 * 1024
 MAX_COUNT = policy.MAX_COUNT
@@ -91,6 +91,7 @@ class BurstRequest:
     wait: bool = False  # join the queue when the GPUs are all taken (202), instead of a 409
     server: str | None = None  # the caller's server whose kernel asks ("": the default server):
     # the burst is released when that server stops; None: it lives by its lease alone
+    hours: float | None = None  # how long it may run (None: the user's longest session)
 
 
 def _label(body: dict, key: str) -> str | None:
@@ -105,7 +106,10 @@ def _label(body: dict, key: str) -> str | None:
 
 
 def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest:
-    _only(body, ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds", "node", "wait", "server"))
+    _only(
+        body,
+        ("gpus", "nodes", "gpus_per_node", "gpu_model", "lease_seconds", "node", "wait", "server", "hours"),
+    )
     model, node, server = _label(body, "gpu_model"), _label(body, "node"), _label(body, "server")
     if server is not None and "/" in server:
         raise BadRequest(
@@ -126,6 +130,7 @@ def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest
         node=node,
         wait=wait,
         server=server,
+        hours=_hours(body),
     )
     if req.node is not None and (req.nodes or 1) != 1:
         raise BadRequest(
@@ -136,6 +141,13 @@ def parse_burst_request(body: dict, *, max_lease_seconds: float) -> BurstRequest
     if req.gpus_per_node and req.nodes and req.nodes * req.gpus_per_node != req.gpus:
         raise BadRequest("'nodes' x 'gpus_per_node' must equal 'gpus'.")
     return req
+
+
+def _hours(body: dict) -> float | None:
+    try:
+        return timelimits.parse_asked_hours(body.get("hours"), "'hours'", text=False)
+    except values.BadValue as e:
+        raise BadRequest(e.message) from None
 
 
 def parse_renew(body: dict, *, max_lease_seconds: float) -> float | None:

@@ -60,7 +60,15 @@ def allocation_json(a: AllocationInfo, notice_seconds: float | None = None) -> d
         "notice_seconds": notice_seconds if (a.borrowed or a.backfill) else None,
         "preemption": preemption_of(a),
         "preemption_withdrawn": withdrawn_of(a),
+        "time_limit": time_limit_of(a),
     }
+
+
+def time_limit_of(a: AllocationInfo) -> dict[str, Any] | None:
+    """How long it may run (``seconds``) and when it ends (``ends``, firm), or null: no limit."""
+    if a.time_limit_seconds is None:
+        return None
+    return {"seconds": a.time_limit_seconds, "ends": iso(a.time_ends)}
 
 
 def queue_json(q, now) -> dict[str, Any]:

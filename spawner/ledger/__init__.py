@@ -31,6 +31,7 @@ the underscored ones are the transactions' and the inventory's own machinery):
   ``borrow_now_in`` (admission beyond the limit), notices, ``preempt_reason_in``;
   ``borrowing_reads`` (``BorrowingReads``): what the pages show of it.
 - ``takeback`` (``TakeBackRecords``): settling notices, ``withdraw_unwanted_in``.
+- ``timeup`` (``TimeUpRecords``): time limits that ran out.
 - ``limits`` (``LimitRecords``): ``_rules`` (the limits in force).
 - ``gpus`` (``GpuRecords``): ``_inventory``, ``_free``, ``_present`` (the GPUs).
 - ``usage`` (``UsageRecords``) and ``reclaims`` (``ReclaimRecords``: ``reclaim_reason_in``,
@@ -50,6 +51,7 @@ from spawner.ledger.limits import LimitRecords
 from spawner.ledger.queue import QueueRecords
 from spawner.ledger.reclaims import ReclaimRecords
 from spawner.ledger.takeback import TakeBackRecords
+from spawner.ledger.timeup import TimeUpRecords
 from spawner.ledger.transactions import BorrowSettings, LedgerBase, QueueSettings, utcnow
 from spawner.ledger.usage import UsageRecords
 
@@ -63,6 +65,7 @@ class Ledger(
     BorrowingRecords,
     BorrowingReads,
     TakeBackRecords,
+    TimeUpRecords,
     LimitRecords,
     GpuRecords,
     UsageRecords,

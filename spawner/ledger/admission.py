@@ -29,7 +29,7 @@ from spawner.ledger.queue import NEW
 from spawner.ledger.queue import entry_info as _entry_info
 from spawner.ledger.transactions import gpus_of
 from spawner.ledger.usage import INTERVAL_COLUMNS, usage_interval
-from spawner.policy import borrowing, fairshare
+from spawner.policy import borrowing, fairshare, timelimits
 from spawner.policy import schedule as queueplan
 from spawner.policy.records import ACTIVE_STATES, Admission, AllocationInfo, AllocationRequest, Allowance
 
@@ -70,6 +70,7 @@ def entry_request(e: QueueEntry) -> AllocationRequest:
         backend=e.backend,
         lease_seconds=e.lease_seconds,
         of_server=bool(e.of_server),
+        time_limit_seconds=e.time_limit_seconds,
     )
 
 
@@ -173,6 +174,7 @@ class AdmissionRecords:
         on_nodes: Iterable[str] | None = None,
         deferred: bool = False,
         of_server: bool = False,
+        hours: float | None = None,
     ) -> AllocationInfo:
         """Admit and record a request now, or raise :class:`policy.Refusal` leaving nothing
         behind. (:meth:`request` waits in the queue instead of a refusal for capacity.)
@@ -206,6 +208,7 @@ class AdmissionRecords:
         lease_seconds: float | None = None,
         on_nodes: Iterable[str] | None = None,
         of_server: bool = False,
+        hours: float | None = None,
     ) -> Admission:
         """Like :meth:`allocate`, but a request that fits the limit and not the free GPUs
         joins the queue (``Admission.entry``; its waiter then calls :meth:`wait_turn`).
@@ -222,6 +225,9 @@ class AdmissionRecords:
     def _admit_in(self, s: Session, req: AllocationRequest) -> Admission:
         """``_admit``'s decision and write, in the writing transaction ``s``."""
         self.expire_in(s)
+        # how long it may run: its own ask, never beyond the user's longest session (refused at once)
+        longest, source = timelimits.max_hours(req.user, req.groups, self.time_rules)
+        req = replace(req, time_limit_seconds=timelimits.session_seconds(req.hours, longest, source))
         asked = placement_request(req)
         eff = policy.effective_limit(req.user, req.groups, self._rules(s))
         inventory, free = self._inventory(s), self._free(s)
@@ -326,6 +332,7 @@ class AdmissionRecords:
         e.max_nodes, e.gpus_per_node = req.max_nodes, req.gpus_per_node
         e.on_nodes = None if nodes is None else ",".join(sorted(nodes))[:4000]
         e.lease_seconds, e.seen, e.of_server = req.lease_seconds, now, req.of_server
+        e.time_limit_seconds = req.time_limit_seconds
         if adopt is None:
             s.add(e)
             s.info["queued"] = True  # someone waits now (the next write of a combined turn reads it)
@@ -377,6 +384,7 @@ class AdmissionRecords:
             borrowed=borrowed,
             backfill_for=borrowing.backfill_text(backfill_for),
             of_server=req.of_server,
+            time_limit_seconds=req.time_limit_seconds,
         )
         conn = connection(s)
         aid = conn.execute(NEW_ALLOCATION, row).scalar_one()
@@ -403,4 +411,5 @@ class AdmissionRecords:
             borrowed=borrowed,
             backfill=row["backfill_for"] is not None,
             of_server=req.of_server,
+            time_limit_seconds=req.time_limit_seconds,
         )

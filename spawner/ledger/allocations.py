@@ -21,6 +21,7 @@ from spawner.ledger.models import (
     is_live,
 )
 from spawner.ledger.transactions import _count, _info
+from spawner.policy import timelimits
 from spawner.policy.records import ACTIVE_STATES, AllocationInfo
 
 _A, _AG = Allocation.__table__, AllocationGpu.__table__
@@ -28,6 +29,9 @@ _A, _AG = Allocation.__table__, AllocationGpu.__table__
 RELEASE_READ = (
     select(
         _A.c.state,
+        _A.c.started,
+        _A.c.created,
+        _A.c.time_limit_seconds,
         Reclaim.__table__.c.reason.label("reclaimed"),
         Preemption.__table__.c.reason.label("preempted"),
         Preemption.__table__.c.due,
@@ -188,6 +192,10 @@ class AllocationRecords:
                 if self.clock() >= found.due
                 else f"{found.preempted}; given back before it was due ({reason})"
             )
+        now = self.clock()
+        if taken is None and timelimits.is_up(found.started, found.created, found.time_limit_seconds, now):
+            ends = timelimits.ends_at(found.started, found.created, found.time_limit_seconds)
+            taken = timelimits.time_up_text(found.time_limit_seconds, ends)  # the stop it asked for
         self._end_row(s, allocation_id, taken or reason)
         return True
 

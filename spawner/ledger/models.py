@@ -145,6 +145,8 @@ class Allocation(Base):
     # a burst asked for by a kernel of the server ``server_name``: released when that server
     # stops or dies, whoever stops it (migration 0010); False for servers and other bursts
     of_server: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # how long it may run from its start (c.GpuHub.*_max_hours, or less as asked); NULL: no limit
+    time_limit_seconds: Mapped[float | None] = mapped_column(Float)
     gpus: Mapped[list[AllocationGpu]] = relationship(
         back_populates="allocation", cascade="all, delete-orphan"
     )
@@ -235,6 +237,7 @@ class QueueEntry(Base):
     end_reason: Mapped[str | None] = mapped_column(String(255))
     allocation_id: Mapped[int | None] = mapped_column(ForeignKey("allocations.id"))
     of_server: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # as allocations'
+    time_limit_seconds: Mapped[float | None] = mapped_column(Float)  # as allocations'
 
 
 class Preemption(Base):

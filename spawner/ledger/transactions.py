@@ -35,6 +35,7 @@ from spawner.ledger.models import (
 )
 from spawner.policy import borrowing, fairshare
 from spawner.policy.records import AllocationInfo
+from spawner.policy.timelimits import TimeRules
 
 log = logging.getLogger("gpuhub.ledger")
 
@@ -169,6 +170,7 @@ def _info(a: Allocation, booked: Iterable[policy.Gpu] | None = None) -> Allocati
         withdrawn_reason=preemption.withdrawn_reason if preemption is not None else None,
         backfill=a.backfill_for is not None,
         of_server=bool(a.of_server),
+        time_limit_seconds=a.time_limit_seconds,
     )
 
 
@@ -206,12 +208,14 @@ class LedgerBase(CombinedWrites):
         clock: Callable[[], datetime] = utcnow,
         queue: QueueSettings | None = None,
         borrow: BorrowSettings | None = None,
+        time_rules: TimeRules | None = None,
         sqlite_sync: str = "normal",
     ):
         self.url = url
         self.config_rules = config_rules or policy.LimitRules()
         self.queue_settings = queue or QueueSettings()
         self.borrow_settings = borrow or BorrowSettings()
+        self.time_rules = time_rules or TimeRules()  # the longest sessions (c.GpuHub.*_max_hours)
         self.clock = clock
         self.engine = make_engine(url, sqlite_sync=sqlite_sync)
         ensure_schema(self.engine, url)
@@ -366,6 +370,7 @@ class LedgerBase(CombinedWrites):
                     withdrawn_reason=withdrawn_reason,
                     backfill=a["backfill_for"] is not None,
                     of_server=bool(a["of_server"]),
+                    time_limit_seconds=a["time_limit_seconds"],
                 )
             )
         return out

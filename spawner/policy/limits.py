@@ -132,6 +132,7 @@ class Refusal(Exception):
         "unknown_model": 400,
         "too_large": 400,
         "over_limit": 403,
+        "over_time_limit": 403,  # longer than the user's longest session (c.GpuHub.*_max_hours)
         "quota_exhausted": 403,
         "no_capacity": 409,
         "no_borrowing": 409,  # beyond the limit while someone waits: only idle GPUs are lent

@@ -9,7 +9,7 @@ from its rows; :class:`AllocationRequest` is what its admission passes along.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from spawner.policy import fairshare, waitline
 from spawner.policy.limits import EffectiveLimit, Limit
@@ -41,6 +41,8 @@ class AllocationRequest:
     deferred: bool = False
     wait: bool = False
     of_server: bool = False  # a burst of server ``server_name``'s kernels: released at its stop
+    hours: float | None = None  # the length it asks for (None: the user's longest session)
+    time_limit_seconds: float | None = None  # what the admission granted (from ``hours``)
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,18 @@ class AllocationInfo:
     withdrawn_reason: str | None = None
     backfill: bool = False  # it started ahead of a reservation that still waits: may be taken back
     of_server: bool = False  # a burst of server ``server_name``'s kernels: released at its stop
+    time_limit_seconds: float | None = None  # how long it may run from its start (None: no limit)
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def time_ends(self) -> datetime | None:
+        """When its time limit runs out (from its start; from its creation until then)."""
+        if self.time_limit_seconds is None:
+            return None
+        return (self.started or self.created) + timedelta(seconds=self.time_limit_seconds)
 
     @property
     def nodes(self) -> tuple[str, ...]:

@@ -29,6 +29,8 @@ import unicodedata
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from gpu_magics.common import words
+
 EARLIEST = datetime(1970, 1, 1)
 LATEST = datetime(3000, 1, 1)
 
@@ -73,14 +75,8 @@ def fmt(x: float) -> str:
 
 def minutes_in_words(seconds: float) -> str:
     """A wait to the minute, short for a line or a column: ``under a minute``, ``12 min``,
-    ``2 h 5 min``."""
-    minutes = max(0, round(seconds / 60))
-    if minutes < 1:
-        return "under a minute"
-    if minutes < 60:
-        return f"{minutes} min"
-    hours, rest = divmod(minutes, 60)
-    return f"{hours} h" if rest == 0 else f"{hours} h {rest} min"
+    ``2 h 5 min`` (``gpu_magics.common.words.duration``)."""
+    return words.duration(seconds)
 
 
 def period_in_words(seconds: float) -> str:

@@ -5,6 +5,7 @@ job asks for. No I/O here.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 
@@ -103,3 +104,11 @@ def scancel_argv(prefix: list[str], job: JobInfo) -> list[str]:
     refuses another user's job) and filtered by the job's owner and name as well (scancel
     signals only jobs that match every filter)."""
     return [*prefix, "scancel", f"--user={job.user}", f"--name={job.name}", str(job.job_id)]
+
+
+def job_time(seconds: float | None, runtime: str = "") -> str:
+    """A job's ``--time`` (pure): gpuhub's time limit in whole minutes, rounded up (Slurm's
+    own unit), which is the job's end; without one, the admin's ``req_runtime`` as written."""
+    if seconds is None:
+        return runtime
+    return str(max(1, math.ceil(seconds / 60 - 1e-9)))

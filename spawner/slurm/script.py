@@ -54,6 +54,7 @@ ENGINES_TEMPLATE = """\
 {% endif %}{% if cpus %}#SBATCH --cpus-per-task={{ cpus }}
 {% endif %}{% if memory %}#SBATCH --mem={{ memory }}
 {% endif %}{% if account %}#SBATCH --account={{ account }}
+{% endif %}{% if runtime %}#SBATCH --time={{ runtime }}
 {% endif %}{% for line in directives %}#SBATCH {{ line }}
 {% endfor %}
 set -euo pipefail

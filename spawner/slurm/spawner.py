@@ -203,6 +203,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             chosen,
             grace_seconds=self.gpuhub.preempt_grace_seconds,  # Slurm's GraceTime on the borrow QOS
             asked=self.refused_count(),  # a refused count stays in the field
+            longest=self.longest_session(groups),  # the job's --time
         )
 
     # the job ------------------------------------------------------------------------
@@ -251,14 +252,25 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             opts,
             self.chosen_partition(self.cluster(), opts.partition),
             self.job_qos(),
+            time_limit_seconds=getattr(self.gpu_allocation, "time_limit_seconds", None),
         )
 
     def script_for(
-        self, user, homedir, env_names, command, opts: form.GpuOptions, partition: str, qos: str = ""
+        self,
+        user,
+        homedir,
+        env_names,
+        command,
+        opts: form.GpuOptions,
+        partition: str,
+        qos: str = "",
+        time_limit_seconds: float | None = None,
     ) -> str:
         """The server's batch script from explicit inputs (``gpuhub slurm script`` previews it).
         ``qos``: the borrow QOS of a server with borrowed GPUs (``--qos=``, after the admin's
-        ``extra_directives``, so it wins over a ``--qos`` there)."""
+        ``extra_directives``, so it wins over a ``--qos`` there). ``time_limit_seconds``: the
+        allocation's time limit (``c.GpuHub.*_max_hours``, or less as asked), the job's
+        ``--time`` in place of ``req_runtime``."""
         return script.render(
             self.batch_script,
             command=command,
@@ -274,7 +286,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             partition=partition,
             cpus=max(1, opts.count * self.cpus_per_gpu),
             memory=self.req_memory,
-            runtime=self.req_runtime,
+            runtime=commands.job_time(time_limit_seconds, self.req_runtime),
             account=self.req_account or self._accounting().account_for_jobs,
             prologue=self.req_prologue,
         )

@@ -27,7 +27,7 @@ from traitlets.config import Configurable
 from gpu_magics.common import words
 from spawner import policy
 from spawner.ledger import Ledger, utcnow
-from spawner.policy import waitline
+from spawner.policy import timelimits, waitline
 from spawner.policy.records import AllocationInfo
 from spawner.settings import GpuHub
 from spawner.spawners import form, pending, readiness
@@ -222,7 +222,13 @@ class GpuSpawnerMixin(Configurable):
             self.default_gpus,
             grace_seconds=self.gpuhub.preempt_grace_seconds,
             asked=self.refused_count(),
+            longest=self.longest_session(groups),
         )
+
+    def longest_session(self, groups: list[str] | None = None) -> tuple[float | None, str]:
+        """This user's longest session in hours (None: no limit) and where that comes from."""
+        groups = self._groups() if groups is None else groups
+        return timelimits.max_hours(self.user.name, groups, self.ledger.time_rules)
 
     def refused_count(self) -> int | None:
         """The GPU count of the start just refused, once: the form shown again with the
@@ -312,7 +318,12 @@ class GpuSpawnerMixin(Configurable):
             queued = not extra.get("deferred") and self.waits_in_gpuhub_queue()
             args = (self.user.name, self._groups(), opts.count)
             kw = dict(
-                purpose="server", server_name=self.name, model=opts.model, backend=self.backend_name, **extra
+                purpose="server",
+                server_name=self.name,
+                model=opts.model,
+                backend=self.backend_name,
+                hours=opts.hours,
+                **extra,
             )
             request = asyncio.ensure_future(
                 self._in_ledger("request", *args, **kw)

@@ -4,6 +4,7 @@
 
     {"gpus": 2, "gpu_model": "A100"}    # gpu_model optional; "" or absent means any
     {"gpus": 2, "partition": "gpu"}     # Slurm backend only: one of the cluster's partitions
+    {"gpus": 1, "hours": 2}             # hours optional: less than the user's longest session
 
 The form sends strings; the REST API may send numbers. ``parse_gpu_options`` accepts
 both and refuses anything else with a message that says what it takes: the server never
@@ -18,12 +19,15 @@ from html import escape
 from typing import Any
 
 from gpu_magics.common import words
-from spawner.policy import values
+from spawner.policy import timelimits, values
 from spawner.policy.limits import MAX_COUNT, Refusal, describe_limit
 from spawner.policy.records import Allowance
 
-OPTION_KEYS = ("gpus", "gpu_model")
-USAGE = 'gpuhub servers take "gpus" (a whole number, 0 for none) and optionally "gpu_model".'
+OPTION_KEYS = ("gpus", "gpu_model", "hours")
+USAGE = (
+    'gpuhub servers take "gpus" (a whole number, 0 for none) and optionally "gpu_model" and '
+    '"hours" (how long the session may run, up to your longest).'
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class GpuOptions:
     count: int
     model: str | None = None
     partition: str | None = None
+    hours: float | None = None  # how long it may run (None: the user's longest session)
 
 
 def _single(value: Any) -> Any:
@@ -89,7 +94,11 @@ def parse_gpu_options(
             f"{', '.join(partitions or []) or 'none'}; or leave it empty for the default.",
             reason="bad_request",
         )
-    return GpuOptions(count=count, model=model, partition=partition)
+    try:
+        hours = timelimits.parse_asked_hours(_single(options.get("hours")), "hours")
+    except values.BadValue as e:
+        raise Refusal(f"{e} {USAGE}", reason="bad_request") from None
+    return GpuOptions(count=count, model=model, partition=partition, hours=hours)
 
 
 def options_from_form(formdata: Mapping[str, list[str]]) -> dict[str, Any]:
@@ -205,6 +214,7 @@ def render_form(
     default_partition: str = "",
     grace_seconds: float | None = None,
     asked: int | None = None,
+    longest: tuple[float | None, str] = (None, "default"),
 ) -> str:
     """The spawn form's HTML (Bootstrap 5 classes, as JupyterHub 5+ pages use).
 
@@ -217,6 +227,9 @@ def render_form(
 
     ``asked``: the count of a start just refused, shown again in the field with the refusal
     (the user's own value, not the default).
+
+    ``longest``: the user's longest session in hours (None: no limit) and where it comes from
+    (``timelimits.max_hours``); the hours field may ask for less.
     """
     # capped by the limit, not by what is free: a request that does not fit now waits its turn
     room = allowance.may_take
@@ -237,6 +250,7 @@ def render_form(
         "  </div>",
         "</div>",
     ]
+    parts += hours_field(*longest)
     if len(models) > 1:
         options = ['    <option value="">Any model</option>'] + [
             f'    <option value="{escape(m)}">{escape(m)} ({allowance.free_by_model.get(m, 0)} free)</option>'
@@ -266,3 +280,25 @@ def render_form(
             "</div>",
         ]
     return "\n".join(parts)
+
+
+def hours_field(longest: float | None, source: str) -> list[str]:
+    """The spawn form's hours: empty means the longest the user may run (said, with its source)."""
+    if longest is None:
+        help_text = "No time limit applies to your sessions; give hours to end this one by itself."
+        bound = ""
+    else:
+        help_text = (
+            f"Your session may run for up to {timelimits.hours_text(longest)} ({escape(source)}); "
+            "it ends then, with warnings before. Leave empty for the most, or ask for less."
+        )
+        bound = f' max="{longest:g}"'
+    return [
+        '<div class="mb-3">',
+        '  <label for="gpuhub-hours" class="form-label">Hours</label>',
+        f'  <input type="number" class="form-control" id="gpuhub-hours" name="hours" min="0.0167" '
+        f'step="any"{bound} placeholder="{"no limit" if longest is None else f"{longest:g}"}" '
+        'aria-describedby="gpuhub-hours-help">',
+        f'  <div class="form-text" id="gpuhub-hours-help" data-gpuhub="longest">{help_text}</div>',
+        "</div>",
+    ]
