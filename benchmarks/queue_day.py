@@ -182,7 +182,7 @@ class Day:
 class Simulation:
     def __init__(self, policy: str, seed: int, jobs: list[Job], history: list[Job], args, path: Path):
         self.policy, self.args = policy, args
-        self.rng = random.Random(seed * 1000 + {"queue": 1, "retry": 2, "borrow": 3}[policy])
+        self.rng = random.Random(seed * 1000 + {"queue": 1, "retry": 2, "borrow": 3, "limits": 4}[policy])
         self.clock = Clock()
         step_s = 60.0 * args.step
         self.allowance = args.borrow if policy == "borrow" else 0
@@ -341,7 +341,10 @@ class Simulation:
     def _queue_step(self, minute: int, ready: list[Job]) -> None:
         self.rng.shuffle(ready)
         for j in ready:
-            got = self._call("request", self.ledger.request, j.user, [], j.count, server_name=f"j{j.id}")
+            hours = limit_hours(j.run) if self.policy == "limits" else None  # the user's own time limit
+            got = self._call(
+                "request", self.ledger.request, j.user, [], j.count, server_name=f"j{j.id}", hours=hours
+            )
             if got.allocation is not None:
                 self._start(j, got.allocation, minute)
             else:
@@ -623,6 +626,10 @@ def report(args, traces: list[list[Job]], days: dict[str, list[Day]]) -> None:
         for r in table(bm, qm):
             print("| " + " | ".join(r) + " |")
         print()
+    if "limits" in days:
+        print("time limits: every request asks for its run + 25%, rounded up to the half hour (firm ends)")
+        print()
+        expected_table(days)
     for p, ds in days.items():
         calls: dict[str, list[float]] = defaultdict(list)
         for d in ds:
@@ -697,6 +704,53 @@ def report(args, traces: list[list[Job]], days: dict[str, list[Day]]) -> None:
     print("invariants held in both: no GPU held twice, nobody over the limit, the ledger matched the runs")
 
 
+def limit_hours(run_minutes: int) -> float:
+    """The time limit a user asks for a run of ``run_minutes`` (``--time-limits``): a quarter
+    more than it takes, rounded up to the half hour, as people ask Slurm for ``--time``."""
+    return math.ceil(run_minutes * 1.25 / 30) * 0.5
+
+
+def expected_errors(days: list[Day]) -> tuple[list[int], int, int]:
+    """Actual start minus the expected start given on joining, in minutes, of the started
+    requests that had one; and how many were said as "cannot tell yet", of how many waited."""
+    waited = [j for d in days for j in d.jobs if j.entry is not None]
+    untold = sum(1 for j in waited if j.expected_sure == "default")
+    errors = [
+        j.started - j.expected
+        for j in waited
+        if j.started is not None and j.expected is not None and j.expected_sure != "default"
+    ]
+    return errors, untold, len(waited)
+
+
+def expected_table(days: dict[str, list[Day]]) -> None:
+    """The expected starts' error, today's guesses (queue) against time limits (limits)."""
+    print(
+        "| expected start vs actual | run-length guesses (no time limits) | with time limits "
+        "| limits / guesses |"
+    )
+    print("|---|---|---|---|")
+    (g, g_untold, g_n), (t, t_untold, t_n) = expected_errors(days["queue"]), expected_errors(days["limits"])
+
+    def cell(errors, f):
+        return f"{f(errors):.0f} min" if errors else "n/a"
+
+    rows = [
+        ("median error (actual - expected start)", lambda e: statistics.median(e)),
+        ("median of |error|", lambda e: statistics.median(abs(x) for x in e)),
+        ("90th percentile of |error|", lambda e: _pct([abs(x) for x in e], 0.9)),
+    ]
+    for name, f in rows:
+        a, b = (f(g) if g else None), (f(t) if t else None)
+        ratio = _ratio(b, a) if a and b is not None and "|" in name else "n/a"  # of sizes only
+        print(f"| {name} | {cell(g, f)} | {cell(t, f)} | {ratio} |")
+    late_g = sum(1 for e in g if e > 30) / len(g) if g else 0
+    late_t = sum(1 for e in t if e > 30) / len(t) if t else 0
+    print(f"| started over 30 min after the expected time | {late_g:.0%} | {late_t:.0%} | n/a |")
+    print(f"| said 'cannot tell yet' (no history) | {g_untold} of {g_n} | {t_untold} of {t_n} | n/a |")
+    print()
+
+
 def _clock_minutes(created: datetime, minute: int) -> float:
     return minute - (created - DAY).total_seconds() / 60
 
@@ -731,6 +785,11 @@ def main() -> None:
     ap.add_argument(
         "--borrow", type=int, default=0, help="also run the queue with borrowing: every user's allowance"
     )
+    ap.add_argument(
+        "--time-limits",
+        action="store_true",
+        help="also run the queue with every request asking a time limit (its run + 25%%, to the half hour)",
+    )
     ap.add_argument("--grace-minutes", type=float, default=5.0, help="c.GpuHub.preempt_grace_seconds / 60")
     ap.add_argument(
         "--checkpoint-minutes", type=int, default=30, help="a run saves every so many minutes (0: never)"
@@ -744,6 +803,8 @@ def main() -> None:
     args = ap.parse_args()
     users = profiles(args.users, args.heavy)
     policies = ("queue", "retry", "borrow") if args.borrow else ("queue", "retry")
+    if args.time_limits:
+        policies += ("limits",)
     traces, days = [], {p: [] for p in policies}
     with tempfile.TemporaryDirectory() as d:
         for seed in range(args.seed, args.seed + args.seeds):

@@ -15,8 +15,9 @@ from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, Unicode, Un
 from traitlets.config import Configurable
 
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
-from spawner.policy import values
+from spawner.policy import extensions, timelimits, values
 from spawner.policy.borrowing import BorrowRules, allowance_problem
+from spawner.policy.extensions import ExtendSettings
 from spawner.policy.fairshare import Shares, Weights, share_problem
 from spawner.policy.limits import DEFAULT_WINDOW_HOURS, Limit, LimitRules, parse_limit_field
 from spawner.policy.scoped import Scoped, checked
@@ -152,6 +153,39 @@ class GpuHub(Configurable):
         form's hours, a burst's ``hours``, ``%%distributed --hours``), never more: that is
         refused at once with the maximum. None: no limit. From a minute (1/60) to a year.
         ``c.GpuHub.default_max_hours = 8``
+        """,
+    ).tag(config=True)
+
+    time_warning_minutes = List(
+        Float(),
+        default_value=[30.0, 5.0],
+        help="""When a user is warned before a time limit (``default_max_hours``) ends, in
+        minutes before the end: in a running ``%%distributed`` cell (or the next one), and on
+        My GPUs; a pool with ``--autosave`` saves its names before the end, as before a
+        preemption. Each a number of minutes from 0.1 to a week; [] warns nobody.
+        ``c.GpuHub.time_warning_minutes = [60, 10]``
+        """,
+    ).tag(config=True)
+
+    extension_max_hours = Union(
+        [Float(), Int()],
+        default_value=0.0,
+        allow_none=True,
+        help="""How many hours a user may extend one session's time limit by, in all ("Extend"
+        on My GPUs, ``%gpus --extend 2h``, ``POST allocations/{id}/extend``). 0 (the default):
+        sessions are not extended, their time limit is firm; None: no cap. An extension is also
+        refused when it would make anyone waiting in the queue start later than expected
+        (``extension_delays_waiters``). An admin of the hub may extend any session past both;
+        every extension is recorded (who, when, how much) and shown on GPU admin.
+        ``c.GpuHub.extension_max_hours = 4``
+        """,
+    ).tag(config=True)
+
+    extension_delays_waiters = Bool(
+        False,
+        help="""Grant a user's extension even when someone waiting in the queue would then
+        start later than expected. False (the default): such an extension is refused, saying
+        how many requests wait.
         """,
     ).tag(config=True)
 
@@ -368,6 +402,15 @@ class GpuHub(Configurable):
         """The longest sessions, checked (a bad one raises ``ValueError`` naming its trait)."""
         return self._scoped(TimeRules, ("default_max_hours", "group_max_hours", "user_max_hours"), read_hours)
 
+    def extend_settings(self) -> ExtendSettings:
+        """The extension rules, checked (a bad cap is refused naming its trait)."""
+        cap = extensions.read_max_hours(self.extension_max_hours, "c.GpuHub.extension_max_hours")
+        return ExtendSettings(cap, bool(self.extension_delays_waiters))
+
+    def time_warnings(self) -> tuple[float, ...]:
+        """The warning times, checked (refused naming the trait), latest first, once each."""
+        return timelimits.read_warnings(self.time_warning_minutes, "c.GpuHub.time_warning_minutes")
+
     def shares(self) -> Shares:
         """The fair-share weights, checked (a bad one raises ``ValueError`` naming its trait)."""
         return self._scoped(Shares, ("default_share", "group_shares", "user_shares"), checked(share_problem))
@@ -444,6 +487,8 @@ class GpuHub(Configurable):
                 queue=self.queue_settings(),
                 borrow=self.borrow_settings(),
                 time_rules=self.time_rules(),
+                time_warnings=self.time_warnings(),
+                extend=self.extend_settings(),
                 sqlite_sync=self.sqlite_synchronous,
             )
             _LEDGERS[self.db_url] = ledger

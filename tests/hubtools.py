@@ -135,9 +135,10 @@ class Hub:
             f"""
 c = get_config()
 load_subconfig({str(self.base_config)!r})
-# the demo's showcase (borrowing, a 60 s notice, idle reclaim in minutes) is not the test
-# hubs': each test sets what it tests, over gpuhub's defaults
+# the demo's showcase (borrowing, a 60 s notice, idle reclaim in minutes, students' 8 h) is
+# not the test hubs': each test sets what it tests, over gpuhub's defaults
 for section, key in [("GpuHub", "default_borrow"), ("GpuHub", "preempt_grace_seconds"),
+                     ("GpuHub", "group_max_hours"),
                      ("GpuReclaim", "warn_after_seconds"), ("GpuReclaim", "reclaim_after_seconds")]:
     c[section].pop(key, None)
 # a test hub: the tests' passwords, and servers as the tests' own user (root in CI), wherever

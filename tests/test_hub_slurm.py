@@ -31,7 +31,8 @@ STATE = slurmtools.STATE_DIR
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     with slurmtools.slurm_hub(
-        tmp_path_factory.mktemp("slurmhub"), "c.JupyterHub.cleanup_servers = False"
+        tmp_path_factory.mktemp("slurmhub"),
+        "c.JupyterHub.cleanup_servers = False\nc.GpuHub.extension_max_hours = 1",
     ) as h:
         yield h
 
@@ -390,10 +391,26 @@ def test_a_burst_takes_only_its_own_users_tagged_engines_job(hub, ledger, clean)
 
 def test_a_sessions_time_limit_is_its_jobs_time_limit(hub, ledger, clean):
     """A spawn asking for 1.5 h (no longest is set here) runs as a job with ``--time=90``:
-    Slurm itself ends it then, whatever happens to the hub."""
+    Slurm itself ends it then, whatever happens to the hub. An extension raises the job's
+    TimeLimit (the hub may; bob could not), and one past the cap changes neither."""
     assert hub.spawn("bob", {"gpus": 1, "hours": 1.5}).status_code in (201, 202)
     hub.wait_ready("bob")
     [alloc] = ledger.active(user="bob")
     assert alloc.time_limit_seconds == 5400
     shown = slurm("scontrol", "show", "job", alloc.backend_job_id).stdout
     assert "TimeLimit=01:30:00" in shown, shown
+    bob = hub.user_token("bob")
+    r = hub.broker("POST", f"allocations/{alloc.id}/extend", bob, json={"hours": 0.5})
+    assert r.status_code == 200 and r.json()["extension"]["by"] == "bob", r.text
+    shown = slurm("scontrol", "show", "job", alloc.backend_job_id).stdout
+    assert "TimeLimit=02:00:00" in shown, shown
+    assert ledger.get(alloc.id).time_limit_seconds == 7200
+    r = hub.broker("POST", f"allocations/{alloc.id}/extend", bob, json={"hours": 1})  # past the 1 h cap
+    assert r.status_code == 403 and "ask for 30 min or less" in r.json()["message"], r.text
+    assert "TimeLimit=02:00:00" in slurm("scontrol", "show", "job", alloc.backend_job_id).stdout
+    # bob himself cannot raise it past what the hub granted: Slurm lets only its operators
+    own = slurm(
+        "scontrol", "update", f"JobId={alloc.backend_job_id}", "TimeLimit=600", user="bob", check=False
+    )
+    assert own.returncode != 0, own
+    assert "TimeLimit=02:00:00" in slurm("scontrol", "show", "job", alloc.backend_job_id).stdout

@@ -285,6 +285,11 @@ def test_a_preempted_burst_ends_at_its_due_time_whatever_its_lease(hub, tokens, 
         bob = queued(hub, tokens["bob"], 2)
         p = notice_for(ledger, "carol", bob["id"])
         assert p.allocation_id == lent["id"]
+        # bob's expected start is the notice's due time (firm), not a guess from run lengths
+        shown = entry(hub, tokens["bob"], bob["id"])
+        assert (shown["expected_start"], shown["expected_sure"]) == (f"{p.due:%Y-%m-%dT%H:%M:%S}Z", "firm"), (
+            shown
+        )
         # carol's kernel goes on renewing (a kernel that ignores the notice): it cannot keep them
         ended = wait_for(lambda: (a := ledger.get(lent["id"])).state == "released" and a, 30, "the end")
         assert ended.end_reason == p.reason and p.due <= ended.ended < ended.lease_expires

@@ -438,7 +438,7 @@ def utc_tz(monkeypatch):
             at(hours=2, minutes=30),
             "firm",
             "1st of 1 waiting for 1 GPU, expected start about 11:30 UTC "
-            "(in 2 h 30 min; when a lease or an idle reclaim ends, not a promise)",
+            "(in 2 h 30 min; when a notice or an idle reclaim is due, not a promise)",
         ),
         (
             3,

@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 import pytest
 
 from gpu_magics.kernel.status import time_limit_text
+from gpu_magics.kernel.timeleft import End, due_warnings, end_of, warning_text
 from spawner.broker.requests import BadRequest, parse_burst_request
 from spawner.ledger import Ledger, QueueSettings
 from spawner.policy import timelimits, values
@@ -262,3 +263,123 @@ def test_hours_text_is_short():
         "under a minute",
     ]
     assert math.isclose(timelimits.MIN_HOURS * 60, 1)
+
+
+# warnings -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, want",
+    [([30, 5], (30.0, 5.0)), ([5, 30, 5], (30.0, 5.0)), ([], ()), ((0.5,), (0.5,))],
+)
+def test_the_warning_times_are_read_latest_first_once_each(raw, want):
+    assert timelimits.read_warnings(raw, "c.GpuHub.time_warning_minutes") == want
+
+
+@pytest.mark.parametrize(
+    "bad", [[0], [-5], [float("nan")], [float("inf")], [20000], ["5"], [True], 5, "30,5"]
+)
+def test_a_bad_warning_time_is_refused_naming_the_setting(bad):
+    hub = GpuHub()
+    if isinstance(bad, list) and not any(isinstance(m, str | bool) for m in bad):
+        hub.time_warning_minutes = bad
+    if not isinstance(bad, list):
+        with pytest.raises(ValueError, match=r"c.GpuHub.time_warning_minutes must be a list of minutes"):
+            timelimits.read_warnings(bad, "c.GpuHub.time_warning_minutes")
+        return
+    with pytest.raises(ValueError) as e:
+        if any(isinstance(m, str | bool) for m in bad):  # the trait itself refuses or casts these
+            timelimits.read_warnings(bad, "c.GpuHub.time_warning_minutes")
+        else:
+            hub.time_warnings()
+    assert str(e.value).startswith(
+        "c.GpuHub.time_warning_minutes must hold numbers of minutes from 0.1 to 10080 (a week)"
+    )
+
+
+END = End(7, "the burst's", 8 * 3600.0, 10_000.0, (30.0, 5.0))
+
+
+@pytest.mark.parametrize(
+    "now, said, want",
+    [
+        (10_000 - 31 * 60, [], []),  # before the first
+        (10_000 - 30 * 60, [], [30.0]),
+        (10_000 - 20 * 60, [30.0], []),  # said already
+        (10_000 - 4 * 60, [30.0], [5.0]),
+        (10_000 - 4 * 60, [], [30.0, 5.0]),  # a kernel that slept through the first: both due, latest first
+        (10_000 + 60, [30.0, 5.0], []),
+    ],
+)
+def test_due_warnings(now, said, want):
+    assert due_warnings(END, now, said) == want
+
+
+def test_the_warning_says_when_and_what_happens_to_the_work():
+    with_autosave = warning_text(END, 10_000 - 30 * 60, ["model", "opt"], "/ckpt", 30.0)
+    assert with_autosave.startswith(
+        "gpuhub: TIME: the burst's time limit (8 h, allocation #7) runs out at 02:46:40 UTC (in 30 min)."
+    )
+    assert "At 02:46:10 UTC a running cell is interrupted, model, opt autosaved to /ckpt" in with_autosave
+    bare = warning_text(END, 10_000 - 60, [], "/ckpt", 30.0)
+    assert "their variables are lost (this pool has no --autosave): run %distributed save NAME" in bare
+
+
+def test_an_allocations_end_from_the_brokers_json():
+    a = {"id": 4, "time_limit": {"seconds": 60.0, "ends": "1970-01-01T02:46:40Z", "warnings": [5, "x"]}}
+    assert end_of(a, "the server's") == End(4, "the server's", 60.0, 10_000.0, (5.0,))
+    assert end_of({"id": 4, "time_limit": None}, "the server's") is None
+
+
+def test_my_gpus_says_when_the_first_warning_time_has_come():
+    from spawner.broker.responses import warned
+
+    a = led_info(created=T, started=T, seconds=3600)
+    assert warned(a, (30.0, 5.0), T + timedelta(minutes=29))["time_limit"]["warned"] is False
+    got = warned(a, (30.0, 5.0), T + timedelta(minutes=30))["time_limit"]
+    assert got == {"seconds": 3600, "ends": "2026-12-04T10:00:00Z", "warnings": [30.0, 5.0], "warned": True}
+    assert warned(a, (), T + timedelta(minutes=59))["time_limit"]["warned"] is False  # no warnings set
+    assert warned(led_info(created=T, started=T, seconds=None), (30.0,), T) == {}
+
+
+# expected starts from what is known ------------------------------------------------------------
+
+
+def test_a_wait_behind_a_time_limit_expects_its_end_firmly(led):
+    bob = led.allocate("bob", [], 4, hours=1)  # bob's session ends in an hour, whatever he does
+    led.clock.advance(minutes=10)
+    carol = led.request("carol", [], 2).entry
+    assert (carol.expected, carol.sure) == (bob.time_ends, "limit")
+    assert "(in 50 min; when a time limit ends, not a promise)" in carol.line(led.clock())
+
+
+def test_a_wait_with_no_history_and_no_limit_cannot_tell_yet(db_url):
+    ledger = Ledger(db_url, config_rules=LimitRules(default=Limit(max_gpus=4)), clock=Clock(T))
+    ledger.sync_inventory(INV)
+    try:
+        ledger.allocate("bob", [], 4)
+        carol = ledger.request("carol", [], 2).entry
+        assert carol.sure == "default"
+        assert carol.line(ledger.clock()).endswith(
+            "cannot tell yet when it starts (no run here has ended yet to go by)"
+        )
+    finally:
+        ledger.close()
+
+
+def test_a_known_end_beats_a_guess_and_the_earliest_known_wins():
+    from spawner.ledger.queue import known_end
+
+    class A:  # the columns known_end reads
+        started, created, idle_deadline = T, T, None
+        time_limit_seconds = 2 * 3600.0
+
+    now = T + timedelta(minutes=30)
+    assert known_end(A, now, False, None) == (T + timedelta(hours=2), "limit")
+    assert known_end(A, now, False, T + timedelta(minutes=40)) == (
+        T + timedelta(minutes=40),
+        "firm",
+    )  # a notice
+    assert known_end(A, now, True, None) == (now + timedelta(minutes=1), "firm")  # reclaimed: any moment
+    A.time_limit_seconds = None
+    assert known_end(A, now, False, None) == (None, None)  # nothing known: the caller guesses

@@ -97,6 +97,10 @@ class BrokerClient:
     def get(self, allocation_id: int) -> dict:
         return self._call("GET", f"allocations/{allocation_id}")
 
+    def extend(self, allocation_id: int, hours: float) -> dict:
+        """More time on an allocation (its time limit); the broker decides."""
+        return self._call("POST", f"allocations/{allocation_id}/extend", {"hours": hours})
+
     def utilization(self) -> dict:
         """The latest readings of the caller's GPUs (every GPU for an admin)."""
         return self._call("GET", "utilization")

@@ -560,6 +560,7 @@ WHY = {
     "resize": "the resize",
     "restart": "restarting the engines",
     "preempt": "the borrowed GPUs are taken back",
+    "time": "the time limit's end",
 }
 
 
@@ -746,3 +747,33 @@ def check_names(names: list[str], what: str) -> list[str]:
             " of the ranks' variables (Python identifiers, like model or opt)"
         )
     return list(dict.fromkeys(names))
+
+
+def saved_lines(
+    saved: Saved | None,
+    names: list,
+    problem: str | None,
+    defined: list | None,
+    interrupted: bool,
+    before: str,
+) -> tuple[list[str], list[str]]:
+    """What a stop's report says of the work (a preemption's, a time limit's): the names kept
+    (checked: the files written) and the lines saying where each is, what failed to save, and
+    what was lost; ``before``: "the due time", "the end"."""
+    kept = [f["name"] for f in saved.files] if saved else []
+    lines = []
+    if saved:
+        lines.append(f"Kept: {', '.join(kept)}, saved {saved.source()} before {before}:")
+        lines += [f"  {f['name']}: {f['path']}" for f in saved.files]
+    elif names:
+        lines.append(f"Not saved: the autosave of {', '.join(names)} failed: {problem or 'nothing to save'}")
+    else:
+        lines.append("Nothing was saved: this pool had no --autosave.")
+    if defined is None:
+        lines.append("Lost: every variable of the ranks" + (" not saved above." if kept else "."))
+    else:
+        others = [x for x in defined if x not in kept]
+        lines.append(f"Lost: the ranks' other variables: {', '.join(others) or 'none'}.")
+    if interrupted:
+        lines.append("The running cell was interrupted (its work up to then is in what was saved).")
+    return kept, lines

@@ -218,13 +218,20 @@ class DistributedMagics(CheckpointCommands, Magics):
                 "%%distributed needs the Slurm backend)"
             )
         self.preemption.before_cell()  # a preemption notice, or the report of one that stopped the pool
+        timeleft = self.lifecycle.timeleft
+        timeleft.before_cell()  # a time limit's warning, or its stop (and the report of one)
         pool = self.lifecycle.ensure(args)  # marks the pool busy
         self._set_autosave(args.autosave, args.dir, quiet=True)  # remembered for this pool
         self._hook_exit()  # a new pool: the kernel-exit autosave goes after its own exit hook
         try:
             targets = parse_targets(args.targets, pool.size) if args.targets else None
             grace = min(args.timeout or self.timeout, 30)
-            tick = self.preemption.tick  # a notice shown, or the cell interrupted at its time
+            timeleft.refresh()  # a new pool's allocations, or an extension
+
+            def tick():  # a notice or a time warning shown, or the cell interrupted at its time
+                self.preemption.tick()
+                timeleft.tick()
+
             outcome = pool.run(cell, output=args.output, grace=grace, ranks=targets, tick=tick)
         finally:
             with self.lock:
@@ -233,6 +240,7 @@ class DistributedMagics(CheckpointCommands, Magics):
         if outcome.broken:
             self.lifecycle.shrink_lost(outcome)  # the others go on without the lost ranks, if they can
         self.preemption.after_cell(outcome, pool)
+        timeleft.after_cell()
         if outcome.interrupted:
             raise DistributedInterrupt(report(outcome, pool)) from None
         if outcome.failed:

@@ -38,6 +38,7 @@ from gpu_magics.kernel.notices import engines_up
 from gpu_magics.kernel.outcome import DistributedInterrupt, place
 from gpu_magics.kernel.pool import EnginePool
 from gpu_magics.kernel.preemption import Preemption
+from gpu_magics.kernel.timeleft import TimeLeft
 
 
 def _text(line: str) -> dict:
@@ -105,6 +106,7 @@ class Lifecycle:
         self.lock = threading.RLock()
         self._idle_timer: threading.Timer | None = None
         self.preemption = Preemption(self, autosave, settings)
+        self.timeleft = TimeLeft(self, autosave, settings)  # the pool's time limit: warnings, then the stop
         atexit.register(self.at_exit)  # kernel shutdown: no orphaned engines, GPUs back
 
     def touch(self) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from gpu_magics.common.words import clock, count
 from gpu_magics.kernel import resize, resizing
 from gpu_magics.kernel.burst import Part
-from gpu_magics.kernel.checkpoints import Saved, say
+from gpu_magics.kernel.checkpoints import Saved, saved_lines, say
 from gpu_magics.kernel.notices import parse_due, taken, taken_back
 from gpu_magics.kernel.outcome import NOT_RUN, DistributedPreempted, report
 
@@ -269,21 +269,8 @@ class Preemption:
         lines = ["gpuhub: " + _notice(n, "of the pool")]
         if why_not:
             lines.append(f"The pool could not shrink in place: {why_not}.")
-        kept = [f["name"] for f in saved.files] if saved else []
-        if saved:
-            lines.append(f"Kept: {_names(kept)}, saved {saved.source()} before the due time:")
-            lines += [f"  {f['name']}: {f['path']}" for f in saved.files]
-        elif names:
-            lines.append(f"Not saved: the autosave of {_names(names)} failed: {problem or 'nothing to save'}")
-        else:
-            lines.append("Nothing was saved: this pool had no --autosave.")
-        others = [x for x in (defined or []) if x not in kept]
-        if defined is None:
-            lines.append("Lost: every variable of the ranks" + (" not saved above." if kept else "."))
-        else:
-            lines.append(f"Lost: the ranks' other variables: {_names(others)}.")
-        if n.interrupted:
-            lines.append("The running cell was interrupted (its work up to then is in what was saved).")
+        kept, said = saved_lines(saved, names, problem, defined, n.interrupted, "the due time")
+        lines += said
         held = ", ".join(f"#{p.id}" for p in now)
         lines.append(
             "The engines were stopped"

@@ -14,6 +14,8 @@ from gpu_magics.common.words import stamp
 from gpu_magics.kernel.broker import BrokerClient, BrokerError
 from gpu_magics.kernel.burst import burst_size
 from gpu_magics.kernel.notices import parse_due, taken, taken_back
+from spawner.policy.extensions import parse_duration
+from spawner.policy.values import BadValue
 
 
 def _minutes(seconds: float | None) -> str:
@@ -32,6 +34,15 @@ def time_limit_text(allocation_id: int, limit: dict) -> str:
     """``allocation #3 ends at 2026-12-04 23:00:00 UTC (its time limit, 8 h)``."""
     hours = words.duration(limit["seconds"])
     return f"allocation #{allocation_id} ends at {stamp(parse_due(limit['ends']))} (its time limit, {hours})."
+
+
+def extended_text(answer: dict) -> str:
+    """The broker's answer to an extension, said in one line."""
+    ext, limit = answer["extension"], answer["time_limit"]
+    return (
+        f"Extended allocation #{answer['id']} by {words.duration(ext['seconds'])}: it now ends at "
+        f"{stamp(parse_due(limit['ends']))} (its time limit, {words.duration(limit['seconds'])})."
+    )
 
 
 def describe_use(me: dict, grid: dict) -> str:
@@ -78,11 +89,16 @@ class GpuMagics(Magics):
 
     @line_magic
     def gpus(self, line: str = ""):
-        """Show the GPUs this session holds: the server's, and the %%distributed pool's."""
+        """Show the GPUs this session holds: the server's, and the %%distributed pool's.
+        ``%gpus --extend 2h``: ask for more time on each of them that has a time limit."""
+        words_ = line.split()
+        if words_[:1] == ["--extend"] and len(words_) in (2, 3):
+            return self._extend(" ".join(words_[1:]))
         if line.strip():
             raise UsageError(
-                f"%gpus takes no arguments (got {line.strip()!r}): it shows every GPU this session "
-                "holds.\nusage: %gpus   (the engines alone: %distributed status; Dask: %dask_cuda status)"
+                f"%gpus takes no arguments but --extend LENGTH (got {line.strip()!r}): it shows every GPU "
+                "this session holds.\nusage: %gpus   (the engines alone: %distributed status; Dask: "
+                "%dask_cuda status)\n       %gpus --extend 2h   (more time: 2h, 90min or 1.5 hours)"
             )
         print(describe(server_gpus()))
         d = self.distributed
@@ -98,3 +114,30 @@ class GpuMagics(Magics):
             if use:
                 print()
                 print(use)
+
+    def _extend(self, raw: str) -> None:
+        """``%gpus --extend LENGTH``: each of this session's time-limited allocations (the
+        server's, the pool's burst) asks the broker for ``LENGTH`` more; each answer said."""
+        try:
+            hours = parse_duration(raw)
+        except BadValue as e:
+            raise UsageError(str(e)) from None
+        client = BrokerClient.from_env()
+        if client is None:
+            raise UsageError(
+                "%gpus --extend needs the gpuhub broker: this kernel was not started by the hub."
+            )
+        ids = [server_gpus().allocation_id] if server_gpus().allocation_id else []
+        burst = self.distributed.lifecycle.burst
+        ids += [p.id for p in (burst.parts if burst is not None else ()) if not (p.released or p.lost)]
+        if not ids:
+            raise UsageError("This session holds no GPUs: there is no time limit to extend.")
+        refused = []
+        for allocation_id in ids:
+            try:
+                print(extended_text(client.extend(allocation_id, hours)))
+            except BrokerError as e:
+                refused.append(f"allocation #{allocation_id}: {e.message}")
+        self.distributed.lifecycle.timeleft.refresh()  # the pool's warnings move with its end
+        if refused:
+            raise UsageError("Not extended: " + "\n".join(refused))

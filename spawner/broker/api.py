@@ -35,7 +35,19 @@ class MeHandler(APIHandler):
         preempted = await self.broker.run(ledger.preemption_notices, caller.name)
         util = self.broker.utilization
         idle = {a.id: views.idle_json(util.verdicts.get(a.id), util.clock()) for a in allocations}
-        self.finish(views.me_json(caller.name, groups, allowance, allocations, idle, notices, preempted))
+        self.finish(
+            views.me_json(
+                caller.name,
+                groups,
+                allowance,
+                allocations,
+                idle,
+                notices,
+                preempted,
+                ledger.time_warnings,
+                ledger.clock(),
+            )
+        )
 
 
 class AllocationsHandler(APIHandler):

@@ -93,7 +93,8 @@ class APIHandler(BaseHandler):
         """An allocation as the API answers it, with the notice a borrowed one would get."""
         from spawner.broker import responses
 
-        return responses.allocation_json(a, self.broker.ledger.borrow_settings.grace_seconds)
+        ledger = self.broker.ledger
+        return responses.allocation_json(a, ledger.borrow_settings.grace_seconds, ledger.time_warnings)
 
     def require_caller(self) -> Caller:
         if self.caller is None:

@@ -35,7 +35,9 @@ def gpu_noun(n: int) -> str:
     return words.count(n, "GPU").split(" ", 1)[1]
 
 
-TEMPLATES.filters.update(utc=utc, gpus=lambda n: words.count(n, "GPU"), gpu_noun=gpu_noun)
+TEMPLATES.filters.update(
+    utc=utc, gpus=lambda n: words.count(n, "GPU"), gpu_noun=gpu_noun, duration=words.duration
+)
 
 
 class PageHandler(BaseHandler):
@@ -63,8 +65,15 @@ class UserPage(PageHandler):
         ledger = self.broker.ledger
         allowance = await self.broker.run(ledger.allowance, caller.name, groups)
         allocations = await self.broker.run(ledger.active, user=caller.name)
-        me = views.me_json(caller.name, groups, allowance, allocations)
-        self.render_page("user.html", me=me, usage_days=self.broker.settings.usage_days)
+        me = views.me_json(
+            caller.name, groups, allowance, allocations, warnings=ledger.time_warnings, now=ledger.clock()
+        )
+        self.render_page(
+            "user.html",
+            me=me,
+            usage_days=self.broker.settings.usage_days,
+            extend_hours=ledger.extend_settings.max_hours,  # 0: no extensions, no button
+        )
 
 
 class AdminPage(PageHandler):
@@ -75,8 +84,13 @@ class AdminPage(PageHandler):
         ledger = self.broker.ledger
         cluster = views.cluster_json(await self.broker.run(ledger.gpu_table))
         limits = [views.limit_entry_json(e) for e in await self.broker.run(ledger.limit_entries)]
+        extended = [views.extension_json(e) for e in await self.broker.run(ledger.extensions, None, None, 50)]
         self.render_page(
-            "admin.html", cluster=cluster, limits=limits, usage_days=self.broker.settings.usage_days
+            "admin.html",
+            cluster=cluster,
+            limits=limits,
+            extensions=extended,
+            usage_days=self.broker.settings.usage_days,
         )
 
 

@@ -243,3 +243,14 @@ def parse_job(body: dict) -> str:
     if not isinstance(job, str) or not re.fullmatch(r"[0-9]{1,18}", job):  # ASCII: not "²"
         raise BadRequest('\'job_id\' must be a Slurm job id (digits), e.g. {"job_id": "123"}.')
     return job
+
+
+def parse_extend(body: dict) -> float:
+    """``{"hours": 2}``: how much longer, in hours (a JSON number, a minute to a year)."""
+    _only(body, ("hours",))
+    if body.get("hours") is None:
+        raise BadRequest("'hours' is required: how many hours more, e.g. {\"hours\": 2}.")
+    try:
+        return timelimits.parse_asked_hours(body["hours"], "'hours'", text=False)
+    except values.BadValue as e:
+        raise BadRequest(str(e)) from None

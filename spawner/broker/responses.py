@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from spawner.broker.utilization import Reading, Utilization, epoch
@@ -13,6 +13,7 @@ from spawner.policy.limits import Limit
 from spawner.policy.records import (
     AllocationInfo,
     Allowance,
+    ExtensionInfo,
     GpuStatus,
     LimitEntry,
     PreemptionNotice,
@@ -35,9 +36,12 @@ def withdrawn_of(a: AllocationInfo) -> dict[str, Any] | None:
     return {"at": iso(a.withdrawn), "reason": a.withdrawn_reason}
 
 
-def allocation_json(a: AllocationInfo, notice_seconds: float | None = None) -> dict[str, Any]:
+def allocation_json(
+    a: AllocationInfo, notice_seconds: float | None = None, warnings: tuple[float, ...] = ()
+) -> dict[str, Any]:
     """An allocation; ``notice_seconds`` (the hub's ``c.GpuHub.preempt_grace_seconds``) is
-    given for one that may be taken back with notice (borrowed or backfilled), else null."""
+    given for one that may be taken back with notice (borrowed or backfilled), else null;
+    ``warnings`` (``c.GpuHub.time_warning_minutes``) with its time limit."""
     return {
         "id": a.id,
         "user": a.user,
@@ -60,15 +64,27 @@ def allocation_json(a: AllocationInfo, notice_seconds: float | None = None) -> d
         "notice_seconds": notice_seconds if (a.borrowed or a.backfill) else None,
         "preemption": preemption_of(a),
         "preemption_withdrawn": withdrawn_of(a),
-        "time_limit": time_limit_of(a),
+        "time_limit": time_limit_of(a, warnings),
     }
 
 
-def time_limit_of(a: AllocationInfo) -> dict[str, Any] | None:
-    """How long it may run (``seconds``) and when it ends (``ends``, firm), or null: no limit."""
+def warned(a: AllocationInfo, warnings: tuple[float, ...], now: datetime | None) -> dict[str, Any]:
+    """``{"time_limit": {..., "warned": bool}}`` for a limited allocation once ``now`` is given."""
+    limit = time_limit_of(a, warnings)
+    if limit is None or now is None:
+        return {}
+    first = max(warnings, default=None)
+    return {
+        "time_limit": limit | {"warned": first is not None and now >= a.time_ends - timedelta(minutes=first)}
+    }
+
+
+def time_limit_of(a: AllocationInfo, warnings: tuple[float, ...] = ()) -> dict[str, Any] | None:
+    """How long it may run (``seconds``), when it ends (``ends``, firm) and the minutes before
+    then its user is warned (``warnings``), or null: no limit."""
     if a.time_limit_seconds is None:
         return None
-    return {"seconds": a.time_limit_seconds, "ends": iso(a.time_ends)}
+    return {"seconds": a.time_limit_seconds, "ends": iso(a.time_ends), "warnings": list(warnings)}
 
 
 def queue_json(q, now) -> dict[str, Any]:
@@ -86,7 +102,7 @@ def queue_json(q, now) -> dict[str, Any]:
         "waited_seconds": round(((q.ended or now) - q.created).total_seconds(), 1),
         "position": q.position,
         "waiting": q.waiting,
-        "expected_start": iso(q.expected),
+        "expected_start": None if q.sure == "default" else iso(q.expected),  # no hours invented
         "expected_sure": q.sure,
         "moved_to_front": iso(q.front),
         "ended": iso(q.ended),
@@ -118,7 +134,11 @@ def me_json(
     idle: dict[int, dict] | None = None,
     notices: list[ReclaimInfo] = (),
     preempted: list[PreemptionNotice] = (),
+    warnings: tuple[float, ...] = (),
+    now: datetime | None = None,
 ) -> dict:
+    """What ``GET me`` answers (and My GPUs shows); ``now``: each time limit says whether its
+    first warning time has come (``warned``)."""
     idle = idle or {}
     return {
         "user": user,
@@ -130,7 +150,10 @@ def me_json(
         "gpu_hours_used": round(allowance.gpu_hours, 4),
         "free": allowance.free,
         "total": allowance.total,
-        "allocations": [{**allocation_json(a), "idle": idle.get(a.id)} for a in allocations],
+        "allocations": [
+            {**allocation_json(a, warnings=warnings), "idle": idle.get(a.id)} | warned(a, warnings, now)
+            for a in allocations
+        ],
         "reclaimed": [reclaim_json(r) for r in notices],
         "borrow": {
             "allowance": allowance.borrow_allowance,
@@ -353,4 +376,18 @@ def reclaim_json(r: ReclaimInfo) -> dict[str, Any]:
         "gpu_hours": round(r.gpu_hours, 4),
         "reason": r.reason,
         "created": iso(r.created),
+    }
+
+
+def extension_json(e: ExtensionInfo) -> dict[str, Any]:
+    """One extension of a time limit: whose allocation, who asked, when, how much."""
+    return {
+        "id": e.id,
+        "allocation_id": e.allocation_id,
+        "user": e.user,
+        "by": e.by,
+        "at": iso(e.at),
+        "seconds": e.seconds,
+        "before_seconds": e.before_seconds,
+        "after_seconds": e.after_seconds,
     }

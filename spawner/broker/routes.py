@@ -3,7 +3,8 @@
 Paths are under the service prefix (``JUPYTERHUB_SERVICE_PREFIX``, ``/services/gpuhub/``);
 the API is version 1, ``api/v1/...``, whose contract is ``openapi.yaml`` (served here too).
 Which methods a path answers, and which scope each needs, are the handlers' own
-(:mod:`.api`, :mod:`.queue_api`, :mod:`.utilization_api`, :mod:`.sampling`, :mod:`.pages`).
+(:mod:`.api`, :mod:`.extend_api`, :mod:`.queue_api`, :mod:`.utilization_api`,
+:mod:`.sampling`, :mod:`.pages`).
 Tornado tries the paths in this order; each matches the whole path.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from jupyterhub.services.auth import HubOAuthCallbackHandler
 from tornado import web
 
-from spawner.broker import api, queue_api, utilization_api
+from spawner.broker import api, extend_api, queue_api, utilization_api
 from spawner.broker.pages import AdminPage, MetricsHandler, UserPage
 from spawner.broker.sampling import NodeSamplesHandler
 
@@ -38,6 +39,8 @@ BROKER_ROUTES: tuple[tuple[str, type[web.RequestHandler]], ...] = (
     (f"api/v1/allocations/{ID}", api.AllocationHandler),
     (f"api/v1/allocations/{ID}/renew", api.RenewHandler),
     (f"api/v1/allocations/{ID}/job", api.JobHandler),
+    (f"api/v1/allocations/{ID}/extend", extend_api.ExtendHandler),
+    ("api/v1/extensions", extend_api.ExtensionsHandler),
     ("api/v1/usage", api.UsageHandler),
     ("api/v1/limits", api.LimitsHandler),
     (r"api/v1/limits/(default|group|user)(?:/([^/]+))?", api.LimitHandler),

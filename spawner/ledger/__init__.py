@@ -31,7 +31,8 @@ the underscored ones are the transactions' and the inventory's own machinery):
   ``borrow_now_in`` (admission beyond the limit), notices, ``preempt_reason_in``;
   ``borrowing_reads`` (``BorrowingReads``): what the pages show of it.
 - ``takeback`` (``TakeBackRecords``): settling notices, ``withdraw_unwanted_in``.
-- ``timeup`` (``TimeUpRecords``): time limits that ran out.
+- ``timeup`` (``TimeUpRecords``): time limits that ran out; ``extensions``
+  (``ExtensionRecords``): time limits extended, each extension a row.
 - ``limits`` (``LimitRecords``): ``_rules`` (the limits in force).
 - ``gpus`` (``GpuRecords``): ``_inventory``, ``_free``, ``_present`` (the GPUs).
 - ``usage`` (``UsageRecords``) and ``reclaims`` (``ReclaimRecords``: ``reclaim_reason_in``,
@@ -46,6 +47,7 @@ from spawner.ledger.admission import AdmissionRecords
 from spawner.ledger.allocations import AllocationRecords
 from spawner.ledger.borrowing import BorrowingRecords
 from spawner.ledger.borrowing_reads import BorrowingReads
+from spawner.ledger.extensions import ExtensionRecords
 from spawner.ledger.gpus import GpuRecords
 from spawner.ledger.limits import LimitRecords
 from spawner.ledger.queue import QueueRecords
@@ -66,6 +68,7 @@ class Ledger(
     BorrowingReads,
     TakeBackRecords,
     TimeUpRecords,
+    ExtensionRecords,
     LimitRecords,
     GpuRecords,
     UsageRecords,

@@ -297,7 +297,12 @@ class AdmissionRecords:
             adopt.state = "left"
         # the plan sees the new request as one more waiting entry (the scene fills in its run length)
         cand = fairshare.Candidate(NEW, req.user, created, front)
-        scene = self.scene_in(s, now, (cand, queueplan.Waiting(NEW, asked, 0.0, nodes)), req.groups)
+        scene = self.scene_in(
+            s,
+            now,
+            (cand, queueplan.Waiting(NEW, asked, (req.time_limit_seconds or 0.0) / 3600, nodes)),
+            req.groups,
+        )
         if adopt is not None:
             adopt.state = "waiting"
         gpus = scene.plan.grants.get(NEW)

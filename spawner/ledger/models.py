@@ -264,6 +264,24 @@ class Preemption(Base):
     withdrawn_reason: Mapped[str | None] = mapped_column(String(255))
 
 
+class TimeExtension(Base):
+    """One extension of an allocation's time limit (``policy.extensions``): whose allocation,
+    who asked (its user, or an admin), when, and by how much; ``allocations.time_limit_seconds``
+    already holds it (migration 0012)."""
+
+    __tablename__ = "time_extensions"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id"), index=True)
+    user: Mapped[str] = mapped_column(String(255), index=True)
+    by: Mapped[str] = mapped_column(String(255))
+    at: Mapped[datetime] = mapped_column(DateTime)
+    seconds: Mapped[float] = mapped_column(Float)
+    # the time limit before it, and after it (what the allocation's end moved between)
+    before_seconds: Mapped[float] = mapped_column(Float)
+    after_seconds: Mapped[float] = mapped_column(Float)
+
+
 def is_live(state=None):
     """``allocations.state IN ('starting', 'running')`` with the states written into the SQL,
     so that the database can use the partial index of live allocations (a bound parameter

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 from spawner import policy
 from spawner.ledger.models import Allocation, KnownUser, Preemption, QueueEntry, Reclaim
 from spawner.ledger.transactions import _gpu, _info
-from spawner.policy import fairshare
+from spawner.policy import fairshare, timelimits
 from spawner.policy import schedule as queueplan
 from spawner.policy.records import Admission, QueueInfo
 
@@ -90,6 +90,43 @@ class _Scene:
             sure=expected.sure,
             factors=self.factors.get(base.id),
         )
+
+
+def known_end(a: Allocation, now: datetime, reclaimed: bool, due: datetime | None):
+    """When a holding ends by what is known of it, best first (``(None, None)``: nothing):
+    an idle reclaim under way or due, a notice's due time, then its time limit's end."""
+    if reclaimed:  # being stopped for idleness: ends within moments
+        return now + timedelta(minutes=1), "firm"
+    found = []
+    if a.idle_deadline is not None:  # warned: reclaimed then unless used again
+        found.append((max(a.idle_deadline, now), "firm"))
+    if due is not None:  # taken back then (a borrowed or backfilled holding)
+        found.append((max(due, now), "firm"))
+    ends = timelimits.ends_at(a.started, a.created, a.time_limit_seconds)
+    if ends is not None:  # it ends then whatever else happens
+        found.append((max(ends, now), "limit"))
+    return min(found, default=(None, None), key=lambda f: f[0])
+
+
+def guessed_end(a: Allocation, now: datetime, typical_hours: float | None, default_hours: float):
+    """A holding's end from its user's typical run length (``"guess"``), or from the default
+    run length when its user has no finished run yet (``"default"``: said as not known)."""
+    typical = timedelta(hours=typical_hours if typical_hours is not None else default_hours)
+    start = a.started or a.created
+    ends = start + typical
+    if ends < now + OVERDUE_MIN:  # running past its user's usual: as long again as it has
+        # run past it, halved (never "any moment now", which would hold free GPUs back from
+        # backfill for ever)
+        ends = now + max(OVERDUE_MIN, (now - start - typical) / 2 + OVERDUE_MIN)
+    if a.lease_expires is not None:
+        ends = max(ends, a.lease_expires)
+    return ends, "guess" if typical_hours is not None else "default"
+
+
+def run_length(hours: float, time_limit_seconds: float | None) -> float:
+    """How long a waiting request is expected to run: its user's typical length, never past
+    its time limit."""
+    return hours if time_limit_seconds is None else min(hours, time_limit_seconds / 3600)
 
 
 class QueueRecords:
@@ -216,14 +253,17 @@ class QueueRecords:
             e.id: queueplan.Waiting(
                 e.id,
                 policy.Request(e.user, e.gpu_count, e.model, e.max_nodes, e.gpus_per_node),
-                runs.get(e.user, default_run),
+                run_length(runs.get(e.user, default_run), e.time_limit_seconds),
                 nodes_of(e.on_nodes),
             )
             for e in rows
         }
         if new is not None:  # a request not yet in the queue, with its user's run length
             candidates.append(new[0])
-            waiting[new[0].id] = replace(new[1], run_hours=runs.get(new[0].user, default_run))
+            limit = new[1].run_hours * 3600 if new[1].run_hours else None  # its time limit, if any
+            waiting[new[0].id] = replace(
+                new[1], run_hours=run_length(runs.get(new[0].user, default_run), limit)
+            )
             groups[new[0].user] = list(new_groups)  # its share as it will have once it waits
         # shares are parts of every known user's (as Slurm's of every association): who waits
         # now does not move anyone's factor
@@ -235,26 +275,21 @@ class QueueRecords:
         live = self._active(s)
         ids = [a.id for a in live]
         reclaimed = set(s.scalars(select(Reclaim.allocation_id).where(Reclaim.allocation_id.in_(ids))))
+        notices = dict(
+            s.execute(
+                select(Preemption.allocation_id, Preemption.due).where(
+                    Preemption.allocation_id.in_(ids), Preemption.withdrawn.is_(None)
+                )
+            ).all()
+        )
         for a in live:
             gpus = tuple(sorted(_gpu(ag.gpu) for ag in a.gpus if ag.held))
             if not gpus:
                 continue
-            if a.id in reclaimed:  # being stopped for idleness: ends within moments
-                held.append(queueplan.Held(gpus, now + timedelta(minutes=1), "firm"))
-                continue
-            if a.idle_deadline is not None:  # warned: reclaimed then unless used again
-                held.append(queueplan.Held(gpus, max(a.idle_deadline, now), "firm"))
-                continue
-            typical = timedelta(hours=runs.get(a.user, default_run))
-            start = a.started or a.created
-            ends = start + typical
-            if ends < now + OVERDUE_MIN:  # running past its user's usual: as long again as
-                # it has run past it, halved (never "any moment now", which would hold free
-                # GPUs back from backfill for ever)
-                ends = now + max(OVERDUE_MIN, (now - start - typical) / 2 + OVERDUE_MIN)
-            if a.lease_expires is not None:
-                ends = max(ends, a.lease_expires)
-            held.append(queueplan.Held(gpus, ends, "guess"))
+            ends, sure = known_end(a, now, a.id in reclaimed, notices.get(a.id))
+            if ends is None:  # nothing known: its user's run lengths, a guess
+                ends, sure = guessed_end(a, now, runs.get(a.user), default_run)
+            held.append(queueplan.Held(gpus, ends, sure))
         plan = queueplan.plan(
             [waiting[c.id] for c in ordered], self._inventory(s), held, now, qs.reservations
         )

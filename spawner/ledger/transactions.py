@@ -34,6 +34,7 @@ from spawner.ledger.models import (
     is_live,
 )
 from spawner.policy import borrowing, fairshare
+from spawner.policy.extensions import ExtendSettings
 from spawner.policy.records import AllocationInfo
 from spawner.policy.timelimits import TimeRules
 
@@ -209,6 +210,8 @@ class LedgerBase(CombinedWrites):
         queue: QueueSettings | None = None,
         borrow: BorrowSettings | None = None,
         time_rules: TimeRules | None = None,
+        time_warnings: tuple[float, ...] = (),
+        extend: ExtendSettings | None = None,
         sqlite_sync: str = "normal",
     ):
         self.url = url
@@ -216,6 +219,8 @@ class LedgerBase(CombinedWrites):
         self.queue_settings = queue or QueueSettings()
         self.borrow_settings = borrow or BorrowSettings()
         self.time_rules = time_rules or TimeRules()  # the longest sessions (c.GpuHub.*_max_hours)
+        self.time_warnings = tuple(time_warnings)  # minutes before a time limit's end (c.GpuHub)
+        self.extend_settings = extend or ExtendSettings()  # c.GpuHub.extension_*
         self.clock = clock
         self.engine = make_engine(url, sqlite_sync=sqlite_sync)
         ensure_schema(self.engine, url)

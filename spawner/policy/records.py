@@ -218,3 +218,18 @@ class ReclaimInfo:
     gpu_hours: float
     reason: str
     created: datetime
+
+
+@dataclass(frozen=True)
+class ExtensionInfo:
+    """One extension of an allocation's time limit: who asked (``by``: its user or an admin),
+    when, by how much, and the limit before and after it."""
+
+    id: int
+    allocation_id: int
+    user: str
+    by: str
+    at: datetime
+    seconds: float
+    before_seconds: float
+    after_seconds: float

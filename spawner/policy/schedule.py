@@ -11,11 +11,13 @@ time limit, so a grant ahead of a reservation is only as sure as its user's run 
 the plan names the reservations each such grant went ahead of (``Plan.ahead_of``), and the
 ledger may take it back for them, with notice, at their turn.
 
-Ends are expectations, each with how sure it is:
+Ends are expectations, each with how sure it is, the best known used first:
 
-- ``firm``: a burst's lease that its kernel stopped renewing, an idle reclaim that is due;
-- ``guess``: from the user's recent run lengths (:func:`typical_run_hours`, or
-  ``queue_default_run_hours``);
+- ``firm``: a notice's due time (a preemption), an idle reclaim under way or due;
+- ``limit``: a time limit's end (``c.GpuHub.*_max_hours``): it ends then at the latest;
+- ``guess``: from the user's recent run lengths (:func:`typical_run_hours`);
+- ``default``: ``queue_default_run_hours``, for a user with no finished run yet: planned with,
+  but said as not known ("cannot tell yet");
 - ``None`` end: nothing known (the plan treats it as never, and says so).
 """
 
@@ -28,7 +30,7 @@ from datetime import datetime, timedelta
 from gpu_magics.common import words
 from spawner import policy
 
-SURENESS = ("now", "firm", "guess", "unknown")  # best to worst
+SURENESS = ("now", "firm", "limit", "guess", "default", "unknown")  # best to worst
 OVERDUE = timedelta(minutes=1)  # when a holding past its expected end is expected to end
 
 
@@ -44,7 +46,7 @@ class Waiting:
 class Held:
     gpus: tuple[policy.Gpu, ...]
     ends: datetime | None
-    sure: str = "guess"  # "firm" or "guess"
+    sure: str = "guess"  # "firm", "limit", "guess" or "default"
 
 
 @dataclass(frozen=True)

@@ -116,3 +116,26 @@ def is_up(started: datetime | None, created: datetime, seconds: float | None, no
     """Whether a time limit of ``seconds`` ran out by ``now`` (``ends_at``)."""
     ends = ends_at(started, created, seconds)
     return ends is not None and ends <= now
+
+
+MAX_WARNING_MINUTES = 7 * 24 * 60.0
+
+
+def read_warnings(raw: Any, where: str) -> tuple[float, ...]:
+    """The warning times in minutes before an end, latest first, once each; ``ValueError``
+    naming ``where`` for anything but numbers from 0.1 to a week."""
+    if not isinstance(raw, list | tuple):
+        raise ValueError(f"{where} must be a list of minutes, e.g. [30, 5]; got {values.show(raw)}.")
+    out = set()
+    for m in raw:
+        if isinstance(m, bool) or not isinstance(m, int | float) or not math.isfinite(m):
+            ok = False
+        else:
+            ok = 0.1 <= m <= MAX_WARNING_MINUTES
+        if not ok:
+            raise ValueError(
+                f"{where} must hold numbers of minutes from 0.1 to {values.fmt(MAX_WARNING_MINUTES)} "
+                f"(a week), e.g. [30, 5]; got {values.show(m)}."
+            )
+        out.add(float(m))
+    return tuple(sorted(out, reverse=True))

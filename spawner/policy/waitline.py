@@ -9,7 +9,8 @@ from spawner.policy.values import minutes_in_words
 
 SURE_WORDS = {
     "now": "GPUs are free for it now",
-    "firm": "when a lease or an idle reclaim ends",
+    "firm": "when a notice or an idle reclaim is due",
+    "limit": "when a time limit ends",
     "likely": "from idle reclaims and leases",
     "guess": "a guess from recent run lengths",
     "slurm": "Slurm's estimate",
@@ -53,6 +54,8 @@ def wait_line(
         if sure == "slurm":
             return f"{head}; no estimate from Slurm yet (its backfill pass gives one shortly)"
         return f"{head}; no expected start yet (nothing now running has an end in sight)"
+    if sure == "default":  # only the default run length to go by: no hours invented
+        return f"{head}; cannot tell yet when it starts (no run here has ended yet to go by)"
     left = (expected - now).total_seconds()
     why = f"{SURE_WORDS.get(sure, sure)}, not a promise"
     if left <= 60:

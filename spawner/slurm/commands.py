@@ -112,3 +112,9 @@ def job_time(seconds: float | None, runtime: str = "") -> str:
     if seconds is None:
         return runtime
     return str(max(1, math.ceil(seconds / 60 - 1e-9)))
+
+
+def time_limit_argv(job_id: str, seconds: float) -> list[str]:
+    """``scontrol update`` of a job's TimeLimit to gpuhub's (extended) time limit, in whole
+    minutes as ``job_time``; only Slurm's operators and admins (the hub) may raise it."""
+    return ["scontrol", "update", f"JobId={job_id}", f"TimeLimit={job_time(seconds)}"]

@@ -46,6 +46,16 @@ document.addEventListener("click", async (ev) => {
     if (target.dataset.release) {
       await api("DELETE", `allocations/${target.dataset.release}`);
       location.reload();
+    } else if (target.dataset.extend) {
+      // "Extend by hours" on My GPUs: the broker decides; a refusal says why, in the alert
+      const hours = Number(document.getElementById(`extend-${target.dataset.extend}`).value);
+      target.disabled = true;
+      try {
+        await api("POST", `allocations/${target.dataset.extend}/extend`, { hours });
+      } finally {
+        target.disabled = false;
+      }
+      location.reload();
     } else if ("saveLimit" in target.dataset) {
       const row = target.closest("tr");
       const field = (n) => row.querySelector(`[name="${n}"]`);
@@ -484,9 +494,11 @@ function livePoll(container, update) {
 
 // ---- the queue: what waits for GPUs (admin: everyone's; My GPUs: one's own) ----
 
-const SURE_WORDS = { // as spawner/queueview.py SURE_WORDS
+const SURE_WORDS = { // as spawner/policy/waitline.py SURE_WORDS
   now: "GPUs are free for it now",
-  firm: "when a lease or an idle reclaim ends",
+  firm: "when a notice or an idle reclaim is due",
+  limit: "when a time limit ends",
+  default: "cannot tell yet: no run here has ended yet to go by",
   likely: "from idle reclaims and leases",
   guess: "a guess from recent run lengths",
   slurm: "Slurm's estimate",
@@ -503,7 +515,7 @@ function queueGpus(q) {
 
 function expectedEl(q) {
   const box = el("span", { class: "queue-expected", "data-sure": q.expected_sure });
-  box.append(q.expected_start ? utcTime(q.expected_start) : "–", " ",
+  box.append(q.expected_start && q.expected_sure !== "default" ? utcTime(q.expected_start) : "–", " ",
     el("small", { class: "text-muted" }, `(${SURE_WORDS[q.expected_sure] || q.expected_sure})`));
   return box;
 }
