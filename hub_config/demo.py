@@ -36,7 +36,10 @@ The showcase: 4 GPUs for users with limits of 3 (alice), 2 (bob and carol, group
   300 s unless set) in which a ``%%distributed --autosave`` pool saves;
 - idle reclaim: a GPU below 5 % with no kernel activity is warned about after 5 minutes and
   taken back after 10 (``c.GpuReclaim``; 15 and 60 unless set, docs/reclaim.md); write
-  ``gpuhub-simulated-utilization.json`` in the state directory to make a simulated GPU busy.
+  ``gpuhub-simulated-utilization.json`` in the state directory to make a simulated GPU busy;
+- time limits: a student's session ends after 8 h (``group_max_hours``), with warnings 30 and
+  5 minutes before; "Extend by hours" on My GPUs or ``%gpus --extend 1h`` adds up to 2 h in all
+  (``extension_max_hours``) when nobody waiting would start later (docs/time-limits.md).
 """
 
 import sys
@@ -67,6 +70,7 @@ c.GpuHub.default_limit = 1
 c.GpuHub.group_limits = {"students": 2}
 c.GpuHub.user_limits = {"alice": 3}
 c.GpuHub.group_max_hours = {"students": 8}  # a student's session ends after 8 h (docs/time-limits.md)
+c.GpuHub.extension_max_hours = 2  # ... and may be extended by 2 h in all when nobody waits for it
 # the showcase (the docstring above): borrowing with a short notice, idle reclaim in minutes
 c.GpuHub.default_borrow = 2
 c.GpuHub.preempt_grace_seconds = 60

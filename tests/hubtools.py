@@ -34,12 +34,16 @@ _handed_out: set[int] = set()
 def free_port() -> int:
     """A loopback port free now and never handed out before in this process: the kernel may
     give a port just closed straight back, and a hub's own port and its proxy's, asked for one
-    after the other, would then be the same ("Address already in use")."""
+    after the other, would then be the same ("Address already in use"). Under pytest-xdist
+    each worker takes only ports of its own residue (port % workers), so two workers never
+    hand out the same port."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    mine = int((os.environ.get("PYTEST_XDIST_WORKER") or "gw0")[2:] or 0)
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in _handed_out:
+        if port % workers == mine and port not in _handed_out:
             _handed_out.add(port)
             return port
 
@@ -135,10 +139,10 @@ class Hub:
             f"""
 c = get_config()
 load_subconfig({str(self.base_config)!r})
-# the demo's showcase (borrowing, a 60 s notice, idle reclaim in minutes, students' 8 h) is
-# not the test hubs': each test sets what it tests, over gpuhub's defaults
+# the demo's showcase (borrowing, a 60 s notice, idle reclaim in minutes, students' 8 h and
+# their extensions) is not the test hubs': each test sets what it tests, over the defaults
 for section, key in [("GpuHub", "default_borrow"), ("GpuHub", "preempt_grace_seconds"),
-                     ("GpuHub", "group_max_hours"),
+                     ("GpuHub", "group_max_hours"), ("GpuHub", "extension_max_hours"),
                      ("GpuReclaim", "warn_after_seconds"), ("GpuReclaim", "reclaim_after_seconds")]:
     c[section].pop(key, None)
 # a test hub: the tests' passwords, and servers as the tests' own user (root in CI), wherever
