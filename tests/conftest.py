@@ -64,3 +64,14 @@ def browser():
         b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         yield b
         b.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``scripts/test``: ``--dist loadgroup``) every test of the Slurm test
+    cluster runs on one worker, one after the other (they take the cluster in turn anyway, so
+    a second worker would only wait), and every other module stays whole on one worker (its
+    module-scoped hub started once). Before xdist's own hook, which reads the groups."""
+    for item in items:
+        group = "slurm" if "slurm" in item.nodeid.lower() else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))

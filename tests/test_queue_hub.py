@@ -125,6 +125,8 @@ def test_spawns_wait_in_fair_share_order_and_the_head_starts_when_gpus_free(hub,
     give_history(hub.ledger_url, "bob", 4, hours_ago=2, hours=10)  # bob used a lot today
     for i in range(12):  # erin even more, in short runs (an hour each)
         give_history(hub.ledger_url, "erin", 4, hours_ago=2 + i, hours=1)
+    for user in ("alice", "dave"):  # the holders' usual runs, 3 h: what the expected starts go by
+        give_history(hub.ledger_url, user, 1, hours_ago=30, hours=3)
     for user, n in (("alice", 2), ("dave", 1)):
         assert hub.spawn(user, {"gpus": n}).status_code in (201, 202)
         hub.wait_ready(user)

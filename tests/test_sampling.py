@@ -152,25 +152,32 @@ def test_on_slurm_the_nodes_samplers_decide_and_an_owners_busy_reports_do_not(tm
     each node (root) reads its GPU idle, and her own 100 % reports keep nothing."""
     from . import slurmtools
 
-    slurmtools.UTIL_FILE.write_text("{}")  # every fake GPU idle
     policy = (
         "c.GpuReclaim.check_seconds = 0.5\nc.GpuReclaim.warn_after_seconds = 3\n"
         "c.GpuReclaim.reclaim_after_seconds = 600\nc.GpuReclaim.stale_seconds = 4\n"
     )
-    with slurmtools.slurm_hub(tmp_path / "hub", policy) as hub:
-        assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
-        hub.wait_ready("alice", timeout=120)
-        token = hub.user_token("alice")
-        [row] = hub.broker("GET", "utilization", token).json()["gpus"]
-        gpu, allocation = row, row["holder"]["allocation_id"]
-        body = {"gpus": [{"node": gpu["node"], "index": gpu["index"], "utilization": 100}]}
+    # the cluster's fake readings are another test run's too until this one has its turn
+    with slurmtools.cluster_turn():
+        slurmtools.UTIL_FILE.write_text("{}")  # every fake GPU idle
+        with slurmtools.slurm_hub(tmp_path / "hub", policy) as hub:
+            _alice_is_warned_whatever_she_reports(hub)
 
-        def warned():
-            r = hub.broker("POST", f"allocations/{allocation}/samples", token, json=body)
-            assert r.status_code == 200, r.text  # her report is taken...
-            return r.json()["idle"]["state"] == "warned"  # ...and she is warned all the same
 
-        wait_for(warned, 60, "alice warned while she reports her idle GPU busy", interval=0.5)
-        [row] = hub.broker("GET", "utilization", token).json()["gpus"]
-        assert row["utilization"] == 0.0 and row["reported"] is not None, row
-        hub.stop_server("alice")
+def _alice_is_warned_whatever_she_reports(hub):
+    """Her own 100 % reports are taken, and she is warned of her idle GPU all the same."""
+    assert hub.spawn("alice", {"gpus": 1}).status_code in (201, 202)
+    hub.wait_ready("alice", timeout=120)
+    token = hub.user_token("alice")
+    [row] = hub.broker("GET", "utilization", token).json()["gpus"]
+    gpu, allocation = row, row["holder"]["allocation_id"]
+    body = {"gpus": [{"node": gpu["node"], "index": gpu["index"], "utilization": 100}]}
+
+    def warned():
+        r = hub.broker("POST", f"allocations/{allocation}/samples", token, json=body)
+        assert r.status_code == 200, r.text  # her report is taken...
+        return r.json()["idle"]["state"] == "warned"  # ...and she is warned all the same
+
+    wait_for(warned, 60, "alice warned while she reports her idle GPU busy", interval=0.5)
+    [row] = hub.broker("GET", "utilization", token).json()["gpus"]
+    assert row["utilization"] == 0.0 and row["reported"] is not None, row
+    hub.stop_server("alice")

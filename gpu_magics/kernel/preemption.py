@@ -166,6 +166,16 @@ class Preemption:
 
     # around a cell ----------------------------------------------------------------------
 
+    def engines_gone(self, n: Notice) -> bool:
+        """Every engine of the pool here has ended already (the reaper stopped them at the due
+        time while the kernel was paused): nothing is left to save or shrink, so ``n`` is done
+        with, and the pool's check before the cell finds the burst ended and says what was lost."""
+        pool = self.lifecycle.pool
+        if pool is None or pool._remote or not pool.infos or len(pool._ended()) < len(pool.infos):
+            return False
+        n.acted = True
+        return True
+
     def before_cell(self) -> None:
         """At the start of a cell: a preemption that stopped the idle pool is reported (and the
         cell does not run on new engines unasked); a pending notice is shown; one whose time
@@ -177,9 +187,11 @@ class Preemption:
             n = self.current()
             if n is None or n.acted:
                 return
-            if time.time() >= self.act_at(n):
+            if time.time() >= self.act_at(n) and not self.engines_gone(n):
                 text = self.stop(n)
                 raise DistributedPreempted(f"{text}\n{NOT_RUN}")
+            if n.acted:
+                return
         n.shown = True
         say(self.text(n), err=True)
 
@@ -224,6 +236,8 @@ class Preemption:
                 return
             if self.lifecycle.busy or time.time() < self.act_at(n):  # a cell's tick acts; or autosave changed
                 self._arm_timer(n, min(1.0, max(0.05, self.act_at(n) - time.time())))
+                return
+            if self.engines_gone(n):
                 return
             text = self.stop(n)
             self.report = text

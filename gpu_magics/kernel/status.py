@@ -96,7 +96,7 @@ class GpuMagics(Magics):
             return self._extend(" ".join(words_[1:]))
         if line.strip():
             raise UsageError(
-                f"%gpus takes no arguments but --extend LENGTH (got {line.strip()!r}): it shows every GPU "
+                f"%gpus takes no arguments (got {line.strip()!r}) but --extend LENGTH: it shows every GPU "
                 "this session holds.\nusage: %gpus   (the engines alone: %distributed status; Dask: "
                 "%dask_cuda status)\n       %gpus --extend 2h   (more time: 2h, 90min or 1.5 hours)"
             )
