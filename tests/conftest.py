@@ -71,7 +71,10 @@ def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``scripts/test``: ``--dist loadgroup``) every test of the Slurm test
     cluster runs on one worker, one after the other (they take the cluster in turn anyway, so
     a second worker would only wait), and every other module stays whole on one worker (its
-    module-scoped hub started once). Before xdist's own hook, which reads the groups."""
+    module-scoped hub started once). The Slurm tests come first, so that their long chain
+    starts at once while the other workers share the rest. Before xdist's own hook, which
+    reads the groups."""
+    slurm = {item.nodeid for item in items if "slurm" in item.nodeid.lower()}
     for item in items:
-        group = "slurm" if "slurm" in item.nodeid.lower() else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group("slurm" if item.nodeid in slurm else item.module.__name__))
+    items.sort(key=lambda item: item.nodeid not in slurm)  # stable: the order within each kept

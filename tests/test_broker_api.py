@@ -298,8 +298,13 @@ def test_usage_and_cluster_views(hub, tokens, ledger):
     cluster = checked(hub.broker("GET", "cluster", tokens["admin"])).json()
     holders = [g["holder"]["user"] for n in cluster["nodes"] for g in n["gpus"] if g["holder"]]
     assert holders == ["bob"] and cluster["free"] == cluster["total"] - 1
-    usage = checked(hub.broker("GET", "usage?since=1d&bucket_hours=6", tokens["admin"])).json()
-    assert len(usage["buckets"]) == 4 and "bob" in usage["series"] and usage["total"]["bob"] > 0
+
+    def usage():  # bob's burst has held its GPU long enough to show (GPU-hours, to 4 places)
+        got = checked(hub.broker("GET", "usage?since=1d&bucket_hours=6", tokens["admin"])).json()
+        return got if got["total"].get("bob", 0) > 0 else None
+
+    got = wait_for(usage, 10, "bob's GPU-hours to show")
+    assert len(got["buckets"]) == 4 and "bob" in got["series"]
     bad = checked(hub.broker("GET", "usage?since=yesterday", tokens["admin"]))
     assert bad.status_code == 400 and "'since' must be a date (2026-11-01)" in bad.json()["message"]
 
