@@ -66,15 +66,31 @@ def browser():
         b.close()
 
 
-@pytest.hookimpl(tryfirst=True)
+def slurm_test(nodeid: str) -> bool:
+    """A test of the Slurm test cluster (its module's, its own or its parameter's name says
+    so): they take the cluster in turn (``slurmtools.cluster_turn``)."""
+    return "slurm" in nodeid.lower()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist with ``--dist loadfile`` (``scripts/test``) every module stays whole
+    on one worker (its module-scoped hub started once), and every test of the Slurm cluster
+    runs on one worker, one after the other: they take the cluster in turn anyway, so a second
+    worker would only wait for it. (xdist's ``loadgroup`` marks do not reach pytest 9's node
+    ids, so the grouping is this scheduler's.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndSlurm(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slurm" if slurm_test(nodeid) else nodeid.split("::", 1)[0]
+
+    return ModulesAndSlurm(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``scripts/test``: ``--dist loadgroup``) every test of the Slurm test
-    cluster runs on one worker, one after the other (they take the cluster in turn anyway, so
-    a second worker would only wait), and every other module stays whole on one worker (its
-    module-scoped hub started once). The Slurm tests come first, so that their long chain
-    starts at once while the other workers share the rest. Before xdist's own hook, which
-    reads the groups."""
-    slurm = {item.nodeid for item in items if "slurm" in item.nodeid.lower()}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("slurm" if item.nodeid in slurm else item.module.__name__))
-    items.sort(key=lambda item: item.nodeid not in slurm)  # stable: the order within each kept
+    """The Slurm tests come first, so that their long chain starts at once while the other
+    workers share the rest (xdist hands out the modules in this order)."""
+    items.sort(key=lambda item: not slurm_test(item.nodeid))  # stable: the order within each kept
