@@ -296,10 +296,11 @@ class Replay:
     def __init__(self, source: str, scratch: str):
         self.scratch = f"sqlite:///{scratch}"
         self.moment = None
-        nodes, gpus, self.allocations, self.allocation_gpus, self.entries = (
+        nodes, gpus, self.allocations, self.allocation_gpus, self.entries, self.notices = (
             [dict(r._mapping) for r in rows]
             for rows in read(
-                source, *(select(t) for t in (Node, GpuRow, Allocation, AllocationGpu, QueueEntry))
+                source,
+                *(select(t) for t in (Node, GpuRow, Allocation, AllocationGpu, QueueEntry, Preemption)),
             )
         )
         self.ledger = Ledger(self.scratch, config_rules=RULES, queue=QUEUE, clock=self.clock)
@@ -345,12 +346,21 @@ class Replay:
             for e in self.entries
             if e["created"] < moment
         ]
+        # the notices given by then (a notice's due time is a holding's firm end in the plan)
+        notices = [
+            n
+            if n["withdrawn"] is not None and n["withdrawn"] < moment
+            else n | {"withdrawn": None, "withdrawn_reason": None}
+            for n in self.notices
+            if n["created"] < moment
+        ]
         with self.engine.begin() as db:
-            for model in (AllocationGpu, QueueEntry, Allocation):
+            for model in (Preemption, AllocationGpu, QueueEntry, Allocation):
                 db.execute(delete(model))
             self._copy(db, Allocation, allocations)
             self._copy(db, AllocationGpu, held)
             self._copy(db, QueueEntry, entries)
+            self._copy(db, Preemption, notices)
             if new is not None:
                 db.execute(insert(QueueEntry).values(new))
         self.moment = moment
