@@ -226,7 +226,7 @@ class DistributedMagics(CheckpointCommands, Magics):
         try:
             targets = parse_targets(args.targets, pool.size) if args.targets else None
             grace = min(args.timeout or self.timeout, 30)
-            timeleft.refresh()  # a new pool's allocations, or an extension
+            timeleft.refresh_if_changed()  # a new pool's allocations (before_cell read the old one's)
 
             def tick():  # a notice or a time warning shown, or the cell interrupted at its time
                 self.preemption.tick()

@@ -103,6 +103,7 @@ class TimeLeft:
     interrupted: bool = False
     report: str | None = None  # the stop of an idle pool, told at the next cell
     _timer: threading.Timer | None = None
+    _read_for: tuple = ()  # what the pool held when its ends were last read (``_holding``)
 
     def refresh(self) -> None:
         """Read the ends of the pool's allocations from the broker (before a cell)."""
@@ -130,10 +131,23 @@ class TimeLeft:
             except BrokerError:
                 continue
         ends = [e for e in ends if e is not None]
+        self._read_for = self._holding()
         end = min(ends, key=lambda e: e.ends, default=None)
         if end != self.end:
             self.end, self.acted, self.interrupted = end, False, False
             self._arm()
+
+    def _holding(self) -> tuple:
+        """What the pool holds now: its pool, and the burst's live parts."""
+        life = self.lifecycle
+        parts = life.burst.parts if life.burst is not None else ()
+        return (id(life.pool), tuple(p.id for p in parts if not (p.released or p.lost)))
+
+    def refresh_if_changed(self) -> None:
+        """:meth:`refresh` only when the pool or its burst changed since the last read (a new
+        or resized pool made by the cell's start): a cell asks the broker once, not twice."""
+        if self._holding() != self._read_for:
+            self.refresh()
 
     def act_at(self) -> float:
         """When the pool saves and stops: ``preempt_save_seconds`` before the end with autosave."""

@@ -295,13 +295,11 @@ class AdmissionRecords:
         front = adopt.front if adopt is not None else None
         if adopt is not None:  # it stands where the entry stood; the plan sees it as new
             adopt.state = "left"
-        # the plan sees the new request as one more waiting entry (the scene fills in its run length)
+        # the plan sees the new request as one more waiting entry (the scene fills in its run length,
+        # never past its time limit)
         cand = fairshare.Candidate(NEW, req.user, created, front)
         scene = self.scene_in(
-            s,
-            now,
-            (cand, queueplan.Waiting(NEW, asked, (req.time_limit_seconds or 0.0) / 3600, nodes)),
-            req.groups,
+            s, now, (cand, queueplan.Waiting(NEW, asked, 0.0, nodes)), req.groups, req.time_limit_seconds
         )
         if adopt is not None:
             adopt.state = "waiting"

@@ -12,13 +12,15 @@ that the backend could not carry out (Slurm refused the job's new TimeLimit).
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import exists, func, select
 
-from spawner.ledger.models import Allocation, TimeExtension
+from spawner.ledger.models import Allocation, QueueEntry, TimeExtension
 from spawner.ledger.transactions import _info
 from spawner.policy import extensions as policy
 from spawner.policy.limits import Refusal
 from spawner.policy.records import AllocationInfo, ExtensionInfo
+
+WAITING = QueueEntry.state == "waiting"
 
 
 def _ext_info(e: TimeExtension) -> ExtensionInfo:
@@ -56,21 +58,18 @@ class ExtensionRecords:
                         TimeExtension.allocation_id == a.id, TimeExtension.by == a.user
                     )
                 )
-                now = self.clock()
-                before = self._expected_starts(s, now)
-                a.time_limit_seconds += seconds
-                s.flush()
-                after = self._expected_starts(s, now)
-                a.time_limit_seconds -= seconds  # decided below; written once
-                late = policy.delayed(before, after)
-                why = policy.extension_refusal(
-                    hours,
-                    float(done or 0.0),
-                    rules.max_hours,
-                    "c.GpuHub.extension_max_hours",
-                    len(late),
-                    rules.delays_waiters,
-                )
+                cap = (hours, float(done or 0.0), rules.max_hours, "c.GpuHub.extension_max_hours")
+                why = policy.extension_refusal(*cap, 0, rules.delays_waiters)
+                if why is None and not rules.delays_waiters and s.scalar(select(exists().where(WAITING))):
+                    # the queue planned without it and with it, in this transaction: only
+                    # when it may be granted by the cap and someone waits
+                    now = self.clock()
+                    before = self._expected_starts(s, now)
+                    a.time_limit_seconds += seconds
+                    s.flush()
+                    after = self._expected_starts(s, now)
+                    a.time_limit_seconds -= seconds  # decided here; written once, below
+                    why = policy.extension_refusal(*cap, len(policy.delayed(before, after)), False)
                 if why is not None:
                     raise why
             row = TimeExtension(
@@ -90,10 +89,7 @@ class ExtensionRecords:
     def _expected_starts(self, s, now) -> dict:
         """Each waiting entry's expected start as the queue plans it now (in ``s``)."""
         scene = self.scene_in(s, now)
-        return {
-            entry: scene.plan.expected[entry].at if entry in scene.plan.expected else None
-            for entry in scene.order
-        }
+        return {entry: getattr(scene.plan.expected.get(entry), "at", None) for entry in scene.order}
 
     def undo_extension(self, extension_id: int) -> None:
         """Take back an extension the backend could not carry out (its row goes)."""

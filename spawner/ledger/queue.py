@@ -233,6 +233,7 @@ class QueueRecords:
         now: datetime,
         new: tuple[fairshare.Candidate, queueplan.Waiting] | None = None,
         new_groups: Iterable[str] = (),
+        new_time_limit: float | None = None,
     ) -> _Scene:
         qs = self.queue_settings
         # an entry past its keepalive or its longest wait is gone, whether or not a write has
@@ -260,9 +261,8 @@ class QueueRecords:
         }
         if new is not None:  # a request not yet in the queue, with its user's run length
             candidates.append(new[0])
-            limit = new[1].run_hours * 3600 if new[1].run_hours else None  # its time limit, if any
             waiting[new[0].id] = replace(
-                new[1], run_hours=run_length(runs.get(new[0].user, default_run), limit)
+                new[1], run_hours=run_length(runs.get(new[0].user, default_run), new_time_limit)
             )
             groups[new[0].user] = list(new_groups)  # its share as it will have once it waits
         # shares are parts of every known user's (as Slurm's of every association): who waits
