@@ -10,7 +10,8 @@ With it go **gpuhub's JupyterLab defaults** (``kernels/jupyterlab/gpuhub.json``,
 ``PREFIX/share/jupyter/lab/settings/overrides.d/gpuhub.json``, where JupyterLab reads a
 package's defaults): no toast asking each new user whether to fetch Jupyter's news feed, and
 no check for JupyterLab updates, which the servers' users cannot install. A user's own
-settings still win; an admin's ``overrides.json`` there too.
+settings still win; an admin's ``overrides.json`` there too. And JupyterLab's GPU panel
+(:mod:`gpu_magics.lab.install`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ def install(user: bool = False, prefix: str | None = None) -> list[str]:
             continue
         done.append(ksm.install_kernel_spec(str(source), kernel_name=name, user=user, prefix=prefix))
     if not user:
+        from gpu_magics.lab.install import install_panel
+
         done.append(install_lab_defaults(prefix or sys.prefix))
+        done += install_panel(prefix or sys.prefix)  # JupyterLab's GPU panel, from a checkout
     return done
 
 

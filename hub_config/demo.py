@@ -65,6 +65,7 @@ c.JupyterHub.template_vars = {"announcement_login": site.login_announcement()}
 # GPUs: 4 simulated ones on this machine, each user's server gets its own
 c.GpuHub.inventory = "simulated"
 c.GpuHub.simulated_gpus = [{"count": 4, "model": "Simulated A100", "memory_mib": 40960}]
+c.GpuHub.simulated_load = "processes"  # a busy cell makes its GPUs busy (docs/reclaim.md)
 c.GpuHub.db_url = "sqlite:///gpuhub.sqlite"
 c.GpuHub.default_limit = 1
 c.GpuHub.group_limits = {"students": 2}

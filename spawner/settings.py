@@ -230,6 +230,19 @@ class GpuHub(Configurable):
         """,
     ).tag(config=True)
 
+    simulated_load = CaselessStrEnum(
+        ["file", "processes"],
+        "file",
+        help="""With simulated utilization, what a GPU the file does not name reads:
+        ``file``: idle; ``processes``: the use of the processes bound to it (its server's
+        kernels, a ``%%distributed`` rank): their CPU time as utilization (one CPU-second per
+        second is 100 %), their resident memory as its memory, so the demo's charts and idle
+        reclaim move with what runs (``gpu_magics.report.simload``). Only processes the
+        sampler may read count: all for the local broker running as root.
+        ``c.GpuHub.simulated_load = "processes"``
+        """,
+    ).tag(config=True)
+
     default_share = Int(
         1,
         help="""Every user's weight in the fair share of a full machine, unless a group or
@@ -386,6 +399,7 @@ class GpuHub(Configurable):
         }
         if source == "simulated":
             env["GPUHUB_SIMULATED_GPU_STATS"] = os.path.abspath(self.simulated_utilization_file)
+            env["GPUHUB_SIMULATED_GPU_LOAD"] = self.simulated_load.lower()
         return env
 
     def _scoped(self, kind: type[S], traits: tuple[str, str, str], value: Callable[[Any, str], Any]) -> S:

@@ -140,9 +140,10 @@ class Hub:
 c = get_config()
 load_subconfig({str(self.base_config)!r})
 # the demo's showcase (borrowing, a 60 s notice, idle reclaim in minutes, students' 8 h and
-# their extensions) is not the test hubs': each test sets what it tests, over the defaults
+# their extensions, GPUs whose use follows their processes) is not the test hubs': each test sets what it tests, over the defaults
 for section, key in [("GpuHub", "default_borrow"), ("GpuHub", "preempt_grace_seconds"),
                      ("GpuHub", "group_max_hours"), ("GpuHub", "extension_max_hours"),
+                     ("GpuHub", "simulated_load"),
                      ("GpuReclaim", "warn_after_seconds"), ("GpuReclaim", "reclaim_after_seconds")]:
     c[section].pop(key, None)
 # a test hub: the tests' passwords, and servers as the tests' own user (root in CI), wherever

@@ -64,10 +64,13 @@ def worker(url: str, seed: int, ops: int, results, threads: int = 1) -> None:
     assert len(outcomes) == threads, "a worker thread failed (its error is printed above)"
     n: Counter = Counter(ledger.write_counts)
     shapes: dict[int, int | None] = {}
-    for counts, made in outcomes:
+    gives: dict[int, list] = {}
+    for counts, made, given in outcomes:
         n.update(counts)
         shapes.update(made)
-    results.put((dict(n), shapes))
+        for aid, times in given.items():
+            gives.setdefault(aid, []).extend(times)
+    results.put((dict(n), shapes, gives))
 
 
 def work(ledger: Ledger, seed: int, ops: int) -> tuple[dict, dict]:
@@ -76,13 +79,37 @@ def work(ledger: Ledger, seed: int, ops: int) -> tuple[dict, dict]:
     waits: list[int] = []  # queue entries waited on
     lent: set[int] = set()  # of mine, those with borrowed GPUs
     shapes: dict[int, int | None] = {}  # max_nodes of what was granted at once (for the replay)
+    # each notice given, by allocation (a notice withdrawn and given again is one row in the
+    # ledger, which keeps only the last: the replay needs the earlier ones)
+    gives: dict[int, list] = {}
     n: Counter = Counter()
+
+    def stop(a: int) -> None:
+        """A borrowed allocation that was given notice stops: taken back, or its notice moot."""
+        assert ledger.release(a, "stress: stopped")
+        ended = ledger.get(a)
+        if not ended.end_reason.startswith("preempted: "):
+            # the owner's own release: the request its notice was for no longer waited
+            # (served otherwise, left), which it cannot have started doing again since
+            [p] = [p for p in ledger.preemptions(ended.user) if p.allocation_id == a]
+            entry = ledger.queue_entry(p.entry_id) if p.entry_id is not None else None
+            assert entry is not None and entry.state != "waiting", (ended, p, entry)
+            assert ended.end_reason == "stress: stopped", ended
+            n["released, its notice moot"] += 1
+        else:
+            n["preempted and released"] += 1
+        mine.remove(a)
+        lent.discard(a)
+
     for k in range(ops):
         r = rng.random()
         x = rng.random()  # the borrowing operations, beside the queue's
         quiet = k < QUIET_OPS  # nobody queues yet: idle GPUs are lent, later taken back
         if x < 0.1:  # the broker's pass: notice to borrowed allocations in the head's way
-            n["preemptions"] += len(ledger.preempt_for_queue())
+            given = ledger.preempt_for_queue()
+            for p in given:
+                gives.setdefault(p.allocation_id, []).append((p.created, p.due))
+            n["preemptions"] += len(given)
             continue
         if lent and x < 0.2:  # a kernel renews; refused once preempted (due at once), it stops
             a = rng.choice(sorted(lent))
@@ -96,20 +123,7 @@ def work(ledger: Ledger, seed: int, ops: int) -> tuple[dict, dict]:
                 # a server given notice: the broker stops it once due
             except LookupError as e:
                 assert "was preempted" in str(e), e
-            assert ledger.release(a, "stress: stopped")
-            ended = ledger.get(a)
-            if not ended.end_reason.startswith("preempted: "):
-                # the owner's own release: the request its notice was for no longer waited
-                # (served otherwise, left), which it cannot have started doing again since
-                [p] = [p for p in ledger.preemptions(ended.user) if p.allocation_id == a]
-                entry = ledger.queue_entry(p.entry_id) if p.entry_id is not None else None
-                assert entry is not None and entry.state != "waiting", (ended, p, entry)
-                assert ended.end_reason == "stress: stopped", ended
-                n["released, its notice moot"] += 1
-            else:
-                n["preempted and released"] += 1
-            mine.remove(a)
-            lent.discard(a)
+            stop(a)
             continue
         own = [a for a in mine if a not in lent]  # borrowed ones end when taken back (or at the end)
         if quiet and mine and r < 0.4:  # at night borrowers give back too
@@ -181,11 +195,15 @@ def work(ledger: Ledger, seed: int, ops: int) -> tuple[dict, dict]:
         except Refusal as e:
             n["refused"] += 1
             n[e.reason] += 1
+    for a in sorted(lent):  # the end of the day: what was given notice stops
+        info = ledger.get(a)
+        if info.state != "released" and any(p.allocation_id == a for p in ledger.preemptions(info.user)):
+            stop(a)
     for e in waits[::2]:  # leave some waiting and some held at the end
         ledger.leave_queue(e, "stress end")
     for a in mine[: len(mine) // 2]:
         ledger.release(a, "stress end")
-    return dict(n), shapes
+    return dict(n), shapes, gives
 
 
 def read(url: str, *queries):
@@ -320,9 +338,27 @@ class Replay:
         if rows:
             db.execute(insert(model), rows)
 
-    def queue_at(self, moment: datetime, new: dict | None = None):
+    def earlier_notices(self, moment: datetime, gives: dict[int, list]) -> list[dict]:
+        """The notices that may have stood at ``moment`` though the ledger's rows do not say
+        so: a notice withdrawn and given again later is the same row, with only its last
+        giving (``gives``: every giving, by allocation, as the workers saw them). Such an
+        earlier notice was withdrawn at some time before the next giving, unknown."""
+        rows = {n["allocation_id"]: n for n in self.notices}
+        found = []
+        for aid, times in gives.items():
+            row = rows.get(aid)
+            if row is None or row["created"] < moment:  # the row itself says what stood
+                continue
+            before = [(c, d) for c, d in sorted(times) if c < moment]
+            if before:
+                created, due = before[-1]
+                found.append(row | {"created": created, "due": due, "withdrawn": None, "withdrawn_reason": None})
+        return found
+
+    def queue_at(self, moment: datetime, new: dict | None = None, maybe: list[dict] = ()):
         """The queue as :meth:`Ledger.queue` saw it just before ``moment`` (a stored time),
-        with ``new`` (queue_entries columns) as one more entry made at that moment."""
+        with ``new`` (queue_entries columns) as one more entry made at that moment, and the
+        notices ``maybe`` standing too."""
         allocations = []
         for a in self.allocations:
             if a["created"] >= moment:
@@ -353,7 +389,7 @@ class Replay:
             else n | {"withdrawn": None, "withdrawn_reason": None}
             for n in self.notices
             if n["created"] < moment
-        ]
+        ] + list(maybe)
         with self.engine.begin() as db:
             for model in (Preemption, AllocationGpu, QueueEntry, Allocation):
                 db.execute(delete(model))
@@ -390,8 +426,12 @@ def grants(source: str):
     return sorted(tuple(r) for r in waited + at_once)
 
 
-def check_grant_order(source: str, scratch: str, shapes: dict[int, int | None]) -> list[str]:
-    """Problems: grants the queue's plan at their moment did not start."""
+def check_grant_order(
+    source: str, scratch: str, shapes: dict[int, int | None], gives: dict[int, list] | None = None
+) -> list[str]:
+    """Problems: grants the queue's plan at their moment did not start. Where a notice may
+    have stood then (``Replay.earlier_notices``), the plan with it and without it are both
+    what the ledger may have seen: the grant must be the start of one of them."""
     replay = Replay(source, scratch)
     problems = []
     for moment, entry_id, alloc_id, user, count, purpose, server_name in grants(source):
@@ -409,11 +449,17 @@ def check_grant_order(source: str, scratch: str, shapes: dict[int, int | None]) 
                 "created": moment,
                 "seen": moment,
             }
-        found = {q.id: q for q in replay.queue_at(moment, new)}
-        if entry_id is None:
-            [q] = [q for q in found.values() if q.server_name == server_name and q.user == user]
-        else:
-            q = found[entry_id]
+        def place(maybe=()):
+            found = {q.id: q for q in replay.queue_at(moment, new, maybe)}
+            if entry_id is None:
+                [q] = [q for q in found.values() if q.server_name == server_name and q.user == user]
+                return q
+            return found[entry_id]
+
+        q = place()
+        maybe = replay.earlier_notices(moment, gives or {})
+        if q.position != 0 and maybe:
+            q = place(maybe)
         if q.position != 0:
             problems.append(
                 f"allocation {alloc_id} ({user}, {count} GPUs{f', entry {entry_id}' if entry_id else ''}) "
@@ -442,10 +488,13 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(db_url, tmp_pat
     assert all(p.exitcode == 0 for p in procs)
     counts: Counter = Counter()
     shapes: dict[int, int | None] = {}
+    gives: dict[int, list] = {}
     for _ in procs:
-        n, s = results.get(timeout=10)
+        n, s, g = results.get(timeout=10)
         counts.update(n)
         shapes.update(s)
+        for aid, times in g.items():
+            gives.setdefault(aid, []).extend(times)
     # every path exercised: granted at once and after waiting, queued, left, refused
     assert counts["granted"] > 60 and counts["refused"] > 20, counts
     assert counts["queued"] > 25 and counts["granted after waiting"] > 10 and counts["left"] > 8, counts
@@ -459,7 +508,7 @@ def test_concurrent_processes_never_double_book_or_exceed_limits(db_url, tmp_pat
     assert counts["combined"] > 0 and counts["made again"] > 0, counts
     assert live_problems == []
     assert check_invariants(*history(url)) == []
-    assert check_grant_order(url, str(tmp_path / "replay.sqlite"), shapes) == []
+    assert check_grant_order(url, str(tmp_path / "replay.sqlite"), shapes, gives) == []
     assert preemption_problems(url) == []
     # the invariant checker itself catches a double booking and an over-limit user
     rows, entries = history(url)

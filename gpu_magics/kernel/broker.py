@@ -78,6 +78,10 @@ class BrokerClient:
         """``{"entry": ..., "allocation": ... or None}``: has this queue entry's turn come?"""
         return self._call("POST", f"queue/{entry_id}/wait", {})
 
+    def queue(self) -> dict:
+        """``{"queue": [...]}``: the caller's waiting entries, each with its place."""
+        return self._call("GET", "queue")
+
     def queue_entry(self, entry_id: int) -> dict:
         return self._call("GET", f"queue/{entry_id}")
 

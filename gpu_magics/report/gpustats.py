@@ -12,13 +12,16 @@ The processes gpuhub already runs next to each GPU (the single-user server, the
   exactly the way NVML's do.
 
 ``make_source`` picks one from the variables the spawner sets: ``GPUHUB_GPU_SOURCE``
-(``nvml`` or ``simulated``) and ``GPUHUB_SIMULATED_GPU_STATS`` (the file).
+(``nvml`` or ``simulated``), ``GPUHUB_SIMULATED_GPU_STATS`` (the file) and
+``GPUHUB_SIMULATED_GPU_LOAD`` (``processes``: a GPU the file does not name reads the use of
+the processes bound to it, :mod:`gpu_magics.report.simload`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ from typing import Any
 
 from gpu_magics.common.session import backend
 from gpu_magics.common.words import count
+from gpu_magics.report import simload
 
 
 @dataclass(frozen=True)
@@ -132,12 +136,16 @@ class NvmlSource:
 
 
 class SimulatedSource:
-    """Samples from a JSON file the tests (or a demo) write; a missing file or GPU is idle."""
+    """Samples from a JSON file the tests (or a demo) write; a GPU not in the file is idle,
+    or with ``processes`` reads the use of the processes bound to it (:mod:`.simload`)."""
 
     name = "simulated"
 
-    def __init__(self, path: str | os.PathLike | None):
+    def __init__(self, path: str | os.PathLike | None, processes: bool = False, clock=time.monotonic):
         self.path = Path(path) if path else None
+        self.processes, self.clock = processes, clock
+        self._before: tuple[float, dict] | None = None  # the last reading of the processes
+        self._load: tuple[float, dict] | None = None  # and the load it gave
 
     def _table(self) -> Mapping[str, Any]:
         if self.path is None:
@@ -148,11 +156,28 @@ class SimulatedSource:
             return {}  # being rewritten, or not written yet: idle
         return data if isinstance(data, dict) else {}
 
+    def _process_load(self) -> dict[str, tuple[float, float]]:
+        if not self.processes:
+            return {}
+        now = self.clock()
+        if self._load is not None and now - self._load[0] < 0.5:  # one sweep asks once per node
+            return self._load[1]
+        after = simload.read_processes()
+        then, before = self._before or (now, {})
+        self._before = (now, after)
+        self._load = (now, simload.gpu_load(before, after, now - then))
+        return self._load[1]
+
     def sample(self, node: str, indices: Iterable[int]) -> list[GpuSample]:
         table = self._table()
+        load = self._process_load()
         out = []
         for i in indices:
-            row = table.get(f"{node}:{i}") or {}
+            row = table.get(f"{node}:{i}")
+            if row is None and f"{node}:{i}" in load:
+                util, mem = load[f"{node}:{i}"]
+                row = {"utilization": round(util, 1), "memory_used_mib": round(mem)}
+            row = row or {}
             util = float(row.get("utilization", 0))
             out.append(
                 GpuSample(
@@ -177,7 +202,8 @@ def make_source(environ: Mapping[str, str] | None = None) -> NvmlSource | Simula
     env = os.environ if environ is None else environ
     kind = env.get("GPUHUB_GPU_SOURCE", "nvml")
     if kind == "simulated":
-        return SimulatedSource(env.get("GPUHUB_SIMULATED_GPU_STATS"))
+        processes = env.get("GPUHUB_SIMULATED_GPU_LOAD") == "processes"
+        return SimulatedSource(env.get("GPUHUB_SIMULATED_GPU_STATS"), processes=processes)
     if kind != "nvml":
         raise ValueError(f"GPUHUB_GPU_SOURCE is nvml or simulated; got {kind!r}")
     return NvmlSource()

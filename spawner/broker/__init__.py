@@ -146,6 +146,8 @@ def enable_broker(
     c.Spawner.environment = {
         **c.Spawner.get("environment", {}),
         "GPUHUB_BROKER_URL": f"{url.rstrip('/')}/services/{SERVICE}/api/v1/",
+        # My GPUs under the hub's base URL: JupyterLab's GPU panel links to it
+        "GPUHUB_PAGES_PATH": f"services/{SERVICE}/",
     }
     # gpuhub's admins arrive at GPU admin, not at a spawn form (their own server is on Home);
     # an admin's own c.JupyterHub.default_url wins

@@ -1,0 +1,153 @@
+// The status this server's gpuhub extension answers (gpu_magics/lab/status.py), polled.
+import { ServerConnection } from '@jupyterlab/services';
+import { URLExt } from '@jupyterlab/coreutils';
+import { Signal } from '@lumino/signaling';
+
+export interface GpuView {
+  label: string;
+  node: string;
+  index: number;
+  model: string | null;
+  utilization: number | null;
+  memory_used_mib: number | null;
+  memory_total_mib: number | null;
+  history: [number, number][]; // [seconds before now, utilization]
+}
+
+export interface AllocationView {
+  id: number;
+  purpose: 'server' | 'distributed';
+  state: string;
+  gpu_count: number;
+  nodes: string[];
+  borrowed: number;
+  idle: { state: string; reclaim_in_seconds: number | null; reason: string } | null;
+  preemption: { due: string; reason: string } | null;
+  time_limit: { ends: string; seconds: number; warned?: boolean } | null;
+  gpus: GpuView[];
+}
+
+export interface QueueView {
+  id: number;
+  gpus: number;
+  purpose: string;
+  position: number;
+  waiting: number;
+  line: string | null;
+}
+
+export interface GpuEvent {
+  key: string;
+  kind: string;
+  level: 'success' | 'warning' | 'error' | 'info';
+  title: string;
+  message: string;
+  deadline: string | null;
+  past: string | null; // what happened, said once the server is gone
+  detail: string; // the broker's full words
+}
+
+export interface Status {
+  available: boolean;
+  reason?: string;
+  user?: string;
+  summary: { text: string; gpus?: number; utilization?: number | null; markers?: string[] };
+  server?: AllocationView | null;
+  pools?: AllocationView[];
+  queue?: QueueView[];
+  limit?: { max_gpus: number | null; gpu_hours: number | null; window_hours: number | null; source?: string };
+  held?: number;
+  may_take?: number | null;
+  borrow?: { allowance: number | null; borrowed: number; may_borrow_now: number };
+  gpu_hours_used?: number;
+  history_seconds?: number;
+  my_gpus?: string | null;
+  events: GpuEvent[];
+}
+
+const VISIBLE_MS = 3000; // while the page is seen
+const HIDDEN_MS = 30000; // a tab in the background
+
+export class GpuModel {
+  readonly changed = new Signal<GpuModel, Status>(this);
+  // the server could not be reached after it had answered: it stopped (or the network went)
+  readonly lost = new Signal<GpuModel, Status | null>(this);
+  status: Status | null = null;
+  private settings = ServerConnection.makeSettings();
+  private timer = 0;
+  private gone = false;
+
+  start(): void {
+    void this.poll();
+    document.addEventListener('visibilitychange', () => {
+      if (!document.hidden) {
+        void this.poll();
+      }
+    });
+  }
+
+  private url(path: string): string {
+    return URLExt.join(this.settings.baseUrl, 'gpuhub/api', path);
+  }
+
+  async poll(): Promise<void> {
+    window.clearTimeout(this.timer);
+    try {
+      const reply = await ServerConnection.makeRequest(this.url('status'), {}, this.settings);
+      const kind = reply.headers.get('Content-Type') || '';
+      if (!reply.ok || !kind.includes('json')) {
+        throw new Error(`the server answered ${reply.status}`);
+      }
+      const status = (await reply.json()) as Status;
+      this.gone = false;
+      this.status = status;
+      this.changed.emit(status);
+    } catch (e) {
+      if (!this.gone && this.status !== null) {
+        this.gone = true;
+        this.lost.emit(this.status);
+      }
+      const down: Status = {
+        available: false,
+        reason: `this server cannot be reached (${(e as Error).message})`,
+        summary: { text: 'GPU status unavailable' },
+        events: []
+      };
+      this.changed.emit(down);
+    }
+    this.timer = window.setTimeout(() => void this.poll(), document.hidden ? HIDDEN_MS : VISIBLE_MS);
+  }
+
+  private async act(path: string, method: string): Promise<string | null> {
+    const reply = await ServerConnection.makeRequest(this.url(path), { method }, this.settings);
+    if (reply.ok) {
+      void this.poll();
+      return null;
+    }
+    try {
+      return ((await reply.json()) as { message: string }).message;
+    } catch {
+      return `the server answered ${reply.status}`;
+    }
+  }
+
+  release(allocationId: number): Promise<string | null> {
+    return this.act(`allocations/${allocationId}/release`, 'POST');
+  }
+
+  leave(entryId: number): Promise<string | null> {
+    return this.act(`queue/${entryId}`, 'DELETE');
+  }
+}
+
+export function gpuWord(n: number): string {
+  return n === 1 ? '1 GPU' : `${n} GPUs`;
+}
+
+export function untilText(deadline: string, now: number = Date.now()): string {
+  const s = Math.max(0, Math.round((Date.parse(deadline) - now) / 1000));
+  if (s >= 3600) {
+    return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
+  }
+  return s >= 60 ? `${Math.floor(s / 60)} min ${s % 60} s` : `${s} s`;
+}
