@@ -140,7 +140,8 @@ class Hub:
 c = get_config()
 load_subconfig({str(self.base_config)!r})
 # the demo's showcase (borrowing, a 60 s notice, idle reclaim in minutes, students' 8 h and
-# their extensions, GPUs whose use follows their processes) is not the test hubs': each test sets what it tests, over the defaults
+# their extensions, GPUs whose use follows their processes) is not the test hubs': each test
+# sets what it tests, over the defaults
 for section, key in [("GpuHub", "default_borrow"), ("GpuHub", "preempt_grace_seconds"),
                      ("GpuHub", "group_max_hours"), ("GpuHub", "extension_max_hours"),
                      ("GpuHub", "simulated_load"),

@@ -99,7 +99,8 @@ def test_lab_shows_this_servers_gpus_their_live_use_and_the_kernels_icon(hub, to
     labels = [f"{g['node']}:{g['index']}" for g in a["gpus"]]
     assert [box.locator(".gpuhub-gpu").nth(i).get_attribute("data-gpu") for i in range(2)] == labels
     expect(page.locator(".gpuhub-limits")).to_contain_text(
-        f"limit 2 GPUs (user alice) · holding 2 GPUs · may take 0 more · may borrow {me['borrow']['may_borrow_now']} now"
+        "limit 2 GPUs (user alice) · holding 2 GPUs · may take 0 more · "
+        f"may borrow {me['borrow']['may_borrow_now']} now"
     )
 
     # a busy cell makes its GPUs busy: the simulated reading follows the kernel's CPU time
@@ -114,7 +115,9 @@ def test_lab_shows_this_servers_gpus_their_live_use_and_the_kernels_icon(hub, to
                 f"{label} busy in the panel",
             )
             chart = gpu.locator("canvas.gpuhub-chart")
-            wait_for(lambda chart=chart: float(chart.get_attribute("data-max") or 0) >= 20, 20, "the chart's peak")
+            wait_for(
+                lambda chart=chart: float(chart.get_attribute("data-max") or 0) >= 20, 20, "the chart's peak"
+            )
         util = hub.broker("GET", "utilization", tokens["alice"]).json()
         readings = {f"{g['node']}:{g['index']}": g["utilization"] for g in util["gpus"]}
         assert all(readings[label] is not None and readings[label] >= 20 for label in labels), readings
@@ -190,21 +193,26 @@ def test_an_idle_warning_a_queue_turn_and_a_lowered_limit_each_notify_once(hub, 
     [carols] = ledger.active(user="carol")
     ledger.release(carols.id, "test")
     wait_for(
-        lambda: hub.broker("POST", f"queue/{entry}/wait", tokens["alice"]).json()["allocation"], 30, "alice's turn"
+        lambda: hub.broker("POST", f"queue/{entry}/wait", tokens["alice"]).json()["allocation"],
+        30,
+        "alice's turn",
     )
     turn = page.locator(TOAST, has_text="your turn came")
     expect(turn).to_have_count(1, timeout=20_000)
-    # an admin raises her limit to 3 and she waits for a third GPU; then it goes down to 2
-    r = hub.broker("PUT", "limits/user/alice", tokens["admin"], json={"max_gpus": 3})
+    # an admin raises her limit to 4 and she waits for 2 more; then it goes down to 1: a wait
+    # for 2 can never start
+    r = hub.broker("PUT", "limits/user/alice", tokens["admin"], json={"max_gpus": 4})
     assert r.status_code == 200, r.text
-    waits = hub.broker("POST", "allocations", tokens["alice"], json={"gpus": 1, "wait": True, "server": ""})
+    waits = hub.broker("POST", "allocations", tokens["alice"], json={"gpus": 2, "wait": True, "server": ""})
     assert waits.status_code == 202, waits.text
     second = waits.json()["queued"]["id"]
     expect(page.locator(".gpuhub-status")).to_contain_text("queue: 1 of 1", timeout=20_000)
-    r = hub.broker("PUT", "limits/user/alice", tokens["admin"], json={"max_gpus": 2})
+    r = hub.broker("PUT", "limits/user/alice", tokens["admin"], json={"max_gpus": 1})
     assert r.status_code == 200, r.text
     wait_for(
-        lambda: hub.broker("POST", f"queue/{second}/wait", tokens["alice"]).json()["entry"]["state"] != "waiting",
+        lambda: (
+            hub.broker("POST", f"queue/{second}/wait", tokens["alice"]).json()["entry"]["state"] != "waiting"
+        ),
         30,
         "alice's second wait ended",
     )

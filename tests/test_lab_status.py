@@ -37,9 +37,30 @@ def me(*allocations, **kw):
 
 UTIL = {
     "gpus": [
-        {"node": "n1", "index": 0, "utilization": 40.0, "memory_used_mib": 1024, "memory_mib": 40960, "history": [[-3, 35.0]]},
-        {"node": "n1", "index": 1, "utilization": 80.0, "memory_used_mib": 2048, "memory_mib": 40960, "history": []},
-        {"node": "n1", "index": 2, "utilization": None, "memory_used_mib": None, "memory_mib": 40960, "history": []},
+        {
+            "node": "n1",
+            "index": 0,
+            "utilization": 40.0,
+            "memory_used_mib": 1024,
+            "memory_mib": 40960,
+            "history": [[-3, 35.0]],
+        },
+        {
+            "node": "n1",
+            "index": 1,
+            "utilization": 80.0,
+            "memory_used_mib": 2048,
+            "memory_mib": 40960,
+            "history": [],
+        },
+        {
+            "node": "n1",
+            "index": 2,
+            "utilization": None,
+            "memory_used_mib": None,
+            "memory_mib": 40960,
+            "history": [],
+        },
     ],
     "history_seconds": 600,
 }
@@ -54,8 +75,24 @@ def test_the_document_holds_this_servers_gpus_its_pools_and_its_waits_only():
         ),
         UTIL,
         [
-            {"id": 7, "gpus": 2, "purpose": "distributed", "server_name": "", "state": "waiting", "position": 2, "waiting": 3},
-            {"id": 8, "gpus": 1, "purpose": "server", "server_name": "other", "state": "waiting", "position": 1, "waiting": 3},
+            {
+                "id": 7,
+                "gpus": 2,
+                "purpose": "distributed",
+                "server_name": "",
+                "state": "waiting",
+                "position": 2,
+                "waiting": 3,
+            },
+            {
+                "id": 8,
+                "gpus": 1,
+                "purpose": "server",
+                "server_name": "other",
+                "state": "waiting",
+                "position": 1,
+                "waiting": 3,
+            },
         ],
         [],
         "",
@@ -63,20 +100,38 @@ def test_the_document_holds_this_servers_gpus_its_pools_and_its_waits_only():
     )
     assert doc["server"]["id"] == 1 and [g["label"] for g in doc["server"]["gpus"]] == ["n1:0", "n1:1"]
     assert doc["server"]["gpus"][0] | {} == {
-        "label": "n1:0", "node": "n1", "index": 0, "model": "Simulated A100", "utilization": 40.0,
-        "memory_used_mib": 1024, "memory_total_mib": 40960, "history": [[-3, 35.0]],
+        "label": "n1:0",
+        "node": "n1",
+        "index": 0,
+        "model": "Simulated A100",
+        "utilization": 40.0,
+        "memory_used_mib": 1024,
+        "memory_total_mib": 40960,
+        "history": [[-3, 35.0]],
     }
     assert [p["id"] for p in doc["pools"]] == [2] and doc["pools"][0]["gpus"][0]["utilization"] is None
     assert [q["id"] for q in doc["queue"]] == [7]
-    assert doc["summary"]["text"] == "2 GPUs Simulated A100 · 60 % · 3.0 GiB · pool: 1 GPU more · queue: 2 of 3"
+    assert (
+        doc["summary"]["text"] == "2 GPUs Simulated A100 · 60 % · 3.0 GiB · pool: 1 GPU more · queue: 2 of 3"
+    )
 
 
 @pytest.mark.parametrize(
     "server, pools, queue, text",
     [
         (None, [], [], "0 GPUs"),
-        ({"gpus": [{"model": "A", "utilization": None, "memory_used_mib": None}], "borrowed": 0}, [], [], "1 GPU A · no reading yet"),
-        ({"gpus": [{"model": "A", "utilization": 10.4, "memory_used_mib": 100}], "borrowed": 1}, [], [], "1 GPU A · 10 % · 100 MiB · 1 borrowed"),
+        (
+            {"gpus": [{"model": "A", "utilization": None, "memory_used_mib": None}], "borrowed": 0},
+            [],
+            [],
+            "1 GPU A · no reading yet",
+        ),
+        (
+            {"gpus": [{"model": "A", "utilization": 10.4, "memory_used_mib": 100}], "borrowed": 1},
+            [],
+            [],
+            "1 GPU A · 10 % · 100 MiB · 1 borrowed",
+        ),
     ],
 )
 def test_the_status_bar_says_count_model_use_and_markers(server, pools, queue, text):
@@ -85,13 +140,28 @@ def test_the_status_bar_says_count_model_use_and_markers(server, pools, queue, t
 
 def test_a_preemption_notice_is_an_event_with_its_deadline_until_it_ends_or_is_withdrawn():
     due = NOW + timedelta(seconds=60)
-    notice = {"id": 4, "allocation_id": 1, "purpose": "server", "server_name": "", "gpus": 2, "borrowed": 1,
-              "reason": "preempted: 1 borrowed GPU taken back", "created": iso(NOW), "due": iso(due),
-              "ended": None, "withdrawn": None}
+    notice = {
+        "id": 4,
+        "allocation_id": 1,
+        "purpose": "server",
+        "server_name": "",
+        "gpus": 2,
+        "borrowed": 1,
+        "reason": "preempted: 1 borrowed GPU taken back",
+        "created": iso(NOW),
+        "due": iso(due),
+        "ended": None,
+        "withdrawn": None,
+    }
     [e] = status.events(me(preempted=[notice]), [], "", NOW)
     assert (e["key"], e["kind"], e["deadline"]) == ("preempt:4", "preemption", iso(due))
-    assert (e["title"], e["message"]) == ("This server stops", "1 borrowed GPU taken back for a waiting request. Save your work now.")
-    assert e["past"] == "1 borrowed GPU was taken back for a waiting request" and e["detail"] == notice["reason"]
+    assert (e["title"], e["message"]) == (
+        "This server stops",
+        "1 borrowed GPU taken back for a waiting request. Save your work now.",
+    )
+    assert (
+        e["past"] == "1 borrowed GPU was taken back for a waiting request" and e["detail"] == notice["reason"]
+    )
     assert status.events(me(preempted=[notice | {"withdrawn": iso(NOW)}]), [], "", NOW) == []
     [ended] = status.events(me(preempted=[notice | {"ended": iso(due)}]), [], "", due)
     assert ended["key"] == "preempted:4" and ended["deadline"] is None
@@ -106,14 +176,22 @@ def test_an_idle_warning_is_one_event_per_spell_and_a_time_warning_one_per_end()
     [e] = status.events(me(a), [], "", NOW)
     assert e["kind"] == "idle" and e["deadline"] == iso(NOW + timedelta(seconds=120))
     # the same spell a few seconds on: the same key; used, then idle again: a new one
-    [same] = status.events(me(alloc(1, idle=idle | {"idle_seconds": 310.0, "reclaim_in_seconds": 110.0})), [], "", NOW + timedelta(seconds=10))
+    [same] = status.events(
+        me(alloc(1, idle=idle | {"idle_seconds": 310.0, "reclaim_in_seconds": 110.0})),
+        [],
+        "",
+        NOW + timedelta(seconds=10),
+    )
     assert same["key"] == e["key"]
     [again] = status.events(me(alloc(1, idle=idle)), [], "", NOW + timedelta(hours=1))
     assert again["key"] != e["key"]
     ends = iso(NOW + timedelta(minutes=30))
     [t] = status.events(me(alloc(1, time_limit={"ends": ends, "seconds": 3600, "warned": True})), [], "", NOW)
     assert (t["key"], t["deadline"]) == (f"time:1:{ends}", ends)
-    assert status.events(me(alloc(1, time_limit={"ends": ends, "seconds": 3600, "warned": False})), [], "", NOW) == []
+    assert (
+        status.events(me(alloc(1, time_limit={"ends": ends, "seconds": 3600, "warned": False})), [], "", NOW)
+        == []
+    )
 
 
 def test_a_wait_that_ended_says_whether_its_turn_came_or_why_not():
@@ -122,7 +200,9 @@ def test_a_wait_that_ended_says_whether_its_turn_came_or_why_not():
     turn, ended = status.events(me(), [granted, lowered], "", NOW)
     assert (turn["key"], turn["kind"], turn["level"]) == ("wait:7", "turn", "success")
     assert "Allocation #12" in turn["message"]
-    assert (ended["key"], ended["kind"]) == ("wait:8", "wait-ended") and ended["message"] == lowered["end_reason"]
+    assert (ended["key"], ended["kind"]) == ("wait:8", "wait-ended") and ended["message"] == lowered[
+        "end_reason"
+    ]
 
 
 @pytest.mark.parametrize(

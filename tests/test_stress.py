@@ -352,7 +352,9 @@ class Replay:
             before = [(c, d) for c, d in sorted(times) if c < moment]
             if before:
                 created, due = before[-1]
-                found.append(row | {"created": created, "due": due, "withdrawn": None, "withdrawn_reason": None})
+                found.append(
+                    row | {"created": created, "due": due, "withdrawn": None, "withdrawn_reason": None}
+                )
         return found
 
     def queue_at(self, moment: datetime, new: dict | None = None, maybe: list[dict] = ()):
@@ -449,7 +451,8 @@ def check_grant_order(
                 "created": moment,
                 "seen": moment,
             }
-        def place(maybe=()):
+
+        def place(moment=moment, new=new, entry_id=entry_id, server_name=server_name, user=user, maybe=()):
             found = {q.id: q for q in replay.queue_at(moment, new, maybe)}
             if entry_id is None:
                 [q] = [q for q in found.values() if q.server_name == server_name and q.user == user]
@@ -459,7 +462,7 @@ def check_grant_order(
         q = place()
         maybe = replay.earlier_notices(moment, gives or {})
         if q.position != 0 and maybe:
-            q = place(maybe)
+            q = place(maybe=maybe)
         if q.position != 0:
             problems.append(
                 f"allocation {alloc_id} ({user}, {count} GPUs{f', entry {entry_id}' if entry_id else ''}) "

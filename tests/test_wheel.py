@@ -8,7 +8,9 @@ path line in a ``.pth`` file: that adds the directory without running its ``.pth
 the checkout's editable install is not visible there.
 """
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +30,8 @@ pytestmark = pytest.mark.hub
 SPEC = "share/jupyter/kernels/python3-gpus/kernel.json"
 LAB_DEFAULTS = "share/jupyter/lab/settings/overrides.d/gpuhub.json"  # no news prompt in JupyterLab
 VENDOR = "spawner/broker/static/vendor"
+LAB_BUILD = "build/labextension/gpuhub-lab"  # JupyterLab's GPU panel, built by scripts/setup
+LABEXT = "share/jupyter/labextensions/gpuhub-lab"
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +40,13 @@ def wheel(tmp_path_factory) -> Path:
     scripts/setup, as a release build would be."""
     src = tmp_path_factory.mktemp("src")
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
-    # plus what scripts/setup adds from npm before it packages (chart.js for the pages)
+    # plus what scripts/setup adds from npm before it packages (chart.js for the pages, the
+    # built JupyterLab extension)
     vendor = [str(p.relative_to(REPO)) for p in (REPO / VENDOR).glob("*")]
     assert vendor, "scripts/setup puts chart.js in spawner/broker/static/vendor"
-    for name in [*files.stdout.splitlines(), *vendor]:
+    lab = [str(p.relative_to(REPO)) for p in (REPO / LAB_BUILD).rglob("*") if p.is_file()]
+    assert any(name.endswith("package.json") for name in lab), "scripts/setup builds labextension/"
+    for name in [*files.stdout.splitlines(), *vendor, *lab]:
         if (REPO / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, src / name)
@@ -64,13 +71,22 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-def test_the_wheel_holds_two_packages_and_the_kernel_spec_as_data(wheel):
+def test_the_wheel_holds_two_packages_the_kernel_spec_and_the_lab_extension_as_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     data = [n for n in names if ".data/" in n]
     assert top == {"spawner", "gpu_magics", *(t for t in top if t.startswith("jupyterhub_gpuhub-0"))}
     assert not [n for n in names if n.startswith(("kernels/", "tests/", "hub_config/"))]
-    assert sorted(n.split(".data/data/", 1)[1] for n in data) == sorted([SPEC, LAB_DEFAULTS])
+    found = sorted(n.split(".data/data/", 1)[1] for n in data)
+    logos = [f"share/jupyter/kernels/python3-gpus/logo-{n}" for n in ("32x32.png", "64x64.png", "svg.svg")]
+    configs = [
+        "etc/jupyter/jupyter_server_config.d/gpuhub-lab.json",
+        "etc/jupyter/labconfig/page_config.json",
+    ]
+    lab = [n for n in found if n.startswith(f"{LABEXT}/")]
+    assert sorted(set(found) - set(lab)) == sorted([SPEC, LAB_DEFAULTS, *logos, *configs])
+    assert f"{LABEXT}/package.json" in lab and f"{LABEXT}/install.json" in lab
+    assert any(re.fullmatch(rf"{LABEXT}/static/remoteEntry\.\w+\.js", n) for n in lab), lab
     # the pages' templates: the spawn-pending page's heading, the Services menu's names
     assert "spawner/spawners/templates/spawn_pending.html" in names
     assert "spawner/broker/templates/hub/page.html" in names
@@ -98,6 +114,10 @@ def installed(wheel, tmp_path_factory) -> Path:
         check=True,
         capture_output=True,
     )
+    # the dependencies' own switches, as their installs would write them: JupyterLab's server
+    # extension (the wheel's own gpuhub-lab.json is in place already)
+    config = env / "etc" / "jupyter" / "jupyter_server_config.d"
+    shutil.copy(Path(sys.prefix) / "etc" / "jupyter" / "jupyter_server_config.d" / "jupyterlab.json", config)
     return python
 
 
@@ -131,7 +151,12 @@ def test_the_installed_kernel_is_there_with_no_command(installed, tmp_path):
 
 
 def test_a_hub_from_the_installed_package_spawns_a_gpu_server_that_runs_gpus(installed, tmp_path):
-    hub = Hub(tmp_path, python=installed).start()
+    from jupyterlab.commands import get_app_dir
+
+    # JupyterLab's application (its data files) is this test environment's, as its Python
+    # packages are; the extensions and the page config are the clean environment's own
+    app = f"c.Spawner.environment = {{**c.Spawner.environment, 'JUPYTERLAB_DIR': {get_app_dir()!r}}}"
+    hub = Hub(tmp_path, python=installed, extra_config=app).start()
     ledger = Ledger(hub.ledger_url)
     try:
         hub.wait_for_broker()
@@ -158,6 +183,30 @@ def test_a_hub_from_the_installed_package_spawns_a_gpu_server_that_runs_gpus(ins
         status, out = run(kc, "%gpus")
         assert status == "ok" and f"Server allocation #{alloc.id}: 1 GPU," in out, out
         kc.stop_channels()
+        # JupyterLab's GPU panel: listed and enabled, its files served by alice's server, its
+        # server extension answering with her GPUs; ipyparallel's lab extension is off
+        listed = subprocess.run(
+            [str(installed), "-m", "jupyterlab.labextensions", "list"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        text = listed.stdout + listed.stderr
+        assert re.search(r"gpuhub-lab v\S+ .*enabled.*OK.*\(python, jupyterhub-gpuhub\)", text), text
+        alice = hub.login("alice")
+        lab = alice.get(f"{hub.url}/user/alice/lab")
+        assert lab.status_code == 200 and '"gpuhub-lab"' in lab.text  # in the page's federated list
+        config = json.loads(re.search(r'id="jupyter-config-data"[^>]*>(.*?)</script>', lab.text, re.S)[1])
+        assert "ipyparallel-labextension" in config["disabledExtensions"], config["disabledExtensions"]
+        [entry] = (installed.parent.parent / LABEXT / "static").glob("remoteEntry.*.js")
+        served = alice.get(f"{hub.url}/user/alice/lab/extensions/gpuhub-lab/static/{entry.name}")
+        assert served.status_code == 200 and served.content == entry.read_bytes(), (
+            served.status_code,
+            config.get("fullLabextensionsUrl"),
+            [e for e in config.get("federated_extensions", []) if e["name"] == "gpuhub-lab"],
+        )
+        st = alice.get(f"{hub.url}/user/alice/gpuhub/api/status").json()
+        assert st["available"] and st["server"]["id"] == alloc.id, st
         hub.stop_server("alice")
         assert ledger.active() == []
     finally:

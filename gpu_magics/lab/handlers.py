@@ -33,7 +33,9 @@ from gpu_magics.lab import status
 class StatusCache:
     """The broker's answers for this server, fetched at most once per ``max_age`` seconds."""
 
-    def __init__(self, client: BrokerClient | None, server_name: str, max_age: float = 2.0, clock=time.monotonic):
+    def __init__(
+        self, client: BrokerClient | None, server_name: str, max_age: float = 2.0, clock=time.monotonic
+    ):
         self.client, self.server_name, self.max_age, self.clock = client, server_name, max_age, clock
         self._doc: dict | None = None
         self._at = -1e18

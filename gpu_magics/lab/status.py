@@ -187,7 +187,9 @@ def events(
                     "level": "warning",
                     "title": f"{_gpu_count(n)} of {target.lower() if a['purpose'] == 'server' else target} "
                     "taken back for idleness",
-                    "message": f"Run something on {'it' if n == 1 else 'them'} to keep {'it' if n == 1 else 'them'}.",
+                    "message": "Run something on it to keep it."
+                    if n == 1
+                    else "Run something on them to keep them.",
                     "deadline": iso(datetime.fromtimestamp(due, UTC).replace(tzinfo=None)),
                     "past": f"its {_gpu_count(n)} sat idle and were taken back",
                     "detail": idle.get("reason") or "",
