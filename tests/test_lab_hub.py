@@ -15,6 +15,7 @@ import pytest
 from playwright.sync_api import expect
 
 from .hubtools import Hub, tidy_ledger, user_tokens, wait_for
+from .kerneltools import run_cell
 from .test_borrow_pages import login
 
 pytestmark = pytest.mark.hub
@@ -31,6 +32,8 @@ c.GpuHub.report_seconds = 1
 c.GpuBroker.sweep_seconds = 1
 c.GpuReclaim.warn_after_seconds = 15
 c.GpuReclaim.reclaim_after_seconds = 900
+c.GpuHub.default_max_hours = 1
+c.GpuHub.extension_max_hours = 2
 """
 TOAST = ".Toastify__toast"  # JupyterLab's notifications
 
@@ -222,3 +225,41 @@ def test_an_idle_warning_a_queue_turn_and_a_lowered_limit_each_notify_once(hub, 
     for text in ("taken back for idleness in", "your turn came", "ended."):
         assert toasts(page, text) == 1, text
     assert hub.broker("DELETE", "limits/user/alice", tokens["admin"]).status_code in (200, 204)
+
+
+def test_the_panel_shows_a_pools_ranks_and_its_autosave_and_extends_the_time_limit(
+    hub, tokens, ledger, browser
+):
+    assert hub.spawn("alice", {"gpus": 2}).status_code in (201, 202)
+    hub.wait_ready("alice")
+    [mine] = ledger.active(user="alice")
+    page = open_lab(browser, hub, "alice")
+    kc = hub.server_kernel("alice")
+    try:
+        status, out = run_cell(kc, "%%distributed --gpus 2 --autosave x\nimport os\nx = os.getpid()")
+        assert status == "ok", out
+        status, out = run_cell(kc, "%%distributed\nprint(os.environ['RANK'], os.getpid(), flush=True)")
+        assert status == "ok", out
+        pids = {int(r): int(p) for r, p in re.findall(r"(\d+) (\d+)", out)}
+        bar = page.locator(".gpuhub-status")
+        expect(bar).to_contain_text("pool: 2 ranks", timeout=20_000)
+        bar.click()
+        pool = page.locator(".gpuhub-pool")
+        expect(pool).to_have_count(1)
+        gpus = [g.label for g in mine.gpus]
+        for rank in (0, 1):
+            row = pool.locator(f'tr[data-rank="{rank}"]')
+            expect(row).to_have_attribute("data-state", "idle")
+            cells = [row.locator("td").nth(i).inner_text() for i in range(4)]
+            assert cells == [str(rank), gpus[rank].rsplit(":", 1)[0], gpus[rank], str(pids[rank])], cells
+        expect(pool.locator(".gpuhub-autosave")).to_contain_text("--autosave: x to ")
+        # the time limit (c.GpuHub.default_max_hours = 1) is extended from the panel
+        assert ledger.get(mine.id).time_limit_seconds == 3600
+        page.locator(f'.gpuhub-extend[data-allocation="{mine.id}"]').click()
+        wait_for(lambda: ledger.get(mine.id).time_limit_seconds == 7200, 20, "the time limit extended")
+        # the pool stopped: the panel says no more of it
+        status, out = run_cell(kc, "%distributed shutdown")
+        assert status == "ok", out
+        expect(pool).to_have_count(0, timeout=20_000)
+    finally:
+        kc.stop_channels()

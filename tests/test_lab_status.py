@@ -1,10 +1,13 @@
 """JupyterLab's GPU status document and its events (gpu_magics.lab.status), and the simulated
 GPUs whose use follows their processes (gpu_magics.report.simload): pure, table-tested."""
 
+import os
+import subprocess
 from datetime import datetime, timedelta
 
 import pytest
 
+from gpu_magics.common import poolstatus
 from gpu_magics.lab import status
 from gpu_magics.report import simload
 
@@ -228,3 +231,62 @@ def test_a_gpus_use_is_its_processes_cpu_time_and_memory_shared_among_their_gpus
     }
     load = simload.gpu_load(before, after, 2.0)
     assert load == {"n1:0": (25.0, 100.0), "n1:1": (100.0, 150.0), "n1:2": (0.0, 10.0)}
+
+
+def test_a_kernels_pool_is_published_privately_read_back_and_gone_with_its_kernel(tmp_path):
+    run = tmp_path / "runtime"
+    poolstatus.publish(run, {"ranks": [{"rank": 0, "state": "idle"}], "bursts": [], "autosave": None})
+    d = run / poolstatus.DIRNAME
+    assert oct(d.stat().st_mode & 0o777) == "0o700"
+    [f] = d.glob("*.json")
+    assert oct(f.stat().st_mode & 0o777) == "0o600"
+    assert poolstatus.read_all(run) == [
+        {"ranks": [{"rank": 0, "state": "idle"}], "bursts": [], "autosave": None, "kernel_pid": os.getpid()}
+    ]
+    # a kernel that is gone: its file goes on the next read
+    dead = _dead_pid()
+    (d / f"{dead}.json").write_text('{"ranks": []}')
+    assert [p["kernel_pid"] for p in poolstatus.read_all(run)] == [os.getpid()]
+    assert not (d / f"{dead}.json").exists()
+    poolstatus.withdraw(run)
+    assert poolstatus.read_all(run) == []
+    # a directory others may read is not used at all
+    d.chmod(0o755)
+    poolstatus.publish(run, {"ranks": []})
+    assert list(d.glob("*.json")) == [] and poolstatus.read_all(run) == []
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_the_status_bar_counts_a_pools_live_ranks_and_notices_say_what_autosave_keeps():
+    pools = [
+        {
+            "ranks": [{"state": "idle"}, {"state": "gone"}, {"state": "running a cell"}],
+            "bursts": [2],
+            "autosave": {"names": ["model", "opt"], "dir": "/home/a/ck"},
+        }
+    ]
+    assert status.summary(None, [{"gpu_count": 1, "borrowed": 0}], [], pools)["markers"] == [
+        "pool: 2 ranks, 1 burst"
+    ]
+    due = NOW + timedelta(seconds=60)
+    notice = {
+        "id": 4,
+        "allocation_id": 2,
+        "purpose": "distributed",
+        "server_name": "",
+        "gpus": 1,
+        "borrowed": 1,
+        "reason": "preempted",
+        "created": iso(NOW),
+        "due": iso(due),
+        "ended": None,
+        "withdrawn": None,
+    }
+    doc = status.document(me(preempted=[notice]), UTIL, [], [], "", NOW, pools)
+    [e] = doc["events"]
+    assert e["detail"] == "preempted --autosave saves model, opt to /home/a/ck first."

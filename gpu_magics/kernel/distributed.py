@@ -237,8 +237,10 @@ class DistributedMagics(CheckpointCommands, Magics):
             with self.lock:
                 self.busy -= 1
                 self._touch()
+            self.lifecycle.publish()  # JupyterLab's GPU panel: the ranks idle again
         if outcome.broken:
             self.lifecycle.shrink_lost(outcome)  # the others go on without the lost ranks, if they can
+            self.lifecycle.publish()
         self.preemption.after_cell(outcome, pool)
         timeleft.after_cell()
         if outcome.interrupted:

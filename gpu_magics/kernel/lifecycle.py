@@ -17,6 +17,7 @@ import time
 from IPython.core.error import UsageError
 from IPython.display import display, update_display
 
+from gpu_magics.common import poolstatus
 from gpu_magics.common.ranks import Slot, make_rank_specs
 from gpu_magics.common.session import backend, server_gpus
 from gpu_magics.kernel import resize, resizing
@@ -233,6 +234,7 @@ class Lifecycle:
                     self.autosave._restore_after_resize()
             self.busy += 1  # under the lock: the idle timer cannot slip in before the cell runs
             self.touch()
+            self.publish()
             return self.pool
 
     def _start(self, args, timeout: float, on_slurm: bool, launcher, key: tuple) -> None:
@@ -479,6 +481,38 @@ class Lifecycle:
         elif release:
             self.release_burst()
 
+    def publish(self) -> None:
+        """Tell JupyterLab's GPU panel what this kernel's pool is now (``common.poolstatus``)."""
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        try:
+            if self.pool is None:
+                poolstatus.withdraw(jupyter_runtime_dir())
+                return
+            pool = self.pool
+            gone = set(pool._gone(list(range(len(pool.infos))))) if pool.infos else set()
+            ranks = [
+                {
+                    "rank": spec.rank,
+                    "node": spec.slot.node,
+                    "gpu": spec.slot.label,
+                    "pid": pool.infos[i]["pid"] if i < len(pool.infos) else None,
+                    "state": "gone" if i in gone else ("running a cell" if self.busy else "idle"),
+                }
+                for i, spec in enumerate(pool.specs)
+            ]
+            autosave = self.autosave.autosave
+            doc = {
+                "bursts": [] if self.burst is None else [p.id for p in self.burst.parts],
+                "ranks": ranks,
+                "autosave": {"names": list(autosave), "dir": self.autosave.autosave_dir}
+                if autosave
+                else None,
+            }
+            poolstatus.publish(jupyter_runtime_dir(), doc)
+        except Exception:  # the panel's view only: never the cell's problem
+            pass
+
     def release_burst(self) -> None:
         if self.burst is not None:
             self.burst.release()  # says so when the broker could not be told
@@ -491,6 +525,7 @@ class Lifecycle:
             self.pool = None
             self.key = None
             self.autosave._forget_autosave(why)
+            self.publish()
         if release:
             self.release_burst()
 

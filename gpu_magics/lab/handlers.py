@@ -11,6 +11,8 @@ tabs. Routes:
   false, "reason": ...}`` while the broker cannot be asked;
 - ``POST gpuhub/api/allocations/{id}/release``: give back a ``%%distributed`` burst of this
   server (never the server's own GPUs: stopping the server does that);
+- ``POST gpuhub/api/allocations/{id}/extend`` (``{"hours": N}``): more time for this server or
+  one of its bursts, as the broker allows (``c.GpuHub.extension_max_hours``);
 - ``DELETE gpuhub/api/queue/{id}``: leave the queue.
 """
 
@@ -26,6 +28,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
+from gpu_magics.common import poolstatus
 from gpu_magics.kernel.broker import BrokerClient, BrokerError
 from gpu_magics.lab import status
 
@@ -34,9 +37,15 @@ class StatusCache:
     """The broker's answers for this server, fetched at most once per ``max_age`` seconds."""
 
     def __init__(
-        self, client: BrokerClient | None, server_name: str, max_age: float = 2.0, clock=time.monotonic
+        self,
+        client: BrokerClient | None,
+        server_name: str,
+        max_age: float = 2.0,
+        clock=time.monotonic,
+        runtime_dir: str | None = None,
     ):
         self.client, self.server_name, self.max_age, self.clock = client, server_name, max_age, clock
+        self.runtime_dir = runtime_dir  # where this user's kernels say what their pools are
         self._doc: dict | None = None
         self._at = -1e18
         self._lock = asyncio.Lock()
@@ -70,7 +79,9 @@ class StatusCache:
             return status.unavailable(e.message)
         now = datetime.now(UTC).replace(tzinfo=None)
         ended = [e for _, e in self._ended.values()]
-        return status.document(me, util, queue, ended, self.server_name, now) | {"my_gpus": self.pages}
+        pools = poolstatus.read_all(self.runtime_dir) if self.runtime_dir else []
+        doc = status.document(me, util, queue, ended, self.server_name, now, pools)
+        return doc | {"my_gpus": self.pages}
 
     def _follow(self, queue: list[dict]) -> None:
         """Remember this server's waiting entries; one gone from the queue is asked about
@@ -135,6 +146,22 @@ class ReleaseHandler(_Handler):
         await self.broker_call(self.cache.client.release, int(allocation_id))
 
 
+class ExtendHandler(_Handler):
+    @web.authenticated
+    async def post(self, allocation_id: str):
+        doc = await self.cache.get()
+        mine = {p["id"] for p in doc.get("pools", ())} | (
+            {doc["server"]["id"]} if doc.get("server") else set()
+        )
+        if int(allocation_id) not in mine:
+            return self.answer(404, {"message": f"allocation {allocation_id} is not this server's"})
+        try:
+            hours = float(json.loads(self.request.body or b"{}").get("hours"))
+        except (TypeError, ValueError, AttributeError):
+            return self.answer(400, {"message": 'send {"hours": N}: how many hours more'})
+        await self.broker_call(self.cache.client.extend, int(allocation_id), hours)
+
+
 class LeaveQueueHandler(_Handler):
     @web.authenticated
     async def delete(self, entry_id: str):
@@ -149,6 +176,7 @@ def setup(serverapp) -> None:
         BrokerClient(url, token, timeout=5) if url and token else None,  # a hung broker: a few s
         os.environ.get("JUPYTERHUB_SERVER_NAME", ""),
         max_age=float(os.environ.get("GPUHUB_LAB_CACHE_SECONDS", "2")),
+        runtime_dir=serverapp.runtime_dir,
     )
     web_app.settings["gpuhub_lab_cache"] = cache
     ident = r"(\d{1,18})"
@@ -157,6 +185,7 @@ def setup(serverapp) -> None:
         [
             (url_path_join(base, "gpuhub/api/status"), StatusHandler),
             (url_path_join(base, f"gpuhub/api/allocations/{ident}/release"), ReleaseHandler),
+            (url_path_join(base, f"gpuhub/api/allocations/{ident}/extend"), ExtendHandler),
             (url_path_join(base, f"gpuhub/api/queue/{ident}"), LeaveQueueHandler),
         ],
     )

@@ -78,9 +78,12 @@ def allocation_view(a: Mapping[str, Any], util: Mapping[str, Any]) -> dict[str, 
     }
 
 
-def summary(server: dict | None, pools: list[dict], queue: list[dict]) -> dict[str, Any]:
+def summary(
+    server: dict | None, pools: list[dict], queue: list[dict], kernel_pools: list[dict] = ()
+) -> dict[str, Any]:
     """The status bar's words: this server's GPUs (count and model), their mean use now, and
-    markers for borrowed GPUs, a pool's burst GPUs and a waiting burst's place."""
+    markers for borrowed GPUs, a running ``%%distributed`` pool (its ranks and burst GPUs) and
+    a waiting burst's place."""
     gpus = server["gpus"] if server else []
     models = sorted({g["model"] for g in gpus if g.get("model")})
     read = [g for g in gpus if g["utilization"] is not None]
@@ -96,7 +99,12 @@ def summary(server: dict | None, pools: list[dict], queue: list[dict]) -> dict[s
     if borrowed:
         markers.append(f"{borrowed} borrowed")
     burst = sum(a["gpu_count"] for a in pools)
-    if burst:
+    ranks = sum(1 for p in kernel_pools for r in p.get("ranks", ()) if r.get("state") != "gone")
+    if ranks:
+        markers.append(
+            f"pool: {ranks} rank{'s' if ranks != 1 else ''}" + (f", {burst} burst" if burst else "")
+        )
+    elif burst:
         markers.append(f"pool: {_gpu_count(burst)} more")
     for q in queue:
         markers.append(f"queue: {q['position']} of {q['waiting']}")
@@ -246,6 +254,27 @@ def events(
     return out
 
 
+def saves(kernel_pools: Iterable[Mapping[str, Any]]) -> str:
+    """What the pools' ``--autosave`` saves before they stop, and where ("" when none does)."""
+    said = [
+        f"{', '.join(p['autosave']['names'])} to {p['autosave']['dir']}"
+        for p in kernel_pools
+        if p.get("autosave")
+    ]
+    return f"--autosave saves {'; '.join(said)} first." if said else ""
+
+
+def with_autosave(found: list[dict], kernel_pools: list[dict]) -> list[dict]:
+    """A notice that stops a pool says what its autosave keeps (in the event's detail)."""
+    words = saves(kernel_pools)
+    if not words:
+        return found
+    return [
+        e | {"detail": f"{e['detail']} {words}".strip()} if e["kind"] in ("preemption", "idle", "time") else e
+        for e in found
+    ]
+
+
 def document(
     me: Mapping[str, Any],
     util: Mapping[str, Any],
@@ -253,8 +282,11 @@ def document(
     ended_waits: Iterable[Mapping[str, Any]],
     server_name: str,
     now: datetime,
+    kernel_pools: Iterable[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The whole answer of ``GET gpuhub/api/status`` (see ``docs/jupyterlab.md``)."""
+    """The whole answer of ``GET gpuhub/api/status`` (see ``docs/jupyterlab.md``);
+    ``kernel_pools``: what this server's kernels say of their pools (``common.poolstatus``)."""
+    kernel_pools = [dict(p) for p in kernel_pools]
     mine = [a for a in me.get("allocations", ()) if a.get("server_name", "") == server_name]
     server = next((allocation_view(a, util) for a in mine if a["purpose"] == "server"), None)
     pools = [allocation_view(a, util) for a in mine if a["purpose"] == "distributed"]
@@ -284,8 +316,9 @@ def document(
         "borrow": me.get("borrow"),
         "gpu_hours_used": me.get("gpu_hours_used"),
         "history_seconds": util.get("history_seconds"),
-        "summary": summary(server, pools, waiting),
-        "events": events(me, ended_waits, server_name, now),
+        "kernel_pools": kernel_pools,
+        "summary": summary(server, pools, waiting, kernel_pools),
+        "events": with_autosave(events(me, ended_waits, server_name, now), kernel_pools),
     }
 
 

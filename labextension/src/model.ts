@@ -47,6 +47,13 @@ export interface GpuEvent {
   detail: string; // the broker's full words
 }
 
+export interface KernelPool {
+  kernel_pid: number;
+  bursts: number[];
+  ranks: { rank: number; node: string; gpu: string; pid: number | null; state: string }[];
+  autosave: { names: string[]; dir: string } | null;
+}
+
 export interface Status {
   available: boolean;
   reason?: string;
@@ -62,6 +69,7 @@ export interface Status {
   gpu_hours_used?: number;
   history_seconds?: number;
   my_gpus?: string | null;
+  kernel_pools?: KernelPool[];
   events: GpuEvent[];
 }
 
@@ -118,8 +126,9 @@ export class GpuModel {
     this.timer = window.setTimeout(() => void this.poll(), document.hidden ? HIDDEN_MS : VISIBLE_MS);
   }
 
-  private async act(path: string, method: string): Promise<string | null> {
-    const reply = await ServerConnection.makeRequest(this.url(path), { method }, this.settings);
+  private async act(path: string, method: string, body?: object): Promise<string | null> {
+    const init = body === undefined ? { method } : { method, body: JSON.stringify(body) };
+    const reply = await ServerConnection.makeRequest(this.url(path), init, this.settings);
     if (reply.ok) {
       void this.poll();
       return null;
@@ -133,6 +142,10 @@ export class GpuModel {
 
   release(allocationId: number): Promise<string | null> {
     return this.act(`allocations/${allocationId}/release`, 'POST');
+  }
+
+  extend(allocationId: number, hours: number): Promise<string | null> {
+    return this.act(`allocations/${allocationId}/extend`, 'POST', { hours });
   }
 
   leave(entryId: number): Promise<string | null> {

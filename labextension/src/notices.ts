@@ -78,9 +78,14 @@ export class Notifier {
     const cause =
       events.find(e => DEADLINE_KINDS.has(e.kind) && e.deadline !== null && Date.parse(e.deadline) <= soon) ??
       events.find(e => e.kind === 'preempted' || e.kind === 'reclaimed');
-    const why = cause?.past
-      ? `This server stopped: ${cause.past}.`
-      : 'This server stopped, or cannot be reached; gpuhub gave no notice that this page saw.';
+    const saved = ((last ?? this.last)?.kernel_pools ?? [])
+      .filter(p => p.autosave !== null)
+      .map(p => `--autosave was set to save ${p.autosave!.names.join(', ')} to ${p.autosave!.dir} (unchecked here: the cell says what was saved)`);
+    const why =
+      (cause?.past
+        ? `This server stopped: ${cause.past}.`
+        : 'This server stopped, or cannot be reached; gpuhub gave no notice that this page saw.') +
+      (saved.length ? ` ${saved.join('; ')}.` : '');
     const myGpus = (last ?? this.last)?.my_gpus;
     Notification.error(why, {
       autoClose: false,

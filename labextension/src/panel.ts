@@ -68,6 +68,17 @@ export class GpuPanel extends Widget {
     for (const pool of status.pools ?? []) {
       parts.push(this.allocation(`%%distributed burst #${pool.id}`, pool, seen, true));
     }
+    for (const p of status.kernel_pools ?? []) {
+      const rows = p.ranks.map(r =>
+        el('tr', { 'data-rank': String(r.rank), 'data-state': r.state }, ...[String(r.rank), r.node, r.gpu, String(r.pid ?? ''), r.state].map(t => el('td', {}, t)))
+      );
+      const table = el('table', { class: 'gpuhub-ranks' }, el('tr', {}, ...['rank', 'node', 'GPU', 'pid', 'state'].map(t => el('th', {}, t))), ...rows);
+      const box = el('div', { class: 'gpuhub-pool', 'data-kernel': String(p.kernel_pid) }, el('strong', {}, `%%distributed pool: ${p.ranks.length} ranks`), table);
+      if (p.autosave) {
+        box.append(el('div', { class: 'gpuhub-autosave' }, `--autosave: ${p.autosave.names.join(', ')} to ${p.autosave.dir}`));
+      }
+      parts.push(box);
+    }
     for (const q of status.queue ?? []) {
       const leave = el('button', { class: 'jp-mod-styled gpuhub-leave', 'data-entry': String(q.id) }, 'Leave the queue');
       leave.addEventListener('click', () => void this.act(this.model.leave(q.id)));
@@ -120,7 +131,9 @@ export class GpuPanel extends Widget {
       box.append(el('div', { class: 'gpuhub-alert' }, `Taken back in ${untilText(a.preemption.due)}: ${a.preemption.reason}`));
     }
     if (a.time_limit) {
-      box.append(el('div', { class: 'gpuhub-time' }, `Time limit ends in ${untilText(a.time_limit.ends)}`));
+      const extend = el('button', { class: 'jp-mod-styled gpuhub-extend', 'data-allocation': String(a.id) }, 'Extend by 1 h');
+      extend.addEventListener('click', () => void this.act(this.model.extend(a.id, 1)));
+      box.append(el('div', { class: 'gpuhub-time' }, `Time limit ends in ${untilText(a.time_limit.ends)} `, extend));
     }
     if (a.idle && a.idle.state === 'warned' && a.idle.reclaim_in_seconds !== null) {
       box.append(el('div', { class: 'gpuhub-alert' }, `Idle: taken back in ${Math.round(a.idle.reclaim_in_seconds)} s unless used`));
