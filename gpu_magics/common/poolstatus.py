@@ -15,6 +15,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from gpu_magics.common.procs import alive
+
 DIRNAME = "gpuhub-pools"
 
 
@@ -50,16 +52,6 @@ def withdraw(runtime_dir: str | os.PathLike) -> None:
         (d / f"{os.getpid()}.json").unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_all(runtime_dir: str | os.PathLike) -> list[dict]:
     """Every live kernel's pool (kernel pid order); the files of kernels that are gone are removed."""
     d = directory(runtime_dir)
@@ -69,7 +61,7 @@ def read_all(runtime_dir: str | os.PathLike) -> list[dict]:
     for f in sorted(d.glob("*.json")):
         if not f.stem.isdigit():
             continue
-        if not _alive(int(f.stem)):
+        if not alive(int(f.stem)):
             f.unlink(missing_ok=True)
             continue
         try:
