@@ -290,3 +290,59 @@ def test_the_status_bar_counts_a_pools_live_ranks_and_notices_say_what_autosave_
     doc = status.document(me(preempted=[notice]), UTIL, [], [], "", NOW, pools)
     [e] = doc["events"]
     assert e["detail"] == "preempted --autosave saves model, opt to /home/a/ck first."
+
+
+class _Broker:
+    """The broker's answers for the cache's unit test (the real broker: tests/test_lab_hub.py)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.waiting = [
+            {
+                "id": 7,
+                "gpus": 1,
+                "purpose": "distributed",
+                "server_name": "",
+                "state": "waiting",
+                "position": 1,
+                "waiting": 1,
+            }
+        ]
+
+    def me(self):
+        self.calls += 1
+        return me()
+
+    def utilization(self):
+        return {"gpus": []}
+
+    def queue(self):
+        return {"queue": self.waiting}
+
+    def queue_entry(self, entry_id):
+        return {"id": entry_id, "state": "granted", "allocation_id": 12}
+
+
+def test_every_tab_shares_one_broker_fetch_per_period_and_a_wait_that_left_is_told():
+    import asyncio
+
+    from gpu_magics.lab.handlers import StatusCache
+
+    t = [0.0]
+    broker = _Broker()
+    cache = StatusCache(broker, "", max_age=2.0, clock=lambda: t[0])
+
+    async def tabs(n):
+        return await asyncio.gather(*(cache.get() for _ in range(n)))
+
+    docs = asyncio.run(tabs(5))
+    assert broker.calls == 1 and all(d is docs[0] for d in docs)
+    assert docs[0]["queue"][0]["id"] == 7
+    t[0] = 1.9
+    asyncio.run(tabs(3))
+    assert broker.calls == 1
+    broker.waiting = []  # its turn came: asked about once, then told
+    t[0] = 2.0
+    [doc] = asyncio.run(tabs(1))
+    assert broker.calls == 2
+    assert [(e["key"], e["kind"]) for e in doc["events"]] == [("wait:7", "turn")]
