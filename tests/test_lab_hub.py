@@ -181,7 +181,8 @@ def test_a_preempted_server_is_told_in_lab_with_a_countdown_then_why_it_stopped(
     # the broker stops bob's server at the due time: JupyterLab says why, not another error
     stopped = page.locator(TOAST, has_text="This server stopped: 2 borrowed GPUs were taken back")
     expect(stopped).to_have_count(1, timeout=60_000)
-    assert ledger.get(mine.id).end_reason == p.reason
+    ended = wait_for(lambda: (a := ledger.get(mine.id)).state == "released" and a, 30, "the stop recorded")
+    assert ended.end_reason == p.reason
     expect(page.get_by_text("IPP Extension Server Error")).to_have_count(0)
     expect(page.get_by_text("Failed to list clusters")).to_have_count(0)
     hub.wait_ready("dave")

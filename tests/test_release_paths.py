@@ -77,7 +77,9 @@ def server_kernel(hub, user: str):
     pid, conn = kernel_process(kid)
     kc = BlockingKernelClient(connection_file=conn)
     kc.load_connection_file()
-    kc.start_channels()
+    # no heartbeat channel: a client that does not own the kernel reads one heartbeat late
+    # by 1 s (a busy 2-core machine) as "the kernel died"; kernel_info's reply says it is up
+    kc.start_channels(hb=False)
     kc.wait_for_ready(timeout=60)
     return kc, pid
 
