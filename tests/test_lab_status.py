@@ -346,3 +346,21 @@ def test_every_tab_shares_one_broker_fetch_per_period_and_a_wait_that_left_is_to
     [doc] = asyncio.run(tabs(1))
     assert broker.calls == 2
     assert [(e["key"], e["kind"]) for e in doc["events"]] == [("wait:7", "turn")]
+
+
+def _proc(root, pid, environ: dict, utime: int, rss_kib: int):
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in environ.items()) + b"\0")
+    fields = ["S"] + ["0"] * 10 + [str(utime), "0"] + ["0"] * 30
+    (d / "stat").write_text(f"{pid} (python (x)) " + " ".join(fields))
+    (d / "status").write_text(f"Name:\tpython\nVmRSS:\t{rss_kib} kB\n")
+
+
+def test_a_process_counts_only_on_its_own_hubs_simulated_gpus(tmp_path):
+    hub = "/srv/a/gpuhub-simulated-utilization.json"
+    _proc(tmp_path, 10, {"GPUHUB_GPUS": "n1:0", "GPUHUB_SIMULATED_GPU_STATS": hub}, 2 * simload.TICKS, 2048)
+    _proc(tmp_path, 11, {"GPUHUB_GPUS": "n1:0", "GPUHUB_SIMULATED_GPU_STATS": "/srv/b/x.json"}, 5, 1024)
+    _proc(tmp_path, 12, {"PATH": "/usr/bin"}, 5, 1024)  # bound to no GPU
+    assert simload.read_processes(tmp_path, hub=hub) == {10: simload.ProcessReading(("n1:0",), 2.0, 2.0)}
+    assert set(simload.read_processes(tmp_path)) == {10, 11}

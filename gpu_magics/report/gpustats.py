@@ -162,7 +162,7 @@ class SimulatedSource:
         now = self.clock()
         if self._load is not None and now - self._load[0] < 0.5:  # one sweep asks once per node
             return self._load[1]
-        after = simload.read_processes()
+        after = simload.read_processes(hub=None if self.path is None else str(self.path))
         then, before = self._before or (now, {})
         self._before = (now, after)
         self._load = (now, simload.gpu_load(before, after, now - then))

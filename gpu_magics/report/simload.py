@@ -58,9 +58,11 @@ def gpu_load(
     return {label: (min(100.0, util), mem) for label, (util, mem) in load.items()}
 
 
-def read_process(pid_dir: Path) -> ProcessReading | None:
+def read_process(pid_dir: Path, hub: str | None = None) -> ProcessReading | None:
     """One process's binding, CPU time and memory; None when it is not bound to a GPU, is
-    gone, or is not ours to read."""
+    gone, is not ours to read, or (``hub``: a simulated GPUs' file) runs on another hub's
+    simulated GPUs (a server and what it starts carry their hub's ``GPUHUB_SIMULATED_GPU_STATS``:
+    two hubs on one machine have the same GPU names)."""
     try:
         environ = (pid_dir / "environ").read_bytes()
     except OSError:
@@ -68,10 +70,10 @@ def read_process(pid_dir: Path) -> ProcessReading | None:
     wanted = {}
     for item in environ.split(b"\0"):
         name, _, value = item.partition(b"=")
-        if name in (b"GPUHUB_RANK_GPU", b"GPUHUB_GPUS"):
+        if name in (b"GPUHUB_RANK_GPU", b"GPUHUB_GPUS", b"GPUHUB_SIMULATED_GPU_STATS"):
             wanted[name.decode()] = value.decode(errors="replace")
     gpus = gpus_of(wanted)
-    if not gpus:
+    if not gpus or (hub is not None and wanted.get("GPUHUB_SIMULATED_GPU_STATS") != hub):
         return None
     try:
         stat = (pid_dir / "stat").read_text()
@@ -84,12 +86,12 @@ def read_process(pid_dir: Path) -> ProcessReading | None:
     return ProcessReading(gpus, cpu, rss_kib / 1024)
 
 
-def read_processes(proc: str | os.PathLike = "/proc") -> dict[int, ProcessReading]:
-    """Every readable process bound to a GPU, by pid."""
+def read_processes(proc: str | os.PathLike = "/proc", hub: str | None = None) -> dict[int, ProcessReading]:
+    """Every readable process bound to a GPU (of ``hub``'s, see :func:`read_process`), by pid."""
     found = {}
     for entry in Path(proc).iterdir():
         if entry.name.isdigit():
-            reading = read_process(entry)
+            reading = read_process(entry, hub)
             if reading is not None:
                 found[int(entry.name)] = reading
     return found
