@@ -184,3 +184,26 @@ def test_an_interrupt_mid_training_step_leaves_every_model_training(kernel):
         assert all(stepped == 1 for _, _, _, stepped in gathered)
         assert len({tuple(full) for _, full, _, _ in gathered}) == 1
         assert len({tuple(replica) for _, _, replica, _ in gathered}) == 1
+
+
+APART = """%%distributed --gpus 2 --timeout 120
+if rank == 0:  # as if rank 0's optimizer stepped and rank 1's did not when the cell stopped
+    with torch.no_grad():
+        next(ddp.parameters()).add_(1.0)
+raise ValueError("stopped mid-step")
+"""
+
+
+def test_replicas_a_stopped_cell_left_apart_are_made_equal_again_and_said_so(kernel):
+    before = define(kernel)
+    out = kernel.run(APART)
+    assert out["status"] == "error", out["text"]
+    text = out["text"]
+    assert "freed" not in text and "reconnected" not in text  # no collective was out of step
+    assert (
+        "The ranks had stopped at different points of a step; made equal to rank 0's on every rank "
+        "(parameters and buffers): ddp. Each rank's optimizer state is its own." in text
+    ), text
+    gathered = kernel.result(AFTER)
+    assert [pid for pid, _, _, _ in gathered] == before
+    assert len({tuple(replica) for _, _, replica, _ in gathered}) == 1

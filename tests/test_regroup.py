@@ -117,3 +117,23 @@ def test_report_when_the_world_group_fails_says_fresh_engines():
     )
     assert not good
     assert "The world group did not answer on every rank; the next cell starts fresh engines." in notes
+
+
+@pytest.mark.parametrize(
+    "digests, apart",
+    [
+        ([], []),
+        ([{"ddp": [1.0, 2.0, 3.0]}, {"ddp": [1.0, 2.0, 3.0]}], []),
+        ([{"ddp": [1.0, 2.0, 3.0], "b": [0.0, 0, 0]}, {"ddp": [1.0, 2.5, 3.0], "b": [0.0, 0, 0]}], ["ddp"]),
+        ([{"ddp": [1.0, 2.0, 3.0], "own": [1.0, 1, 1]}, {"ddp": [1.0, 2.0, 3.0]}], []),  # not on every rank
+    ],
+)
+def test_ddp_replicas_left_apart_by_an_interrupt_are_found(digests, apart):
+    assert regroup.diverged(digests) == apart
+
+
+def test_the_cell_says_which_replicas_were_made_equal_and_that_optimizer_state_is_not():
+    assert regroup.resync_note([]) == []
+    [note] = regroup.resync_note(["ddp"])
+    assert "made equal to rank 0's on every rank (parameters and buffers): ddp." in note
+    assert "optimizer state is its own" in note

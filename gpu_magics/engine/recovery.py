@@ -247,6 +247,31 @@ def _sync_ddp(names: list[str]) -> list[str]:
     return done
 
 
+def ddp_digests() -> dict[str, list[float]]:
+    """Each DDP module's parameters and buffers in a few numbers computed where they are (no
+    copy to the host, no collective): equal replicas give equal numbers on every rank. An
+    interrupt between two collectives can stop one rank after its optimizer's step and
+    another before it: the ranks then hold different models with no group out of step."""
+    import torch
+    from IPython import get_ipython
+
+    ns = get_ipython().user_ns
+    out = {}
+    for name in ddp_names():
+        sums = torch.zeros(3, dtype=torch.float64)
+        with torch.no_grad():
+            for t in [*ns[name].module.parameters(), *ns[name].module.buffers()]:
+                x = t.detach().to(torch.float64)
+                sums += torch.stack([x.sum(), x.abs().sum(), (x * x).sum()]).cpu()
+        out[name] = sums.tolist()
+    return out
+
+
+def sync_ddp(names: list[str]) -> list[str]:
+    """``names``' DDP modules made equal to rank 0's (a broadcast on each one's group)."""
+    return _sync_ddp(names)
+
+
 def check_groups(names: list[str]) -> dict[str, str]:
     """A collective on each group named (this rank a member of each, every member asked for
     the same names in the same order): "" where it answered right, else what went wrong."""

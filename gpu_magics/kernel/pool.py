@@ -404,7 +404,15 @@ class EnginePool:
         each has run the same collectives on it and none was freed, else reconnect them in
         place on a fresh rendezvous (``engine.recovery.recover``, decided by ``regroup``), and
         check each with a collective. Notes for the cell."""
-        from gpu_magics.engine.recovery import ddp_names, group_state, holders, recover, reset_holders
+        from gpu_magics.engine.recovery import (
+            ddp_digests,
+            ddp_names,
+            group_state,
+            holders,
+            recover,
+            reset_holders,
+            sync_ddp,
+        )
 
         try:
             states = [self.client[eid].apply_async(group_state).get(timeout) for eid in self.engine_ids]
@@ -414,12 +422,22 @@ class EnginePool:
         if regroup.keep_groups(states):
             # the groups go on; what holds them may have stopped mid-step (an interrupt between
             # two collectives): every DDP and FSDP2 model made ready for a new step, locally
+            # and DDP replicas that the interrupt left apart (one rank stepped, another not)
+            # made equal to rank 0's again
             try:
                 resets = [self.client[eid].apply_async(reset_holders).get(timeout) for eid in self.engine_ids]
+                apart = regroup.diverged(
+                    [self.client[eid].apply_async(ddp_digests).get(timeout) for eid in self.engine_ids]
+                )
+                synced = []
+                if apart:
+                    replies = [self.client[eid].apply_async(sync_ddp, apart) for eid in self.engine_ids]
+                    self.client.wait(replies, timeout=timeout)
+                    synced = replies[0].get(0)
             except Exception as e:
                 self.broken = True
                 return [f"The ranks did not answer after the cell ({e}); the next cell starts fresh engines."]
-            return regroup.reset_notes(resets)
+            return regroup.reset_notes(resets) + regroup.resync_note(synced)
         order = sorted(range(len(states)), key=lambda i: states[i].get("rank", i))
         engines = [self.engine_ids[i] for i in order]
         states = [states[i] for i in order]

@@ -89,6 +89,25 @@ def reset_notes(resets: list[dict]) -> list[str]:
     )
 
 
+def diverged(digests: list[dict]) -> list[str]:
+    """The DDP modules (by name, held on every rank) whose replicas differ between ranks
+    (``recovery.ddp_digests`` of each rank)."""
+    if not digests:
+        return []
+    common = set.intersection(*(set(d) for d in digests))
+    return sorted(name for name in common if len({tuple(d[name]) for d in digests}) > 1)
+
+
+def resync_note(synced: list[str]) -> list[str]:
+    """The cell's words for replicas made equal again after the ranks stopped apart."""
+    if not synced:
+        return []
+    return [
+        "The ranks had stopped at different points of a step; made equal to rank 0's on every "
+        "rank (parameters and buffers): " + ", ".join(synced) + ". Each rank's optimizer state is its own."
+    ]
+
+
 def group_label(name: str, ranks: list[int], bound: dict[str, list[str]]) -> str:
     if name == WORLD:
         return f"the world group ({count(len(ranks), 'rank')})"
