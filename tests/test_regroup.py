@@ -132,8 +132,9 @@ def test_ddp_replicas_left_apart_by_an_interrupt_are_found(digests, apart):
     assert regroup.diverged(digests) == apart
 
 
-def test_the_cell_says_which_replicas_were_made_equal_and_that_optimizer_state_is_not():
-    assert regroup.resync_note([]) == []
-    [note] = regroup.resync_note(["ddp"])
-    assert "made equal to rank 0's on every rank (parameters and buffers): ddp." in note
-    assert "optimizer state is its own" in note
+def test_the_cell_says_which_replicas_and_optimizers_were_made_equal():
+    assert regroup.resync_note(None) == [] and regroup.resync_note({"modules": [], "optimizers": []}) == []
+    [note] = regroup.resync_note({"modules": ["ddp"], "optimizers": []})
+    assert note.endswith("made equal to rank 0's on every rank (parameters and buffers): ddp.")
+    [note] = regroup.resync_note({"modules": ["ddp"], "optimizers": ["opt"]})
+    assert note.endswith("(parameters and buffers): ddp, and the state of their optimizers: opt.")

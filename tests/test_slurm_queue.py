@@ -133,7 +133,10 @@ def test_the_spawn_page_shows_the_place_and_slurms_expected_start(hub, clean, br
     # the share in gpuhub's config is carol's association's Fairshare, written before sbatch
     out = slurm("sacctmgr", "-n", "-P", "show", "assoc", "account=gpuhub", "user=carol", "format=fairshare")
     assert out.stdout.split() == ["3"]
-    messages = progress_until(hub, "carol", ["Queued in Slurm", "expected start about"], timeout=60)
+    # Slurm gives the job its reason on its scheduler's pass: until then the line says "waiting"
+    messages = progress_until(
+        hub, "carol", ["Queued in Slurm", "expected start about", "Slurm's reason: Resources"], timeout=60
+    )
     line = messages[-1]
     job = hub.job_id("carol")
     # what Slurm itself says for this job, now: squeue --json's start_time and squeue --start

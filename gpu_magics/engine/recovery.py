@@ -267,9 +267,33 @@ def ddp_digests() -> dict[str, list[float]]:
     return out
 
 
-def sync_ddp(names: list[str]) -> list[str]:
-    """``names``' DDP modules made equal to rank 0's (a broadcast on each one's group)."""
-    return _sync_ddp(names)
+def sync_ddp(names: list[str]) -> dict[str, list[str]]:
+    """``names``' DDP modules made equal to rank 0's (a broadcast on each one's group), and
+    the optimizers in the namespace that step them: rank 0's state loaded on every rank (one
+    rank may have stepped where another had not, so their momentum and moments differ too,
+    and even their shape: a rank that never stepped has none)."""
+    import torch
+    import torch.distributed as dist
+    from IPython import get_ipython
+
+    modules = _sync_ddp(names)
+    ns = get_ipython().user_ns
+    optimizers = []
+    for name in names:
+        ddp = ns[name]
+        mine = {id(p) for p in ddp.module.parameters()}
+        for opt_name in sorted(k for k, v in list(ns.items()) if isinstance(v, torch.optim.Optimizer)):
+            opt = ns[opt_name]
+            if opt_name.startswith("_") or not any(
+                id(p) in mine for g in opt.param_groups for p in g["params"]
+            ):
+                continue
+            box = [opt.state_dict() if dist.get_rank(ddp.process_group) == 0 else None]
+            dist.broadcast_object_list(box, group_src=0, group=ddp.process_group)
+            if dist.get_rank(ddp.process_group) != 0:
+                opt.load_state_dict(box[0])
+            optimizers.append(opt_name)
+    return {"modules": modules, "optimizers": optimizers}
 
 
 def check_groups(names: list[str]) -> dict[str, str]:

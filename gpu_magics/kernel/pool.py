@@ -429,7 +429,7 @@ class EnginePool:
                 apart = regroup.diverged(
                     [self.client[eid].apply_async(ddp_digests).get(timeout) for eid in self.engine_ids]
                 )
-                synced = []
+                synced = None
                 if apart:
                     replies = [self.client[eid].apply_async(sync_ddp, apart) for eid in self.engine_ids]
                     self.client.wait(replies, timeout=timeout)

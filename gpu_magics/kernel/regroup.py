@@ -98,13 +98,16 @@ def diverged(digests: list[dict]) -> list[str]:
     return sorted(name for name in common if len({tuple(d[name]) for d in digests}) > 1)
 
 
-def resync_note(synced: list[str]) -> list[str]:
-    """The cell's words for replicas made equal again after the ranks stopped apart."""
-    if not synced:
+def resync_note(synced: dict | None) -> list[str]:
+    """The cell's words for replicas (and their optimizers) made equal again after the ranks
+    stopped apart (``recovery.sync_ddp`` of rank 0)."""
+    if not synced or not synced.get("modules"):
         return []
+    optimizers = synced.get("optimizers") or []
+    also = f", and the state of their optimizers: {', '.join(optimizers)}" if optimizers else ""
     return [
         "The ranks had stopped at different points of a step; made equal to rank 0's on every "
-        "rank (parameters and buffers): " + ", ".join(synced) + ". Each rank's optimizer state is its own."
+        f"rank (parameters and buffers): {', '.join(synced['modules'])}{also}."
     ]
 
 
