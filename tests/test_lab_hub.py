@@ -158,6 +158,11 @@ def test_lab_shows_this_servers_gpus_their_live_use_and_the_kernels_icon(
     try:
         expect(bar).to_have_text("GPU status unavailable", timeout=30_000)
         expect(page.locator(".jp-Dialog")).to_have_count(0)
+        # nothing is known to be this server's then: an action is refused as unavailable
+        r = alice.post(
+            f"{hub.url}/user/alice/gpuhub/api/allocations/{mine.id}/extend", headers=xsrf, json={"hours": 1}
+        )
+        assert r.status_code == 503 and r.json()["message"].startswith("GPU status unavailable"), r.text
     finally:
         os.kill(pid, signal.SIGCONT)
     expect(bar).to_contain_text("GPUs: 2 GPUs", timeout=30_000)

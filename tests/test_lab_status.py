@@ -364,3 +364,27 @@ def test_a_process_counts_only_on_its_own_hubs_simulated_gpus(tmp_path):
     _proc(tmp_path, 12, {"PATH": "/usr/bin"}, 5, 1024)  # bound to no GPU
     assert simload.read_processes(tmp_path, hub=hub) == {10: simload.ProcessReading(("n1:0",), 2.0, 2.0)}
     assert set(simload.read_processes(tmp_path)) == {10, 11}
+
+
+def test_deadlines_are_utc_whatever_the_machines_time_zone(monkeypatch):
+    import time
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        idle = {"state": "warned", "idle_seconds": 300.0, "reclaim_in_seconds": 120.0, "reason": "idle"}
+        [e] = status.events(me(alloc(1, idle=idle)), [], "", NOW)
+        assert e["deadline"] == iso(NOW + timedelta(seconds=120))
+        r = {
+            "id": 1,
+            "allocation_id": 1,
+            "purpose": "server",
+            "server_name": "",
+            "gpus": 1,
+            "reason": "idle",
+            "created": iso(NOW - timedelta(seconds=60)),
+        }
+        assert [e["kind"] for e in status.events(me(reclaimed=[r]), [], "", NOW)] == ["reclaimed"]
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()

@@ -123,6 +123,15 @@ class _Handler(APIHandler):
         self.cache.invalidate()
         self.answer(200, result or {})
 
+    async def doc_or_refuse(self) -> dict | None:
+        """The status an action checks its allocation against; None (and a 503 sent) while the
+        broker cannot be asked: then nothing is known to be this server's."""
+        doc = await self.cache.get()
+        if not doc.get("available"):
+            self.answer(503, {"message": f"GPU status unavailable: {doc.get('reason', '')}"})
+            return None
+        return doc
+
 
 class StatusHandler(_Handler):
     @web.authenticated
@@ -133,7 +142,8 @@ class StatusHandler(_Handler):
 class ReleaseHandler(_Handler):
     @web.authenticated
     async def post(self, allocation_id: str):
-        doc = await self.cache.get()
+        if (doc := await self.doc_or_refuse()) is None:
+            return
         bursts = {p["id"] for p in doc.get("pools", ())}
         if int(allocation_id) not in bursts:
             own = doc.get("server") and doc["server"]["id"] == int(allocation_id)
@@ -149,7 +159,8 @@ class ReleaseHandler(_Handler):
 class ExtendHandler(_Handler):
     @web.authenticated
     async def post(self, allocation_id: str):
-        doc = await self.cache.get()
+        if (doc := await self.doc_or_refuse()) is None:
+            return
         mine = {p["id"] for p in doc.get("pools", ())} | (
             {doc["server"]["id"]} if doc.get("server") else set()
         )

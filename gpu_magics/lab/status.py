@@ -15,15 +15,14 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from gpu_magics.kernel.notices import parse_due
+
 RECENT_SECONDS = 600  # what ended (a reclaim, a preemption, a wait) is told for this long
 
 
-def parse_iso(text: str | None) -> datetime | None:
-    """The broker's times (ISO 8601, UTC, naive or with an offset) as naive UTC."""
-    if not text:
-        return None
-    t = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    return t.astimezone(UTC).replace(tzinfo=None) if t.tzinfo else t
+def _epoch(now: datetime) -> float:
+    """A naive UTC time (the broker's) as Unix time, whatever the machine's own time zone."""
+    return now.replace(tzinfo=UTC).timestamp()
 
 
 def iso(t: datetime | None) -> str | None:
@@ -31,8 +30,7 @@ def iso(t: datetime | None) -> str | None:
 
 
 def _recent(text: str | None, now: datetime) -> bool:
-    t = parse_iso(text)
-    return t is not None and (now - t).total_seconds() <= RECENT_SECONDS
+    return bool(text) and _epoch(now) - parse_due(text) <= RECENT_SECONDS
 
 
 def _gpu_count(n: int) -> str:
@@ -185,12 +183,12 @@ def events(
         target = what(a["purpose"], a["server_name"], a["id"])
         idle = a.get("idle") or {}
         if idle.get("state") == "warned" and idle.get("reclaim_in_seconds") is not None:
-            due = now.timestamp() + float(idle["reclaim_in_seconds"])
+            due = _epoch(now) + float(idle["reclaim_in_seconds"])
             n = len(a["gpus"])
             out.append(
                 {
                     # one spell of idleness: it began idle_seconds ago (to the minute)
-                    "key": f"idle:{a['id']}:{int((now.timestamp() - float(idle['idle_seconds'])) // 60)}",
+                    "key": f"idle:{a['id']}:{int((_epoch(now) - float(idle['idle_seconds'])) // 60)}",
                     "kind": "idle",
                     "level": "warning",
                     "title": f"{_gpu_count(n)} of {target.lower() if a['purpose'] == 'server' else target} "

@@ -51,7 +51,7 @@ export class Notifier {
     }
     // an event no longer current (withdrawn, used again, extended) is forgotten: a new one shows
     for (const key of [...shown]) {
-      if (!current.has(key) && !key.startsWith('stopped:')) {
+      if (!current.has(key)) {
         shown.delete(key);
       }
     }
