@@ -1,14 +1,12 @@
 """A hub with two GPU models, spawning in the background: the model choice and the progress
 messages the spawn page shows."""
 
-import json
-
 import pytest
 import requests
 
 from spawner.ledger import Ledger
 
-from .hubtools import Hub, xsrf_from
+from .hubtools import Hub, wait_for, xsrf_from
 
 pytestmark = pytest.mark.hub
 
@@ -18,18 +16,15 @@ c.GpuHub.simulated_gpus = [
     {"node": "sim2", "count": 2, "model": "H100"},
 ]
 c.JupyterHub.tornado_settings = {"slow_spawn_timeout": 0}  # POST answers at once; spawn goes on
+
+import asyncio
+
+async def _slow_cleanup(spawner):  # erin's stops take 3 s more: a window to read progress in
+    if spawner.user.name == "erin":
+        await asyncio.sleep(3)
+
+c.Spawner.post_stop_hook = _slow_cleanup
 """
-
-
-def progress_events(hub, user):
-    url = f"{hub.url}/hub/api/users/{user}/server/progress"
-    with requests.get(url, headers={"Authorization": f"token {hub.token}"}, stream=True, timeout=90) as r:
-        for line in r.iter_lines(decode_unicode=True):
-            if line.startswith("data:"):
-                event = json.loads(line[5:])
-                yield event
-                if event.get("ready") or event.get("failed"):
-                    return
 
 
 def test_model_choice_and_progress_messages(tmp_path):
@@ -43,7 +38,7 @@ def test_model_choice_and_progress_messages(tmp_path):
 
         r = hub.spawn("alice", {"gpus": 2, "gpu_model": "H100"})
         assert r.status_code == 202
-        messages = [e.get("message", "") for e in progress_events(hub, "alice")]
+        messages = [e.get("message", "") for e in hub.progress("alice")]
         assert "Checking your GPU allowance" in messages
         assert "Allocated 2 GPUs: sim2:0, sim2:1" in messages
         assert any("ready" in m.lower() for m in messages[-1:]), messages
@@ -62,9 +57,22 @@ def test_model_choice_and_progress_messages(tmp_path):
         # a refusal in the background shows in the progress stream, and nothing is held
         r = hub.spawn("bob", {"gpus": 3, "gpu_model": "H100"})
         assert r.status_code == 202
-        events = list(progress_events(hub, "bob"))
+        events = list(hub.progress("bob"))
         assert events[-1].get("failed") and "at most 2 of model H100" in events[-1]["message"], events
         assert ledger.active(user="bob") == []
+
+        # progress asked while jupyterhub cleans up a failed start answers 400 (upstream,
+        # docs/known-issues.md); a reader that asks again gets the failure with its reason
+        url = f"{hub.url}/hub/api/users/erin/server/progress"
+        assert hub.spawn("erin", {"gpus": 3, "gpu_model": "H100"}).status_code == 202
+        wait_for(lambda: "Not starting erin's server" in hub.log(), 30, "erin's start to be refused")
+        r = requests.get(url, headers={"Authorization": f"token {hub.token}"}, timeout=30)
+        assert r.status_code == 400 and "not starting" in r.text, (
+            f"jupyterhub answered {r.status_code}: if upstream fixed the race, update "
+            f"docs/known-issues.md and the spawn page's reload\n{r.text}"
+        )
+        events = list(hub.progress("erin"))
+        assert events[-1].get("failed") and "at most 2 of model H100" in events[-1]["message"], events
         hub.stop_server("alice")
     finally:
         hub.stop()
