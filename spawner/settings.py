@@ -15,8 +15,9 @@ from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, Unicode, Un
 from traitlets.config import Configurable
 
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
-from spawner.policy import extensions, timelimits, values
+from spawner.policy import currencies, extensions, timelimits, values
 from spawner.policy.borrowing import BorrowRules, allowance_problem
+from spawner.policy.energy import Costing
 from spawner.policy.extensions import ExtendSettings
 from spawner.policy.fairshare import Shares, Weights, share_problem
 from spawner.policy.limits import DEFAULT_WINDOW_HOURS, Limit, LimitRules, parse_limit_field
@@ -208,6 +209,39 @@ class GpuHub(Configurable):
         utilization and memory, and its kernels' activity, to the broker, in seconds. The
         idle reclaim (``c.GpuReclaim``) and the admin page's live grid are built from these
         reports. ``c.GpuHub.report_seconds = 15``
+        """,
+    ).tag(config=True)
+
+    pue = Float(
+        1.0,
+        help="""The facility's power usage effectiveness: the energy the building draws per unit
+        the GPUs draw (cooling, power delivery). kWh at the meter = kWh at the GPUs times this.
+        1.0 (the default) counts the GPUs alone; a typical machine room is 1.2 to 1.6. From 1
+        to 5. ``c.GpuHub.pue = 1.3``
+        """,
+    ).tag(config=True)
+
+    energy_price = Float(
+        0.0,
+        help="""What a kWh at the meter costs, in ``energy_currency``: the pages, ``GET usage``
+        and ``gpuhub usage --energy`` show money only when a currency is set. 0 or more.
+        ``c.GpuHub.energy_price = 0.25``
+        """,
+    ).tag(config=True)
+
+    energy_currency = Unicode(
+        "",
+        help="""The ISO 4217 code of ``energy_price``'s currency (``"EUR"``, ``"USD"``, ``"CHF"``).
+        "" (the default): no money is shown, and no money budget may be set.
+        ``c.GpuHub.energy_currency = "EUR"``
+        """,
+    ).tag(config=True)
+
+    carbon_intensity = Float(
+        None,
+        allow_none=True,
+        help="""The grid's carbon intensity, in grams CO2e per kWh at the meter; None (the
+        default): no CO2e is shown. From 0 to 2000. ``c.GpuHub.carbon_intensity = 350``
         """,
     ).tag(config=True)
 
@@ -483,6 +517,27 @@ class GpuHub(Configurable):
             max_age_hours=self.priority_max_age_hours,
             half_life_hours=self.fairshare_half_life_hours,
         )
+
+    def costing(self) -> Costing:
+        """The facility's energy numbers, checked (a bad one raises ``ValueError`` naming its
+        trait and range)."""
+        pue, price, currency = self.pue, self.energy_price, self.energy_currency
+        carbon = self.carbon_intensity
+        if not 1.0 <= pue <= 5.0:
+            raise ValueError(f"c.GpuHub.pue must be from 1 to 5 (1: the GPUs alone); got {pue!r}")
+        if not 0.0 <= price < float("inf"):
+            raise ValueError(f"c.GpuHub.energy_price must be 0 or more per kWh; got {price!r}")
+        if currency and currency not in currencies.ISO_4217:
+            raise ValueError(
+                f"c.GpuHub.energy_currency must be an ISO 4217 code such as EUR, USD or GBP; got {currency!r}"
+            )
+        if price and not currency:
+            raise ValueError(f"c.GpuHub.energy_price is {price:g}: set c.GpuHub.energy_currency too")
+        if carbon is not None and not 0.0 <= carbon <= 2000.0:
+            raise ValueError(
+                f"c.GpuHub.carbon_intensity must be from 0 to 2000 g CO2e per kWh, or None; got {carbon!r}"
+            )
+        return Costing(pue=pue, price_per_kwh=price, currency=currency, carbon_g_per_kwh=carbon)
 
     def sync_inventory(self) -> None:
         """Read the inventory again and write it to the ledger (a node joined the cluster)."""

@@ -81,6 +81,7 @@ async def main() -> None:
         prefix=os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpuhub/"),
     )
     broker.backend = "slurm" if hub_settings.inventory == "slurm" else "local"
+    broker.costing = hub_settings.costing()
     broker.utilization = Utilization(
         reclaim.history_seconds,
         min_interval=reclaim.sample_seconds,

@@ -20,8 +20,10 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from spawner.broker import access
 from spawner.broker.access import Caller
+from spawner.broker.energy_meter import EnergyMeter
 from spawner.broker.utilization import Utilization
 from spawner.policy import values
+from spawner.policy.energy import Costing
 from spawner.policy.idle import IdleRules
 
 
@@ -38,6 +40,8 @@ class Broker:
         self.backend = "local"  # "slurm": bursts are Slurm jobs the user submits (deferred GPUs)
         self.accounting = None  # a SlurmAccounting: limits written to Slurm associations too
         self.utilization = Utilization()  # what servers and engines report of their GPUs
+        self.energy = EnergyMeter()  # energy per allocation, from gpuhub's own readings
+        self.costing = Costing()  # c.GpuHub.pue, energy_price, energy_currency, carbon_intensity
         self.reclaim_rules = IdleRules()  # c.GpuReclaim
         self.readings = "sampler"  # c.GpuReclaim.readings: whose readings decide reclaims
         self._groups: dict[str, tuple[float, list[str]]] = {}

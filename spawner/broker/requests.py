@@ -171,9 +171,15 @@ class SamplesReport:
     source: str
 
 
+# the most a GPU board draws (the largest today take about 1.2 kW); a reading above is refused
+MAX_GPU_WATTS = 2000
+POWER_FIELDS = ("power_watts", "energy_mj")
+
+
 def parse_samples(body: dict) -> SamplesReport:
-    """``{"gpus": [{"node", "index", "utilization", "memory_used_mib", "memory_total_mib"}],
-    "idle_seconds": 12.5, "source": "nvml"}``: what a server or engine measured."""
+    """``{"gpus": [{"node", "index", "utilization", "memory_used_mib", "memory_total_mib",
+    "power_watts", "energy_mj"}], "idle_seconds": 12.5, "source": "nvml"}``: what a server,
+    an engine or a node's sampler measured (power and the energy counter optional)."""
     from spawner.broker.utilization import Sample
 
     _only(body, ("gpus", "idle_seconds", "source"))
@@ -187,7 +193,7 @@ def parse_samples(body: dict) -> SamplesReport:
     for i, g in enumerate(gpus):
         if not isinstance(g, dict):
             raise BadRequest(f"'gpus'[{i}] must be an object.")
-        _only(g, ("node", "index", "utilization", "memory_used_mib", "memory_total_mib"))
+        _only(g, ("node", "index", "utilization", "memory_used_mib", "memory_total_mib", *POWER_FIELDS))
         node = g.get("node")
         try:
             node = values.parse_label(node, "node")
@@ -201,7 +207,10 @@ def parse_samples(body: dict) -> SamplesReport:
             raise BadRequest(f"'gpus'[{i}]['utilization'] is required: a percentage from 0 to 100.")
         used = _int(g, "memory_used_mib", lo=0, hi=2**31) or 0
         total = _int(g, "memory_total_mib", lo=0, hi=2**31)
-        samples.append(Sample(node, index, util, used, total))
+        # a reading of power is the reporter's word: below zero or beyond any GPU's draw is refused
+        power = _number(g, "power_watts", lo=0, hi=MAX_GPU_WATTS, unit="watts")
+        energy = _int(g, "energy_mj", lo=0, hi=2**63 - 1)
+        samples.append(Sample(node, index, util, used, total, power, energy))
     source = body.get("source", "")
     if not isinstance(source, str) or len(source) > 32 or not source.isprintable():
         raise BadRequest("'source' must be a short name, e.g. \"nvml\".")

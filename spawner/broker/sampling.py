@@ -70,6 +70,17 @@ def ingest(broker, samples: list[Sample], table) -> int:
     return updated
 
 
+async def meter(broker, samples: list[Sample], table) -> int:
+    """The energy since each sampled GPU's last reading, written to the ledger for the
+    allocations that held it (:mod:`.energy_meter`); returns how many rows changed."""
+    holders = {(st.gpu.node, st.gpu.index): st.holder for st in table if st.holder is not None}
+    left = broker.energy.left_holders(samples, holders)
+    ended = await broker.run(broker.ledger.ended_times, left) if left else {}
+    rules = broker.reclaim_rules
+    shares = broker.energy.observe(samples, holders, ended, rules.threshold, rules.stale_after)
+    return await broker.run(broker.ledger.add_energy, shares) if shares else 0
+
+
 class OwnSampler:
     """The broker's sampler of the GPUs on its own machine (see the module's docstring)."""
 
@@ -86,7 +97,17 @@ class OwnSampler:
         out = []
         for node in sorted({n for n, _ in gpus}):
             for s in self.source.sample(node, [i for n, i in gpus if n == node]):
-                out.append(Sample(s.node, s.index, s.utilization, s.memory_used_mib, s.memory_total_mib))
+                out.append(
+                    Sample(
+                        s.node,
+                        s.index,
+                        s.utilization,
+                        s.memory_used_mib,
+                        s.memory_total_mib,
+                        s.power_watts,
+                        s.energy_mj,
+                    )
+                )
         return out
 
     async def tick(self) -> int:
@@ -108,7 +129,9 @@ class OwnSampler:
         if self.failed:
             log.info("gpuhub's own GPU sampler reads the GPUs again")
             self.failed = False
-        return ingest(self.broker, samples, table)
+        updated = ingest(self.broker, samples, table)
+        await meter(self.broker, samples, table)
+        return updated
 
 
 class NodeSamplesHandler(APIHandler):
@@ -142,4 +165,5 @@ class NodeSamplesHandler(APIHandler):
         if unknown:
             return self.fail(400, f"GPU {', '.join(unknown)} is not in gpuhub's inventory.", "not_a_gpu")
         updated = ingest(self.broker, list(report.samples), table)
+        await meter(self.broker, list(report.samples), table)
         self.finish({"node": node, "gpus": len(report.samples), "allocations": updated})

@@ -35,6 +35,8 @@ class Sample:
     utilization: float
     memory_used_mib: int
     memory_total_mib: int | None
+    power_watts: float | None = None  # the board's draw now (None: not read)
+    energy_mj: int | None = None  # NVML's total-energy counter, millijoules since the driver loaded
 
 
 def epoch(t: datetime) -> float:

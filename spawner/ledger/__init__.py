@@ -35,6 +35,7 @@ the underscored ones are the transactions' and the inventory's own machinery):
   (``ExtensionRecords``): time limits extended, each extension a row.
 - ``limits`` (``LimitRecords``): ``_rules`` (the limits in force).
 - ``gpus`` (``GpuRecords``): ``_inventory``, ``_free``, ``_present`` (the GPUs).
+- ``energy`` (``EnergyRecords``): energy per allocation and day, ``energy_in`` (budgets).
 - ``usage`` (``UsageRecords``) and ``reclaims`` (``ReclaimRecords``: ``reclaim_reason_in``,
   ``undo_if_used_in``).
 
@@ -47,6 +48,7 @@ from spawner.ledger.admission import AdmissionRecords
 from spawner.ledger.allocations import AllocationRecords
 from spawner.ledger.borrowing import BorrowingRecords
 from spawner.ledger.borrowing_reads import BorrowingReads
+from spawner.ledger.energy import EnergyRecords
 from spawner.ledger.extensions import ExtensionRecords
 from spawner.ledger.gpus import GpuRecords
 from spawner.ledger.limits import LimitRecords
@@ -72,6 +74,7 @@ class Ledger(
     LimitRecords,
     GpuRecords,
     UsageRecords,
+    EnergyRecords,
     ReclaimRecords,
     LedgerBase,
 ):

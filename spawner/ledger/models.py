@@ -11,11 +11,12 @@ Times are naive UTC.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 
 from sqlalchemy import (
     Boolean,
     CheckConstraint,
+    Date,
     DateTime,
     Float,
     ForeignKey,
@@ -280,6 +281,30 @@ class TimeExtension(Base):
     # the time limit before it, and after it (what the allocation's end moved between)
     before_seconds: Mapped[float] = mapped_column(Float)
     after_seconds: Mapped[float] = mapped_column(Float)
+
+
+class EnergyUse(Base):
+    """The energy one allocation used on one UTC day, added up from gpuhub's own readings of
+    its GPUs (``policy.energy``; written by the broker): joules, the part while idle, and the
+    GPU-seconds measured and not (migration 0013). ``user`` is the allocation's, kept here so
+    that a year of days is read without a join."""
+
+    __tablename__ = "energy_use"
+    __table_args__ = (
+        UniqueConstraint("allocation_id", "day", name="uq_energy_use_allocation_day"),
+        Index("ix_energy_use_day_user", "day", "user"),
+        Index("ix_energy_use_user_day", "user", "day"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id"))
+    user: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(16))
+    day: Mapped[date] = mapped_column(Date)
+    joules: Mapped[float] = mapped_column(Float, default=0.0)
+    idle_joules: Mapped[float] = mapped_column(Float, default=0.0)
+    measured_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    unknown_seconds: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 def is_live(state=None):

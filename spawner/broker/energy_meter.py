@@ -1,0 +1,102 @@
+"""The broker's energy meter: gpuhub's own readings of each GPU (``sampling.ingest``), turned
+into energy per allocation and day (:mod:`spawner.policy.energy`) and written to the ledger.
+
+Only readings a user cannot write count (the broker's own sampler, ``gpuhub sampler`` on the
+nodes): a user's reporter's power goes to the owner's view alone. In memory it keeps, per GPU,
+the last reading and the allocation that held the GPU then; a restarted broker starts again
+from its next reading, and the time in between is counted as unknown for whoever held the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from spawner.broker.requests import MAX_GPU_WATTS
+from spawner.broker.utilization import Sample, epoch
+from spawner.policy import energy
+from spawner.policy.records import AllocationInfo
+
+log = logging.getLogger("gpuhub.broker")
+
+Key = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Held:
+    """Who held a GPU at a reading."""
+
+    allocation_id: int
+    start: float
+
+
+class EnergyMeter:
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self.last: dict[Key, energy.Point] = {}
+        self.held: dict[Key, Held | None] = {}
+        self.power: dict[Key, tuple[float, float]] = {}  # the last power read: (time, watts)
+        self.joules_written = 0.0  # since the broker started (for its log and tests)
+        self.unknown_seconds = 0.0
+
+    def left_holders(self, samples: Iterable[Sample], holders: Mapping[Key, AllocationInfo]) -> set[int]:
+        """The allocations that held a GPU at its last reading and no longer do: their end
+        times are needed (``ledger.ended_times``) to share the interval fairly."""
+        out = set()
+        for s in samples:
+            before = self.held.get((s.node, s.index))
+            now = holders.get((s.node, s.index))
+            if before is not None and (now is None or now.id != before.allocation_id):
+                out.add(before.allocation_id)
+        return out
+
+    def observe(
+        self,
+        samples: Iterable[Sample],
+        holders: Mapping[Key, AllocationInfo],
+        ended: Mapping[int, datetime | None],
+        threshold: float,
+        max_gap: float,
+        now: float | None = None,
+    ) -> list[energy.Share]:
+        """The energy since each GPU's last reading, shared among the allocations that held it."""
+        now = self.clock() if now is None else now
+        out: list[energy.Share] = []
+        for s in samples:
+            key = (s.node, s.index)
+            point = energy.Point(now, s.power_watts, s.energy_mj, s.utilization < threshold)
+            holder = holders.get(key)
+            current = None if holder is None else Held(holder.id, epoch(holder.created))
+            before, prev = self.held.get(key), self.last.get(key)
+            if s.power_watts is not None:
+                self.power[key] = (now, s.power_watts)
+            self.last[key], self.held[key] = point, current
+            if prev is None:
+                continue  # the first reading of this GPU: nothing to integrate yet
+            spans = []
+            if before is not None and (current is None or current.allocation_id != before.allocation_id):
+                end = ended.get(before.allocation_id)
+                # where its end is not known, it held the GPU until the next holder began
+                end_t = epoch(end) if end is not None else (current.start if current else now)
+                spans.append(energy.Span(before.allocation_id, before.start, end_t))
+            if current is not None:
+                spans.append(energy.Span(current.allocation_id, current.start, None))
+            if not spans:
+                continue
+            iv = energy.interval(prev, point, max_gap, MAX_GPU_WATTS)
+            out.extend(energy.attribute(iv, spans))
+        shares = energy.merge(out)
+        self.joules_written += sum(sh.joules for sh in shares)
+        self.unknown_seconds += sum(sh.unknown_seconds for sh in shares)
+        return shares
+
+    def watts(self, key: Key, stale_after: float, now: float | None = None) -> float | None:
+        """The GPU's last power reading, if it is recent."""
+        now = self.clock() if now is None else now
+        got = self.power.get(key)
+        if got is None or now - got[0] > stale_after:
+            return None
+        return got[1]

@@ -1,0 +1,144 @@
+"""Energy per allocation and day (a part of :class:`spawner.ledger.Ledger`): written by the
+broker from gpuhub's own readings (:mod:`spawner.policy.energy`), read by the pages, the API,
+the CLI, the metrics and the budgets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import date, datetime, timedelta
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from spawner.ledger.db import connection
+from spawner.ledger.models import Allocation, EnergyUse
+from spawner.policy.energy import Energy, Share
+
+_E = EnergyUse.__table__
+_SUMS = (
+    func.sum(_E.c.joules),
+    func.sum(_E.c.idle_joules),
+    func.sum(_E.c.measured_seconds),
+    func.sum(_E.c.unknown_seconds),
+)
+
+
+def _energy(row) -> Energy:
+    return Energy(*(float(v or 0.0) for v in row))
+
+
+def days(since: datetime, until: datetime) -> tuple[date, date]:
+    """The UTC days a period touches, first and last (energy is kept per day)."""
+    return since.date(), (until - timedelta(microseconds=1)).date()
+
+
+class EnergyRecords:
+    """Uses ``_tx``/``_read`` (``LedgerBase``)."""
+
+    def add_energy(self, shares: Iterable[Share]) -> int:
+        """Add ``shares`` to their allocation's days; returns how many rows changed. Shares of
+        allocations the ledger does not know are dropped."""
+        shares = list(shares)
+        if not shares:
+            return 0
+        with self._tx() as s:
+            ids = {sh.allocation_id for sh in shares}
+            owners = {
+                i: (u, p)
+                for i, u, p in s.execute(
+                    select(Allocation.id, Allocation.user, Allocation.purpose).where(Allocation.id.in_(ids))
+                )
+            }
+            rows = {
+                (r.allocation_id, r.day): r
+                for r in s.scalars(
+                    select(EnergyUse).where(
+                        EnergyUse.allocation_id.in_(ids), EnergyUse.day.in_({sh.day for sh in shares})
+                    )
+                )
+            }
+            changed = 0
+            for sh in shares:
+                if sh.allocation_id not in owners:
+                    continue
+                row = rows.get((sh.allocation_id, sh.day))
+                if row is None:
+                    user, purpose = owners[sh.allocation_id]
+                    row = EnergyUse(
+                        allocation_id=sh.allocation_id,
+                        user=user,
+                        purpose=purpose,
+                        day=sh.day,
+                        joules=0.0,
+                        idle_joules=0.0,
+                        measured_seconds=0.0,
+                        unknown_seconds=0.0,
+                    )
+                    s.add(row)
+                    rows[(sh.allocation_id, sh.day)] = row
+                row.joules += sh.joules
+                row.idle_joules += sh.idle_joules
+                row.measured_seconds += sh.measured_seconds
+                row.unknown_seconds += sh.unknown_seconds
+                changed += 1
+        return changed
+
+    def energy_in(self, s: Session, user: str, since: datetime, until: datetime) -> Energy:
+        """``user``'s energy on the days from ``since`` to ``until`` (inside a transaction)."""
+        first, last = days(since, until)
+        q = select(*_SUMS).where(_E.c.user == user, _E.c.day >= first, _E.c.day <= last)
+        return _energy(connection(s).execute(q).one())
+
+    def energy_totals(self, since: datetime, until: datetime, user: str | None = None) -> dict[str, Energy]:
+        """Energy per user on the days from ``since`` to ``until``."""
+        first, last = days(since, until)
+        q = select(_E.c.user, *_SUMS).where(_E.c.day >= first, _E.c.day <= last).group_by(_E.c.user)
+        if user is not None:
+            q = q.where(_E.c.user == user)
+        with self._read() as s:
+            return {u: _energy(rest) for u, *rest in connection(s).execute(q)}
+
+    def energy_by_purpose(self, user: str | None = None) -> dict[tuple[str, str], Energy]:
+        """Energy per user and purpose over all history (the metrics' counters)."""
+        q = select(_E.c.user, _E.c.purpose, *_SUMS).group_by(_E.c.user, _E.c.purpose)
+        if user is not None:
+            q = q.where(_E.c.user == user)
+        with self._read() as s:
+            return {(u, p): _energy(rest) for u, p, *rest in connection(s).execute(q)}
+
+    def energy_days(
+        self, since: datetime, until: datetime, user: str | None = None
+    ) -> dict[str, dict[date, Energy]]:
+        """Energy per user per UTC day from ``since`` to ``until`` (the admin page's bars)."""
+        first, last = days(since, until)
+        q = (
+            select(_E.c.user, _E.c.day, *_SUMS)
+            .where(_E.c.day >= first, _E.c.day <= last)
+            .group_by(_E.c.user, _E.c.day)
+        )
+        if user is not None:
+            q = q.where(_E.c.user == user)
+        out: dict[str, dict[date, Energy]] = {}
+        with self._read() as s:
+            for u, d, *rest in connection(s).execute(q):
+                day = d if isinstance(d, date) else date.fromisoformat(str(d))
+                out.setdefault(u, {})[day] = _energy(rest)
+        return out
+
+    def energy_of(self, allocation_ids: Iterable[int]) -> Energy:
+        """The energy of some allocations, all their days (a session so far)."""
+        ids = list(allocation_ids)
+        if not ids:
+            return Energy()
+        with self._read() as s:
+            return _energy(connection(s).execute(select(*_SUMS).where(_E.c.allocation_id.in_(ids))).one())
+
+    def ended_times(self, allocation_ids: Iterable[int]) -> dict[int, datetime | None]:
+        """When each of some allocations ended (None: still live): where an interval's
+        energy stops being theirs."""
+        ids = list(allocation_ids)
+        if not ids:
+            return {}
+        with self._read() as s:
+            q = select(Allocation.id, Allocation.ended).where(Allocation.id.in_(ids))
+            return dict(s.execute(q).all())

@@ -1,0 +1,188 @@
+"""Energy per allocation (spawner.policy.energy), the broker's meter over it, the facility's
+settings, and the ledger's energy rows (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+
+import pytest
+
+from spawner.broker.energy_meter import EnergyMeter
+from spawner.broker.utilization import Sample
+from spawner.ledger import Ledger
+from spawner.policy import Gpu
+from spawner.policy.energy import (
+    Costing,
+    Energy,
+    Interval,
+    Point,
+    Share,
+    Span,
+    attribute,
+    describe,
+    figures,
+    interval,
+)
+from spawner.policy.records import AllocationInfo
+from spawner.settings import GpuHub
+
+T0 = datetime(2026, 12, 7, 10, 0, tzinfo=UTC).timestamp()
+DAY = date(2026, 12, 7)
+
+
+def p(t, watts=None, mj=None, idle=False):
+    return Point(T0 + t, watts, mj, idle)
+
+
+@pytest.mark.parametrize(
+    "prev, cur, joules, how",
+    [
+        (p(0, 100, 1_000_000), p(10, 300, 3_000_000), 2000.0, "counter"),  # the counter, not the power
+        (p(0, 100, None), p(10, 300, None), 2000.0, "power"),  # trapezoid: (100+300)/2 * 10
+        (p(0, 100, 5_000_000), p(10, 100, 1_000), 1000.0, "power"),  # counter went back: a reset
+        (p(0, 100, 0), p(10, 100, 10**12), 1000.0, "power"),  # a jump past any GPU's draw
+        (p(0, None, 5_000_000), p(10, None, 1_000), None, "unknown"),  # reset, and no power
+        (p(0, 100, 0), p(10, None, None), None, "unknown"),  # nothing to go by
+        (p(0, 100, 0), p(1000, 100, 100_000_000), None, "unknown"),  # a gap: never zero
+    ],
+)
+def test_an_interval_uses_the_counter_then_power_and_says_unknown(prev, cur, joules, how):
+    iv = interval(prev, cur, max_gap=180, max_watts=2000)
+    assert iv.how == how
+    assert iv.joules == joules
+    assert iv.seconds == cur.t - prev.t
+
+
+def test_idle_needs_both_ends_under_the_threshold():
+    assert interval(p(0, 60, idle=True), p(10, 60, idle=True), 180, 2000).idle
+    assert not interval(p(0, 60, idle=True), p(10, 300, idle=False), 180, 2000).idle
+
+
+def test_an_interval_is_shared_by_the_time_each_holder_held_the_gpu():
+    iv = Interval(T0, T0 + 10, 1000.0, idle=False, how="counter")  # 100 W for 10 s
+    # allocation 1 ended at 4 s, allocation 2 began at 6 s: 2 s held by nobody
+    shares = {s.allocation_id: s for s in attribute(iv, [Span(1, T0 - 50, T0 + 4), Span(2, T0 + 6)])}
+    assert shares[1].joules == pytest.approx(400.0) and shares[1].measured_seconds == pytest.approx(4)
+    assert shares[2].joules == pytest.approx(400.0) and shares[2].measured_seconds == pytest.approx(6 - 2)
+    assert shares[1].idle_joules == 0.0
+
+
+def test_a_slice_gets_its_fraction_and_idle_energy_is_marked():
+    iv = Interval(T0, T0 + 10, 600.0, idle=True, how="power")
+    (s,) = attribute(iv, [Span(7, T0 - 1, None, share=0.25)])
+    assert s.joules == pytest.approx(150.0) and s.idle_joules == pytest.approx(150.0)
+    assert s.measured_seconds == pytest.approx(2.5)
+
+
+def test_an_interval_across_midnight_goes_to_both_days():
+    midnight = datetime(2026, 12, 8, tzinfo=UTC).timestamp()
+    iv = Interval(midnight - 30, midnight + 10, 4000.0, idle=False, how="counter")
+    shares = sorted(attribute(iv, [Span(1, midnight - 100)]), key=lambda s: s.day)
+    assert [s.day for s in shares] == [date(2026, 12, 7), date(2026, 12, 8)]
+    assert [round(s.joules) for s in shares] == [3000, 1000]
+
+
+def test_unknown_time_is_counted_as_unknown_never_as_zero():
+    iv = Interval(T0, T0 + 600, None, idle=False, how="unknown")
+    (s,) = attribute(iv, [Span(3, T0 - 1)])
+    assert s.joules == 0.0 and s.unknown_seconds == 600 and s.measured_seconds == 0
+
+
+def test_figures_derive_the_meter_money_and_carbon():
+    e = Energy(joules=3.6e6 * 2, idle_joules=3.6e6 * 0.5, measured_seconds=3600, unknown_seconds=1200)
+    f = figures(e, Costing(pue=1.5, price_per_kwh=0.2, currency="EUR", carbon_g_per_kwh=400))
+    assert f["gpu_kwh"] == 2.0 and f["idle_kwh"] == 0.5 and f["idle_share"] == 0.25
+    assert f["meter_kwh"] == 3.0 and f["cost"] == pytest.approx(0.6) and f["currency"] == "EUR"
+    assert f["co2e_kg"] == pytest.approx(1.2)
+    assert f["unknown_share"] == 0.25
+    bare = figures(e, Costing())
+    assert bare["cost"] is None and bare["co2e_kg"] is None and bare["meter_kwh"] == 2.0
+    text = describe(e, Costing(pue=1.5, price_per_kwh=0.2, currency="EUR"))
+    assert text.startswith("2.000 kWh at the GPUs (3.000 kWh at the meter, 0.60 EUR); 25 % of it idle")
+    assert "0.33 GPU-hours not measured" in text
+
+
+@pytest.mark.parametrize(
+    "setting, value, words",
+    [
+        ("pue", 0.9, "c.GpuHub.pue must be from 1 to 5"),
+        ("pue", float("nan"), "c.GpuHub.pue must be from 1 to 5"),
+        ("energy_price", -0.1, "c.GpuHub.energy_price must be 0 or more"),
+        ("energy_price", float("inf"), "c.GpuHub.energy_price must be 0 or more"),
+        ("energy_currency", "EURO", "c.GpuHub.energy_currency must be an ISO 4217 code"),
+        ("carbon_intensity", -1.0, "c.GpuHub.carbon_intensity must be from 0 to 2000"),
+        ("carbon_intensity", float("inf"), "c.GpuHub.carbon_intensity must be from 0 to 2000"),
+    ],
+)
+def test_bad_facility_settings_are_refused_with_the_setting_and_its_range(setting, value, words):
+    hub = GpuHub()
+    setattr(hub, setting, value)
+    if setting == "energy_price":
+        hub.energy_currency = "EUR"
+    with pytest.raises(ValueError, match=words.replace(".", r"\.")):
+        hub.costing()
+
+
+def test_a_price_without_a_currency_is_refused():
+    hub = GpuHub(energy_price=0.3)
+    with pytest.raises(ValueError, match="set c.GpuHub.energy_currency too"):
+        hub.costing()
+    assert GpuHub(energy_price=0.3, energy_currency="CHF", pue=1.4).costing() == Costing(1.4, 0.3, "CHF", None)
+
+
+def info(id_, created, gpus=()):
+    c = datetime.fromtimestamp(created, UTC).replace(tzinfo=None)
+    return AllocationInfo(id_, "alice", "server", "", "running", c, c, None, "local", None, None, tuple(gpus))
+
+
+def s(util=50.0, watts=None, mj=None):
+    return Sample("n1", 0, util, 0, None, watts, mj)
+
+
+def test_the_meter_shares_a_reading_between_the_holder_that_left_and_the_next():
+    meter = EnergyMeter()
+    key = ("n1", 0)
+    a, b = info(1, T0 - 100), info(2, T0 + 7)
+    assert meter.observe([s(watts=100)], {key: a}, {}, 5, 180, now=T0) == []  # first reading
+    got = meter.observe([s(watts=100)], {key: a}, {}, 5, 180, now=T0 + 5)
+    assert [(x.allocation_id, round(x.joules)) for x in got] == [(1, 500)]
+    # a ended at +6, b began at +7: the 10 s to +15 are 1 s a's, 1 s nobody's, 8 s b's
+    assert meter.left_holders([s()], {key: b}) == {1}
+    ended = {1: datetime.fromtimestamp(T0 + 6, UTC).replace(tzinfo=None)}
+    got = {x.allocation_id: x for x in meter.observe([s(watts=100)], {key: b}, ended, 5, 180, now=T0 + 15)}
+    assert round(got[1].joules) == 100 and round(got[2].joules) == 800
+    # an idle reading (under the threshold at both ends) marks the energy idle
+    got = meter.observe([s(util=1, watts=60)], {key: b}, {}, 5, 180, now=T0 + 25)
+    assert got[0].idle_joules == 0  # one end busy
+    got = meter.observe([s(util=1, watts=60)], {key: b}, {}, 5, 180, now=T0 + 35)
+    assert got[0].idle_joules == pytest.approx(600) and meter.watts(key, 60, now=T0 + 40) == 60
+
+
+@pytest.fixture
+def ledger(db_url):
+    led = Ledger(db_url)
+    led.sync_inventory([Gpu("n1", i, "A100") for i in range(2)])
+    yield led
+    led.close()
+
+
+def test_the_ledger_adds_energy_per_allocation_and_day_and_reads_it_back(ledger):
+    a = ledger.allocate("alice", [], 1)
+    b = ledger.allocate("bob", [], 1)
+    d1, d2 = DAY, DAY + timedelta(days=1)
+    ledger.add_energy([Share(a.id, d1, 1000.0, 400.0, 10.0, 0.0), Share(b.id, d1, 50.0, 0.0, 1.0, 5.0)])
+    ledger.add_energy([Share(a.id, d1, 500.0, 0.0, 5.0, 0.0), Share(a.id, d2, 300.0, 300.0, 3.0, 0.0)])
+    assert ledger.add_energy([Share(9999, d1, 1.0)]) == 0  # an allocation the ledger never had
+    since, until = datetime(2026, 12, 7), datetime(2026, 12, 9)
+    totals = ledger.energy_totals(since, until)
+    assert totals["alice"] == Energy(1800.0, 700.0, 18.0, 0.0)
+    assert totals["bob"] == Energy(50.0, 0.0, 1.0, 5.0)
+    assert ledger.energy_totals(since, datetime(2026, 12, 8))["alice"].joules == 1500.0  # one day
+    assert ledger.energy_days(since, until, user="alice") == {
+        "alice": {d1: Energy(1500.0, 400.0, 15.0, 0.0), d2: Energy(300.0, 300.0, 3.0, 0.0)}
+    }
+    assert ledger.energy_of([a.id]).joules == 1800.0
+    assert ledger.energy_by_purpose()[("alice", "server")].idle_joules == 700.0
+    ledger.release(a.id, "done")
+    assert ledger.ended_times([a.id, b.id])[b.id] is None
+    assert ledger.ended_times([a.id])[a.id] is not None
