@@ -10,7 +10,9 @@ Runs from the checkout (no install of gpuhub needed: the repository is put first
 1. NVML inventory: ``spawner.spawners.inventory.nvml_gpus()`` against ``nvidia-smi`` and torch.
 2. NVML sampling through ``gpu_magics.report.gpustats.NvmlSource``: idle, then while a bf16 matmul
    loop runs in another process (utilization and memory must rise); 2b: NVML's CPU affinity
-   for GPU 0 against this process's and dask-cuda's.
+   for GPU 0 against this process's and dask-cuda's; 2c: power and the energy counter
+   (``NvmlSource.sample``'s ``power_watts`` and ``energy_mj``, issue 33) every 0.1 s for 5 s
+   under the same load: the counter's rise against the trapezoid integral of the power.
 3. ``%%distributed --gpus 1 --backend nccl`` in a real ipykernel (jupyter_client) with the
    environment of a gpuhub server holding GPU 0, against the same DDP script under torchrun:
    same parameters (bitwise), step times, a second cell on the warm engine (same pid), the
@@ -27,6 +29,8 @@ failed, else 0.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -151,9 +155,9 @@ def gpustats():
 
         return mod
     except ImportError as e:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("gpuhub_gpustats", REPO / "gpu_magics" / "gpustats.py")
+        spec = importlib.util.spec_from_file_location(
+            "gpuhub_gpustats", REPO / "gpu_magics" / "report" / "gpustats.py"
+        )
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
@@ -427,6 +431,98 @@ def check_sampling(load_s: float = 4.0, ballast_gib: int = 4) -> tuple[str, str,
         return ("ok" if ok else "FAIL"), measured, details
     finally:
         src.close()
+
+
+def check_energy(seconds: float = 5.0, interval: float = 0.1) -> tuple[str, str, dict]:
+    """GPU 0's power and energy counter through NvmlSource every ``interval`` s for ``seconds``
+    while a bf16 matmul loop runs in another process (when torch can start one): the counter's
+    rise against the trapezoid integral of the power readings over the same samples."""
+    require_nvml()
+    gs = gpustats()
+    src = gs.NvmlSource()
+    node = socket.gethostname()
+    proc, load, why = None, None, ""
+    try:
+        first = src.sample(node, [0])[0]
+        if first.power_watts is None and first.energy_mj is None:
+            raise Skip("NVML reads neither the power nor the energy counter of GPU 0 here (not supported)")
+        if importlib.util.find_spec("torch") is None:
+            why = "torch is not installed"
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--helper", "load", str(seconds + 3), "0"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, CUDA_VISIBLE_DEVICES="0", CUDA_DEVICE_ORDER="PCI_BUS_ID"),
+            )
+            STATE.setdefault("procs", []).append(proc)
+            if proc.stdout.readline().strip() != "LOADING":
+                proc.wait(30)
+                last = (proc.stderr.read().strip().splitlines() or ["?"])[-1]
+                why = f"the load did not start: {last[:200]}"
+                proc = None
+            else:
+                time.sleep(1.0)  # NVML's power is an average over about the last second
+        readings, costs = [], []
+        t0 = time.monotonic()
+        while True:
+            a = time.monotonic()
+            s = src.sample(node, [0])[0]
+            b = time.monotonic()
+            costs.append(b - a)
+            readings.append((round((a + b) / 2 - t0, 4), s.power_watts, s.energy_mj))
+            if b - t0 >= seconds:
+                break
+            time.sleep(max(0.0, t0 + len(readings) * interval - time.monotonic()))
+        if proc is not None:
+            out, err = proc.communicate(timeout=30)
+            if proc.returncode:
+                raise RuntimeError(f"load helper exited {proc.returncode}: {err[-2000:]}")
+            load = json.loads(out.strip().splitlines()[-1])
+    finally:
+        src.close()
+    both = [(t, p, e) for t, p, e in readings if p is not None and e is not None]
+    powered = both or [(t, p, e) for t, p, e in readings if p is not None]
+    pairs = itertools.pairwise(powered)
+    integral_kj = sum((pa + pb) / 2 * (tb - ta) for (ta, pa, _), (tb, pb, _) in pairs) / 1e3
+    counted = both or [(t, p, e) for t, p, e in readings if e is not None]
+    counter_kj = (counted[-1][2] - counted[0][2]) / 1e6 if len(counted) > 1 else None
+    watts = [p for _, p, _ in powered]
+    details = {
+        "t_power_energy": readings,
+        "first": first.to_json(),
+        "load": load,
+        "sample_ms_median": round(sorted(costs)[len(costs) // 2] * 1e3, 3),
+        "unsupported": {k: sorted(v) for k, v in src.unsupported.items()},
+    }
+    problems = []
+    if any(e1 < e0 for (_, _, e0), (_, _, e1) in itertools.pairwise(counted)):
+        problems.append("the energy counter went back")
+    if watts and not 0 <= min(watts) <= max(watts) <= 2000:
+        problems.append(f"power {min(watts):.0f}-{max(watts):.0f} W: outside the broker's 0-2000 W")
+    ratio = integral_kj / counter_kj if counter_kj and len(powered) > 1 else None
+    if ratio is not None and not 0.8 <= ratio <= 1.2:
+        problems.append(f"the integral is {ratio:.2f}x the counter's rise")
+    span = powered[-1][0] - powered[0][0] if len(powered) > 1 else 0.0
+    row = (
+        f"counter {'n/a' if counter_kj is None else f'{counter_kj:.3f}'} kJ, "
+        f"integrated {integral_kj:.3f} kJ, ratio {'n/a' if ratio is None else f'{ratio:.3f}'}"
+    )
+    log(f"energy: {row}")
+    partial = len(readings) - len(both) if both else 0
+    measured = (
+        f"{row} over {span:.2f} s ({len(readings)} samples every {interval:g} s"
+        + (f", {partial} without both readings" if partial else "")
+        + ")"
+        + (f"; power mean {sum(watts) / len(watts):.0f}, peak {max(watts):.0f} W" if watts else "; no power")
+        + f" (idle before: {first.power_watts} W)"
+        + (f"; no energy counter ({'; '.join(f'{k}: {v}' for k, v in details['unsupported'].items())})"
+           if counter_kj is None else "")
+        + (f"; under bf16 matmul load ({load['tflops']} TFLOP/s)" if load else f"; no load ({why})")
+        + f"; one sample() {details['sample_ms_median']} ms (median)"
+    )  # fmt: skip
+    return verdict(problems, measured, details)
 
 
 def check_affinity() -> tuple[str, str, dict]:
@@ -1082,7 +1178,7 @@ def main() -> int:
     log(f"NVML: {STATE['nvml_problem'] or 'available'}; dry run: {dry}; work dir {tmp}")
 
     def want(c: str) -> bool:
-        return not only or c in only or c.rstrip("ab") in only
+        return not only or c in only or c.rstrip("abc") in only
 
     mode = "gloo" if dry else "NCCL"
     checks = [
@@ -1090,6 +1186,7 @@ def main() -> int:
         ("1", "NVML inventory", check_inventory, 90),
         ("2", "NVML sampling under load", check_sampling, 90),
         ("2b", "NVML CPU affinity", check_affinity, 30),
+        ("2c", "NVML power and energy counter", check_energy, 60),
         ("3", f"%%distributed {mode} vs torchrun", lambda: check_distributed(tmp, dry), 210),
         ("4a", "%dask_cuda magic", lambda: check_dask_magic(tmp, dry), 150),
         ("4b", "LocalCluster subprocess (CPU)" if dry else "LocalCUDACluster subprocess",

@@ -125,9 +125,10 @@ def test_bad_facility_settings_are_refused_with_the_setting_and_its_range(settin
 
 def test_a_price_without_a_currency_is_refused():
     hub = GpuHub(energy_price=0.3)
-    with pytest.raises(ValueError, match="set c.GpuHub.energy_currency too"):
+    with pytest.raises(ValueError, match=r"set c\.GpuHub\.energy_currency too"):
         hub.costing()
-    assert GpuHub(energy_price=0.3, energy_currency="CHF", pue=1.4).costing() == Costing(1.4, 0.3, "CHF", None)
+    costing = GpuHub(energy_price=0.3, energy_currency="CHF", pue=1.4).costing()
+    assert costing == Costing(1.4, 0.3, "CHF", None)
 
 
 def info(id_, created, gpus=()):

@@ -1,7 +1,8 @@
-"""GPU utilization and memory, sampled where the GPU is.
+"""GPU utilization, memory and power, sampled where the GPU is.
 
 The processes gpuhub already runs next to each GPU (the single-user server, the
-``%%distributed`` engines) sample their own GPUs with one of two sources:
+``%%distributed`` engines, a node's ``gpuhub sampler``) sample their own GPUs with one of two
+sources:
 
 - :class:`NvmlSource`: NVML through ``nvidia-ml-py`` (``pynvml``). A GPU is found by its
   index on its machine: NVML's PCI bus order (the order the spawner gives CUDA), or on Slurm
@@ -10,6 +11,22 @@ The processes gpuhub already runs next to each GPU (the single-user server, the
   file that whoever drives it writes, ``{"node:index": {"utilization": 80,
   "memory_used_mib": 1024}}``; a GPU not in the file is idle. The samples then travel
   exactly the way NVML's do.
+
+What a :class:`GpuSample` holds besides utilization and memory:
+
+- ``power_watts``: the board's draw at the time of the sample, in watts. From NVML's
+  ``nvmlDeviceGetPowerUsage`` (milliwatts); None where NVML cannot read it (some older GPUs
+  and vGPUs). A simulated GPU draws 60 W idle and up to 300 W at 100 % utilization:
+  ``SIM_IDLE_WATTS + utilization / 100 * (SIM_MAX_WATTS - SIM_IDLE_WATTS)``, unless its row of
+  the file says ``"power_watts"`` itself (a row whose power is not a number gets the model's).
+- ``energy_mj``: NVML's total-energy counter (``nvmlDeviceGetTotalEnergyConsumption``), the
+  millijoules the GPU used since the driver loaded; Volta and later, None elsewhere. A
+  simulated GPU has one only where its row says ``"energy_mj"`` (a whole number, so a test
+  can drive the counter, resets included). Where there is no counter, the broker integrates
+  the power readings over time instead.
+
+NVML calls a GPU cannot answer (``NVML_ERROR_NOT_SUPPORTED``) are remembered per GPU and not
+made again, so a sample costs the same on a GPU without power readings.
 
 ``make_source`` picks one from the variables the spawner sets: ``GPUHUB_GPU_SOURCE``
 (``nvml`` or ``simulated``), ``GPUHUB_SIMULATED_GPU_STATS`` (the file) and
@@ -20,6 +37,7 @@ the processes bound to it, :mod:`gpu_magics.report.simload`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,6 +49,13 @@ from gpu_magics.common.session import backend
 from gpu_magics.common.words import count
 from gpu_magics.report import simload
 
+# the simulated power model: a simulated GPU draws 60 W idle and up to 300 W at 100 % utilization
+SIM_IDLE_WATTS = 60.0
+SIM_MAX_WATTS = 300.0
+
+# the readings a sample may lack: left out of its JSON when None (what an older broker accepts)
+POWER_FIELDS = ("power_watts", "energy_mj")
+
 
 @dataclass(frozen=True)
 class GpuSample:
@@ -39,13 +64,19 @@ class GpuSample:
     utilization: float  # percent of the last sample period a kernel ran, 0-100
     memory_used_mib: int
     memory_total_mib: int | None
+    power_watts: float | None = None  # the board's draw now (None: not read)
+    energy_mj: int | None = None  # NVML's total-energy counter, millijoules since the driver loaded
 
     @property
     def label(self) -> str:
         return f"{self.node}:{self.index}"
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for key in POWER_FIELDS:
+            if out[key] is None:
+                del out[key]
+        return out
 
 
 class NvmlUnavailable(RuntimeError):
@@ -69,6 +100,21 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def simulated_power(utilization: float) -> float:
+    """A simulated GPU's draw in watts at ``utilization`` percent (0-100): linear from
+    ``SIM_IDLE_WATTS`` idle to ``SIM_MAX_WATTS`` at 100 %."""
+    return SIM_IDLE_WATTS + utilization / 100 * (SIM_MAX_WATTS - SIM_IDLE_WATTS)
+
+
+def _finite(value: Any) -> bool:
+    """A JSON number that is one (not a bool, NaN or infinity)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value: Any) -> bool:
+    return _finite(value) and value == int(value)
+
+
 class NvmlSource:
     """Samples this machine's GPUs through NVML. Raises :class:`NvmlUnavailable` when it
     cannot start (no driver, no library)."""
@@ -85,6 +131,12 @@ class NvmlSource:
             except ImportError as e:
                 raise NvmlUnavailable("nvidia-ml-py is not installed: pip install nvidia-ml-py") from e
         self.nvml = nvml
+        # per GPU index, the optional calls its NVML cannot answer (NOT_SUPPORTED): not made again
+        self.unsupported: dict[int, set[str]] = {}
+        self._never = (
+            getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3),
+            getattr(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", 13),  # a driver without the call
+        )
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as e:
@@ -119,8 +171,39 @@ class NvmlSource:
             h = self.handle(i)
             util = self.nvml.nvmlDeviceGetUtilizationRates(h)
             mem = self.nvml.nvmlDeviceGetMemoryInfo(h)
-            out.append(GpuSample(node, i, float(util.gpu), mem.used // 2**20, mem.total // 2**20))
+            milliwatts = self._optional(i, h, "nvmlDeviceGetPowerUsage")
+            energy = self._optional(i, h, "nvmlDeviceGetTotalEnergyConsumption")
+            out.append(
+                GpuSample(
+                    node,
+                    i,
+                    float(util.gpu),
+                    mem.used // 2**20,
+                    mem.total // 2**20,
+                    None if milliwatts is None else milliwatts / 1000.0,
+                    None if energy is None else int(energy),
+                )
+            )
         return out
+
+    def _optional(self, index: int, h: Any, call: str) -> Any:
+        """``nvml.<call>(h)``, or None where this GPU cannot answer it. A call NVML does not
+        support on this GPU (or does not have at all) is remembered and not made again; any
+        other error (a GPU busy resetting, say) gives None this time only."""
+        skip = self.unsupported.get(index)
+        if skip is not None and call in skip:
+            return None
+        nvml = self.nvml
+        fn = getattr(nvml, call, None)
+        if fn is None:  # an nvidia-ml-py without it
+            self.unsupported.setdefault(index, set()).add(call)
+            return None
+        try:
+            return fn(h)
+        except nvml.NVMLError as e:
+            if getattr(e, "value", None) in self._never:
+                self.unsupported.setdefault(index, set()).add(call)
+            return None
 
     def cpu_affinity(self, index: int) -> list[int]:
         """The CPUs nearest GPU ``index`` (NVML's ideal affinity, as dask-cuda uses)."""
@@ -178,14 +261,18 @@ class SimulatedSource:
                 util, mem = load[f"{node}:{i}"]
                 row = {"utilization": round(util, 1), "memory_used_mib": round(mem)}
             row = row or {}
-            util = float(row.get("utilization", 0))
+            util = min(max(float(row.get("utilization", 0)), 0.0), 100.0)
+            power = row.get("power_watts")  # the file's own, as given (the broker judges it)
+            energy = row.get("energy_mj")  # a simulated counter: only where the file keeps one
             out.append(
                 GpuSample(
                     node,
                     i,
-                    min(max(util, 0.0), 100.0),
+                    util,
                     int(row.get("memory_used_mib", 0)),
                     row.get("memory_total_mib"),
+                    float(power) if _finite(power) else simulated_power(util),
+                    int(energy) if _whole(energy) else None,
                 )
             )
         return out

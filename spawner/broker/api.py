@@ -14,12 +14,13 @@ from tornado import web
 from tornado.escape import url_unescape
 
 from spawner import policy
-from spawner.broker import access
+from spawner.broker import access, energy_views
 from spawner.broker import requests as schemas
 from spawner.broker import responses as views
 from spawner.broker.handlers import APIHandler
 from spawner.ledger import utcnow
 from spawner.policy import values
+from spawner.policy.energy import figures
 
 
 class MeHandler(APIHandler):
@@ -35,19 +36,25 @@ class MeHandler(APIHandler):
         preempted = await self.broker.run(ledger.preemption_notices, caller.name)
         util = self.broker.utilization
         idle = {a.id: views.idle_json(util.verdicts.get(a.id), util.clock()) for a in allocations}
-        self.finish(
-            views.me_json(
-                caller.name,
-                groups,
-                allowance,
-                allocations,
-                idle,
-                notices,
-                preempted,
-                ledger.time_warnings,
-                ledger.clock(),
-            )
+        used = await self.broker.run(ledger.energy_per_allocation, [a.id for a in allocations])
+        me = views.me_json(
+            caller.name,
+            groups,
+            allowance,
+            allocations,
+            idle,
+            notices,
+            preempted,
+            ledger.time_warnings,
+            ledger.clock(),
         )
+        costing = self.broker.costing
+        me["energy"] = energy_views.costing_json(costing)
+        for a in me["allocations"]:
+            e = used.get(a["id"])
+            # None: nothing measured yet (a new allocation, or GPUs gpuhub's sampler does not read)
+            a["energy"] = None if e is None else figures(e, costing)
+        self.finish(me)
 
 
 class AllocationsHandler(APIHandler):
@@ -264,11 +271,21 @@ class UsageHandler(APIHandler):
         starts, series = await self.broker.run(ledger.usage_series, since, until, bucket, who)
         borrowing = await self.broker.run(ledger.borrowing_totals, since, until, who)
         usage = views.usage_json(since, until, totals, starts, series, borrowing)
+        usage["energy"] = await self.energy(since, until, who, starts)
         if fmt == "csv":
             self.set_header("Content-Type", "text/csv; charset=utf-8")
             self.set_header("Content-Disposition", 'attachment; filename="gpuhub-usage.csv"')
             return self.finish(views.usage_csv(usage))
         self.finish(usage)
+
+    async def energy(self, since, until, who, starts) -> dict:
+        ledger = self.broker.ledger
+        energy = await self.broker.run(ledger.energy_totals, since, until, who)
+        days = await self.broker.run(ledger.energy_days, since, until, who)
+        groups = None
+        if who is None:  # an admin's view of everyone: per group too
+            groups = {u: await self.broker.groups_of(u) for u in energy}
+        return energy_views.usage_energy_json(self.broker.costing, energy, days, since, starts, groups)
 
 
 class AdminHandler(APIHandler):

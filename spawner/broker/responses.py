@@ -7,6 +7,7 @@ import io
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from spawner.broker import energy_views
 from spawner.broker.utilization import Reading, Utilization, epoch
 from spawner.policy.idle import Verdict
 from spawner.policy.limits import Limit
@@ -249,15 +250,19 @@ def usage_json(
 
 
 def usage_csv(usage: dict[str, Any]) -> str:
-    """``usage_json``'s buckets as CSV, one row per bucket and user: what the chart draws."""
+    """``usage_json``'s buckets as CSV, one row per bucket and user: what the chart draws, with
+    the bucket's energy where ``usage`` has it (``energy_views.csv_columns``)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["bucket_start", "user", "gpu_hours"])
-    for user, hours in usage["series"].items():
-        for start, h in zip(usage["buckets"], hours, strict=True):
+    energy = "energy" in usage
+    writer.writerow(["bucket_start", "user", "gpu_hours", *(energy_views.CSV_HEADER if energy else [])])
+    users = sorted(set(usage["series"]) | set(usage.get("energy", {}).get("series", {})))
+    for user in users:
+        hours = usage["series"].get(user) or [0.0] * len(usage["buckets"])
+        for i, (start, h) in enumerate(zip(usage["buckets"], hours, strict=True)):
             # a name starting with = + - @ would be a formula to a spreadsheet
             shown = "'" + user if user[:1] in ("=", "+", "-", "@") else user
-            writer.writerow([start, shown, f"{h:.4f}"])
+            writer.writerow([start, shown, f"{h:.4f}", *energy_views.csv_columns(usage, user, i)])
     return out.getvalue()
 
 

@@ -3,9 +3,10 @@ reclaims where the broker cannot sample them itself (Slurm nodes; docs/reclaim.m
 
 Run it on each node as root or the hub's account (a systemd unit, say), never as a user: what it
 reports decides whether a user's GPUs count as idle. Every ``--interval`` seconds it samples
-the node's GPUs (NVML, or the simulated file on a machine without GPUs) and posts them to the
-broker's ``POST nodes/{node}/samples`` with the token in ``--token-file``, which must be
-readable by its owner only (the broker's ``gpuhub-sampler`` service: ``enable_broker(c,
+the node's GPUs (NVML, or the simulated file on a machine without GPUs: utilization, memory,
+and power and the energy counter where the GPU has them) and posts them to the broker's
+``POST nodes/{node}/samples`` with the token in ``--token-file``, which must be readable by
+its owner only (the broker's ``gpuhub-sampler`` service: ``enable_broker(c,
 sampler_token_file=...)`` on the hub). A failed post is logged and the next one goes on.
 
     gpuhub sampler --broker-url http://hub:8000/services/gpuhub/api/v1/ \\
@@ -27,21 +28,23 @@ from spawner.cli.output import UsageError
 log = logging.getLogger("gpuhub.sampler")
 
 
+OPTIONAL = ("memory_total_mib", "power_watts", "energy_mj")  # left out where not read
+
+
 def make_report(samples) -> dict:
-    """The body of ``POST nodes/{node}/samples`` for ``gpu_magics.report.gpustats.GpuSample``s (pure)."""
-    return {
-        "source": "gpuhub-sampler",
-        "gpus": [
-            {
-                "node": s.node,
-                "index": s.index,
-                "utilization": s.utilization,
-                "memory_used_mib": s.memory_used_mib,
-                **({"memory_total_mib": s.memory_total_mib} if s.memory_total_mib is not None else {}),
-            }
-            for s in samples
-        ],
-    }
+    """The body of ``POST nodes/{node}/samples`` for ``gpu_magics.report.gpustats.GpuSample``s
+    (pure): with the board's power and NVML's energy counter where they were read, which the
+    broker integrates into each allocation's energy."""
+    gpus = []
+    for s in samples:
+        g = {"node": s.node, "index": s.index, "utilization": s.utilization}
+        g["memory_used_mib"] = s.memory_used_mib
+        for key in OPTIONAL:
+            value = getattr(s, key, None)
+            if value is not None:
+                g[key] = value
+        gpus.append(g)
+    return {"source": "gpuhub-sampler", "gpus": gpus}
 
 
 def register(sub) -> None:

@@ -133,6 +133,15 @@ class EnergyRecords:
         with self._read() as s:
             return _energy(connection(s).execute(select(*_SUMS).where(_E.c.allocation_id.in_(ids))).one())
 
+    def energy_per_allocation(self, allocation_ids: Iterable[int]) -> dict[int, Energy]:
+        """Each of some allocations' energy, all their days (those with none measured are left out)."""
+        ids = list(allocation_ids)
+        if not ids:
+            return {}
+        q = select(_E.c.allocation_id, *_SUMS).where(_E.c.allocation_id.in_(ids)).group_by(_E.c.allocation_id)
+        with self._read() as s:
+            return {i: _energy(rest) for i, *rest in connection(s).execute(q)}
+
     def ended_times(self, allocation_ids: Iterable[int]) -> dict[int, datetime | None]:
         """When each of some allocations ended (None: still live): where an interval's
         energy stops being theirs."""
