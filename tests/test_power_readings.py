@@ -215,18 +215,26 @@ def test_null_power_and_energy_are_accepted_as_not_read():
 
 @pytest.mark.parametrize(
     "field, value",
-    [
-        ("power_watts", -1),
-        ("power_watts", 5000),
-        ("power_watts", "200"),
-        ("energy_mj", -1),
-        ("energy_mj", 1.5),
-    ],
+    [("power_watts", -1), ("power_watts", 5000), ("power_watts", 1e308), ("energy_mj", -1)],
 )
-def test_the_broker_refuses_an_impossible_reading_naming_the_field(field, value):
+def test_an_impossible_reading_is_left_out_and_counted_the_rest_of_the_sample_stands(field, value):
+    gpu = {"node": "n", "index": 0, "utilization": 10, "power_watts": 100.0, "energy_mj": 5, field: value}
+    r = parse_samples({"gpus": [gpu]})
+    assert r.refused == (("n:0", field, value),)
+    assert getattr(r.samples[0], field) is None
+    assert r.samples[0].utilization == 10
+    other = "energy_mj" if field == "power_watts" else "power_watts"
+    assert getattr(r.samples[0], other) == gpu[other]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("power_watts", "200"), ("power_watts", True), ("energy_mj", 1.5), ("energy_mj", "7")],
+)
+def test_a_reading_that_is_not_a_number_refuses_the_report_naming_the_field(field, value):
     gpu = {"node": "n", "index": 0, "utilization": 10, field: value}
     with pytest.raises(BadRequest) as e:
         parse_samples({"gpus": [gpu]})
     message = str(e.value)
     assert f"'{field}'" in message
-    assert ("from 0 to 2000 watts" if field == "power_watts" else "whole number from 0") in message
+    assert ("a number from 0 to 2000" if field == "power_watts" else "a whole number from 0") in message

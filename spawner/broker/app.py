@@ -19,6 +19,7 @@ from tornado import web
 from tornado.ioloop import PeriodicCallback
 from traitlets.config import Config
 
+from spawner.broker.energy_metrics import EnergyCollector
 from spawner.broker.handlers import Broker
 from spawner.broker.metrics import Metrics, UtilizationCollector
 from spawner.broker.preempter import Preempter
@@ -82,6 +83,7 @@ async def main() -> None:
     )
     broker.backend = "slurm" if hub_settings.inventory == "slurm" else "local"
     broker.costing = hub_settings.costing()
+    broker.energy.seed(ledger.energy_by_purpose())  # the counters go on from the ledger's totals
     broker.utilization = Utilization(
         reclaim.history_seconds,
         min_interval=reclaim.sample_seconds,
@@ -90,6 +92,7 @@ async def main() -> None:
     broker.reclaim_rules = rules
     broker.readings = reclaim.readings.lower()
     broker.metrics.registry.register(UtilizationCollector(broker))
+    broker.metrics.registry.register(EnergyCollector(broker))
     reclaimer = Reclaimer(broker, rules)
     from spawner.slurm.accounting import SlurmAccounting
 

@@ -39,8 +39,22 @@ class EnergyMeter:
         self.last: dict[Key, energy.Point] = {}
         self.held: dict[Key, Held | None] = {}
         self.power: dict[Key, tuple[float, float]] = {}  # the last power read: (time, watts)
-        self.joules_written = 0.0  # since the broker started (for its log and tests)
-        self.unknown_seconds = 0.0
+        self.owners: dict[int, tuple[str, str]] = {}  # allocation id: (user, purpose)
+        # every user's energy by purpose, all history: the ledger's at the start, then what this
+        # meter wrote (the metrics' counters, read without a query per scrape)
+        self.totals: dict[tuple[str, str], energy.Energy] = {}
+
+    def seed(self, totals: Mapping[tuple[str, str], energy.Energy]) -> None:
+        self.totals = dict(totals)
+
+    def count(self, shares: Iterable[energy.Share]) -> None:
+        """Add what was written to the ledger to the counters."""
+        for sh in shares:
+            owner = self.owners.get(sh.allocation_id)
+            if owner is None:
+                continue
+            e = energy.Energy(sh.joules, sh.idle_joules, sh.measured_seconds, sh.unknown_seconds)
+            self.totals[owner] = self.totals.get(owner, energy.Energy()).plus(e)
 
     def left_holders(self, samples: Iterable[Sample], holders: Mapping[Key, AllocationInfo]) -> set[int]:
         """The allocations that held a GPU at its last reading and no longer do: their end
@@ -70,6 +84,8 @@ class EnergyMeter:
             point = energy.Point(now, s.power_watts, s.energy_mj, s.utilization < threshold)
             holder = holders.get(key)
             current = None if holder is None else Held(holder.id, epoch(holder.created))
+            if holder is not None:
+                self.owners[holder.id] = (holder.user, holder.purpose)
             before, prev = self.held.get(key), self.last.get(key)
             if s.power_watts is not None:
                 self.power[key] = (now, s.power_watts)
@@ -88,10 +104,7 @@ class EnergyMeter:
                 continue
             iv = energy.interval(prev, point, max_gap, MAX_GPU_WATTS)
             out.extend(energy.attribute(iv, spans))
-        shares = energy.merge(out)
-        self.joules_written += sum(sh.joules for sh in shares)
-        self.unknown_seconds += sum(sh.unknown_seconds for sh in shares)
-        return shares
+        return energy.merge(out)
 
     def watts(self, key: Key, stale_after: float, now: float | None = None) -> float | None:
         """The GPU's last power reading, if it is recent."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from datetime import datetime
 from typing import Any
@@ -25,6 +26,8 @@ from spawner.broker.utilization import Utilization
 from spawner.policy import values
 from spawner.policy.energy import Costing
 from spawner.policy.idle import IdleRules
+
+log = logging.getLogger("gpuhub.broker")
 
 
 class Broker:
@@ -45,6 +48,19 @@ class Broker:
         self.reclaim_rules = IdleRules()  # c.GpuReclaim
         self.readings = "sampler"  # c.GpuReclaim.readings: whose readings decide reclaims
         self._groups: dict[str, tuple[float, list[str]]] = {}
+        self.refused_readings: dict[str, int] = {}  # impossible readings left out, per field
+        self._refused_from: set[str] = set()
+
+    def count_refused(self, refused, whose: str) -> None:
+        """Impossible readings left out of a report (``requests.parse_samples``): counted for the
+        metrics (``gpuhub_refused_readings_total``), and the first of each reporter logged."""
+        for label, field, value in refused:
+            self.refused_readings[field] = self.refused_readings.get(field, 0) + 1
+            if whose not in self._refused_from:
+                self._refused_from.add(whose)
+                log.warning(
+                    "%s reported an impossible %s of GPU %s (%r): left out", whose, field, label, value
+                )
 
     async def run(self, fn, *args, **kw):
         """Ledger calls are short blocking transactions: keep them off the event loop."""

@@ -7,6 +7,7 @@ are not a JSON object are refused with a message that names the field and what i
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -169,11 +170,27 @@ class SamplesReport:
     samples: tuple  # of broker.utilization.Sample
     idle_seconds: float | None
     source: str
+    refused: tuple = ()  # readings left out as impossible: ("node:index", field, value)
 
 
 # the most a GPU board draws (the largest today take about 1.2 kW); a reading above is refused
 MAX_GPU_WATTS = 2000
 POWER_FIELDS = ("power_watts", "energy_mj")
+
+
+def _reading(g: dict, key: str, hi: float, node: str, index: int, refused: list, whole: bool = False):
+    """An optional reading of ``g``: None when absent, or when impossible (then in ``refused``)."""
+    value = g.get(key)
+    if value is None:
+        return None
+    kinds = (int,) if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        what = "a whole number" if whole else "a number"
+        raise BadRequest(f"'{key}' must be {what} from 0 to {hi:g} (null: not read); got {value!r}.")
+    if not 0 <= value <= hi:
+        refused.append((f"{node}:{index}", key, value))
+        return None
+    return int(value) if whole else float(value)
 
 
 def parse_samples(body: dict) -> SamplesReport:
@@ -189,7 +206,7 @@ def parse_samples(body: dict) -> SamplesReport:
             "'gpus' must be a list of samples, e.g. "
             '[{"node": "gpu1", "index": 0, "utilization": 87, "memory_used_mib": 1024}].'
         )
-    samples = []
+    samples, refused = [], []
     for i, g in enumerate(gpus):
         if not isinstance(g, dict):
             raise BadRequest(f"'gpus'[{i}] must be an object.")
@@ -208,13 +225,16 @@ def parse_samples(body: dict) -> SamplesReport:
         used = _int(g, "memory_used_mib", lo=0, hi=2**31) or 0
         total = _int(g, "memory_total_mib", lo=0, hi=2**31)
         # a reading of power is the reporter's word: below zero or beyond any GPU's draw is refused
-        power = _number(g, "power_watts", lo=0, hi=MAX_GPU_WATTS, unit="watts")
-        energy = _int(g, "energy_mj", lo=0, hi=2**63 - 1)
+        # a reading of power is the reporter's word (the reporter may be the user's own process):
+        # an impossible one (below zero, beyond any GPU's draw) is left out and counted, never
+        # stored; the rest of the sample stands. Not a number at all: the body is refused.
+        power = _reading(g, "power_watts", MAX_GPU_WATTS, node, index, refused)
+        energy = _reading(g, "energy_mj", 2**63 - 1, node, index, refused, whole=True)
         samples.append(Sample(node, index, util, used, total, power, energy))
     source = body.get("source", "")
     if not isinstance(source, str) or len(source) > 32 or not source.isprintable():
         raise BadRequest("'source' must be a short name, e.g. \"nvml\".")
-    return SamplesReport(tuple(samples), parse_activity(body), source)
+    return SamplesReport(tuple(samples), parse_activity(body), source, tuple(refused))
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,11 @@ async def meter(broker, samples: list[Sample], table) -> int:
     ended = await broker.run(broker.ledger.ended_times, left) if left else {}
     rules = broker.reclaim_rules
     shares = broker.energy.observe(samples, holders, ended, rules.threshold, rules.stale_after)
-    return await broker.run(broker.ledger.add_energy, shares) if shares else 0
+    if not shares:
+        return 0
+    changed = await broker.run(broker.ledger.add_energy, shares)
+    broker.energy.count(shares)
+    return changed
 
 
 class OwnSampler:
@@ -151,6 +155,7 @@ class NodeSamplesHandler(APIHandler):
             report = schemas.parse_samples(body)
         except schemas.BadRequest as e:
             return self.fail(400, str(e), "bad_request")
+        self.broker.count_refused(report.refused, f"node {node}'s sampler")
         stray = sorted({s.node for s in report.samples} - {node})
         if stray or report.idle_seconds is not None:
             return self.fail(

@@ -48,6 +48,7 @@ class SamplesHandler(APIHandler):
             report = schemas.parse_samples(body)
         except schemas.BadRequest as e:
             return self.fail(400, str(e), "bad_request")
+        self.broker.count_refused(report.refused, f"allocation {a.id}'s reporter")
         if not a.active:
             return self.fail(409, f"Allocation {a.id} was already released ({a.end_reason}).", "released")
         held = {(g.node, g.index) for g in a.gpus}
