@@ -15,8 +15,9 @@ from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, Unicode, Un
 from traitlets.config import Configurable
 
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
-from spawner.policy import currencies, extensions, timelimits, values
+from spawner.policy import budgets, currencies, extensions, timelimits, values
 from spawner.policy.borrowing import BorrowRules, allowance_problem
+from spawner.policy.budgets import BudgetRules
 from spawner.policy.energy import Costing
 from spawner.policy.extensions import ExtendSettings
 from spawner.policy.fairshare import Shares, Weights, share_problem
@@ -242,6 +243,31 @@ class GpuHub(Configurable):
         allow_none=True,
         help="""The grid's carbon intensity, in grams CO2e per kWh at the meter; None (the
         default): no CO2e is shown. From 0 to 2000. ``c.GpuHub.carbon_intensity = 350``
+        """,
+    ).tag(config=True)
+
+    default_energy_budget = Dict(
+        None,
+        allow_none=True,
+        help="""An energy budget for everyone without a group or user entry: ``{"kwh": 50}`` (kWh at
+        the meter: the GPUs' energy times ``pue``) or ``{"cost": 20}`` (in ``energy_currency``),
+        with an optional ``"window_hours"`` (default 168). Once a user's window holds as much, a
+        start or a burst that asks for GPUs is refused with the reason, as a spent GPU-hours
+        budget is; a server without GPUs still starts. The window counts whole UTC days. None
+        or {} (the default): no budget. ``c.GpuHub.default_energy_budget = {"kwh": 100}``
+        """,
+    ).tag(config=True)
+
+    group_energy_budgets = Dict(
+        help="""Energy budgets per JupyterHub group (None: no budget), as ``default_energy_budget``. A
+        user in several groups gets the most generous. ``c.GpuHub.group_energy_budgets =
+        {"students": {"cost": 5, "window_hours": 720}}``
+        """,
+    ).tag(config=True)
+
+    user_energy_budgets = Dict(
+        help="""Energy budgets per user, winning over their groups and the default.
+        ``c.GpuHub.user_energy_budgets = {"alice": {"kwh": 500}}``
         """,
     ).tag(config=True)
 
@@ -539,6 +565,16 @@ class GpuHub(Configurable):
             )
         return Costing(pue=pue, price_per_kwh=price, currency=currency, carbon_g_per_kwh=carbon)
 
+    def budget_rules(self) -> BudgetRules:
+        """The energy budgets, checked against the facility's numbers (a bad one raises
+        ``ValueError`` naming its trait)."""
+        costing = self.costing()
+        return self._scoped(
+            BudgetRules,
+            ("default_energy_budget", "group_energy_budgets", "user_energy_budgets"),
+            lambda raw, where: budgets.parse_budget(raw, where, costing),
+        )
+
     def sync_inventory(self) -> None:
         """Read the inventory again and write it to the ledger (a node joined the cluster)."""
         inventory.sync(self.open_ledger(sync=False), self)
@@ -558,6 +594,8 @@ class GpuHub(Configurable):
                 time_rules=self.time_rules(),
                 time_warnings=self.time_warnings(),
                 extend=self.extend_settings(),
+                costing=self.costing(),
+                budgets=self.budget_rules(),
                 sqlite_sync=self.sqlite_synchronous,
             )
             _LEDGERS[self.db_url] = ledger

@@ -10,7 +10,7 @@ import pytest
 from spawner.broker.energy_meter import EnergyMeter
 from spawner.broker.utilization import Sample
 from spawner.ledger import Ledger
-from spawner.policy import Gpu
+from spawner.policy import Gpu, budgets
 from spawner.policy.energy import (
     Costing,
     Energy,
@@ -23,6 +23,7 @@ from spawner.policy.energy import (
     figures,
     interval,
 )
+from spawner.policy.limits import Limit, LimitRules, Refusal
 from spawner.policy.records import AllocationInfo
 from spawner.settings import GpuHub
 
@@ -187,3 +188,93 @@ def test_the_ledger_adds_energy_per_allocation_and_day_and_reads_it_back(ledger)
     ledger.release(a.id, "done")
     assert ledger.ended_times([a.id, b.id])[b.id] is None
     assert ledger.ended_times([a.id])[a.id] is not None
+
+
+# -- energy budgets ------------------------------------------------------------------------------
+
+EUR = Costing(pue=1.5, price_per_kwh=0.25, currency="EUR")
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        ({"joules": 5}, "unknown keys ['joules']"),
+        ({"kwh": 5, "cost": 2}, "give one of kwh or cost"),
+        ({"window_hours": 24}, "give one of kwh or cost"),
+        ({"kwh": -1}, "['kwh'] must be a number from 0"),
+        ({"kwh": float("nan")}, "['kwh'] must be a number from 0"),
+        ({"kwh": "5"}, "['kwh'] must be a number from 0"),
+        ({"kwh": 5, "window_hours": 0}, "['window_hours'] must be a number from 0.01"),
+        (5, "an energy budget is a dict or None"),
+    ],
+)
+def test_a_bad_budget_is_refused_naming_the_setting(raw, words):
+    with pytest.raises(ValueError) as e:
+        budgets.parse_budget(raw, "c.GpuHub.user_energy_budgets['bob']", EUR)
+    assert str(e.value).startswith("c.GpuHub.user_energy_budgets['bob']") and words in str(e.value)
+
+
+def test_a_money_budget_needs_a_currency_and_a_price():
+    with pytest.raises(ValueError, match=r"a money budget needs c\.GpuHub\.energy_currency"):
+        budgets.parse_budget({"cost": 5}, "c.GpuHub.default_energy_budget", Costing())
+    assert budgets.parse_budget({"cost": 5}, "x", EUR) == budgets.EnergyBudget(5.0, "cost")
+    assert budgets.parse_budget(None, "x", EUR) is None and budgets.parse_budget({}, "x", EUR) is None
+    with pytest.raises(ValueError, match="a money budget needs"):
+        GpuHub(default_energy_budget={"cost": 5}).budget_rules()  # refused at start
+
+
+def test_several_groups_give_the_most_generous_budget_money_as_the_kwh_it_buys():
+    rules = budgets.BudgetRules(
+        groups={
+            "lab": budgets.EnergyBudget(10.0, "kwh"),
+            "rich": budgets.EnergyBudget(5.0, "cost"),  # 5 EUR at 0.25 EUR/kWh: 20 kWh
+            "free": None,
+        }
+    )
+    assert budgets.effective_budget("u", ["lab", "rich"], rules, EUR) == (
+        budgets.EnergyBudget(5.0, "cost"),
+        "group rich",
+    )
+    assert budgets.effective_budget("u", ["lab", "free"], rules, EUR) == (None, "group free")
+    assert budgets.effective_budget("u", [], rules, EUR) == (None, "default")
+
+
+def test_a_budget_is_spent_at_its_amount_in_its_unit():
+    kwh = budgets.EnergyBudget(3.0, "kwh", 24)
+    almost = Energy(joules=1.99 * 3.6e6)  # 2.985 kWh at the meter (PUE 1.5)
+    assert budgets.spent_message(kwh, "user bob", almost, EUR) is None
+    text = budgets.spent_message(kwh, "user bob", Energy(joules=2 * 3.6e6), EUR)
+    assert text.startswith("You have used 3.000 kWh at the meter of your energy budget, 3 kWh of energy")
+    assert "over 24 hours (user bob)" in text and "Start a server without GPUs (0)" in text
+    money = budgets.EnergyBudget(1.0, "cost")
+    text = budgets.spent_message(money, "default", Energy(joules=3.6e6 * 3), EUR)  # 4.5 kWh: 1.125 EUR
+    assert text.startswith("You have used 1.12 EUR of your energy budget, 1 EUR of energy over 168 hours")
+
+
+def test_a_spent_budget_refuses_a_request_and_ends_a_wait_at_its_turn(db_url):
+    rules = budgets.BudgetRules(default=budgets.EnergyBudget(1.0, "kwh", 48))
+    led = Ledger(db_url, config_rules=LimitRules(default=Limit(max_gpus=2)), costing=EUR, budgets=rules)
+    try:
+        led.sync_inventory([Gpu("n1", i, "A100") for i in range(2)])
+        today = led.clock().date()
+        bob = led.allocate("bob", [], 1)  # nothing used yet: within the budget
+        led.add_energy([Share(bob.id, today, 0.7 * 3.6e6)])  # 1.05 kWh at the meter (PUE 1.5)
+        led.release(bob.id, "done")
+        with pytest.raises(Refusal) as e:
+            led.allocate("bob", [], 1)
+        assert e.value.reason == "energy_budget_spent" and "1.050 kWh at the meter" in e.value.message
+        assert e.value.status_code == 403
+
+        # carol waits within her budget; her other allocation spends it while she waits
+        carol = led.allocate("carol", [], 1)
+        alice = led.allocate("alice", [], 1)
+        entry = led.request("carol", [], 1).entry
+        assert entry is not None and entry.state == "waiting"
+        led.add_energy([Share(carol.id, today, 0.7 * 3.6e6)])
+        led.release(alice.id, "done")  # her turn comes, with the budget spent
+        got = led.wait_turn(entry.id)
+        assert got.allocation is None and got.entry.state == "left"
+        assert got.entry.end_reason.startswith("you have used 1.050 kWh at the meter of your energy budget")
+        assert [a.id for a in led.active(user="carol")] == [carol.id]
+    finally:
+        led.close()

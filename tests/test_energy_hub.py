@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from spawner.ledger import Ledger
 
-from .hubtools import Hub, wait_for
+from .hubtools import DEMO_PASSWORD, Hub, wait_for
 from .kerneltools import run_cell as run
 from .test_broker_pages import ADMIN_PASSWORD, login
 from .test_reclaim_hub import set_utilization
@@ -40,6 +40,9 @@ c.GpuHub.pue = 1.5
 c.GpuHub.energy_price = 0.2
 c.GpuHub.energy_currency = "EUR"
 c.GpuHub.carbon_intensity = 300
+# budgets: carol's GPU-hours (10.8 GPU-seconds), dave's energy (0.0002 kWh at the meter: 8 s idle)
+c.GpuHub.user_limits = {{"carol": {{"max_gpus": 2, "gpu_hours": 0.003}}, "dave": 2}}
+c.GpuHub.user_energy_budgets = {{"dave": {{"kwh": 0.0002}}}}
 """
 IDLE_W, BUSY_W = 60.0, 300.0  # gpu_magics.report.gpustats' simulated power model
 
@@ -162,6 +165,49 @@ def test_an_idle_server_and_a_busy_pool_use_what_the_power_model_says(energy_hub
     expect(row).to_contain_text(f"{bob_e.joules / 3.6e6:.3f}", timeout=30_000)
     expect(page.locator('#gpuhub-energy-table tr[data-user="alice"]')).to_contain_text("100 %")
     page.screenshot(path=str(tmp_path / "admin-energy.png"), full_page=True)
+
+
+def spent(hub, user: str) -> bool:
+    me = hub.broker("GET", "me", hub.user_token(user)).json()
+    if user == "carol":
+        return me["gpu_hours_used"] >= 0.003
+    return sum((a["energy"] or {}).get("meter_kwh", 0.0) for a in me["allocations"]) >= 0.0002
+
+
+@pytest.mark.parametrize(
+    "user, reason",
+    [
+        ("carol", "You have used 0.0 of your 0.003 GPU-hours over the last 168 hours (user carol)"),
+        ("dave", "of your energy budget, 0.0002 kWh of energy over 168 hours (user dave)"),
+    ],
+)
+def test_a_spent_budget_refuses_a_burst_in_a_cell_and_a_spawn_on_the_form(energy_hub, browser, user, reason):
+    hub, ledger, util_file = energy_hub
+    set_utilization(util_file, {})  # idle: 60 W each
+    assert hub.spawn(user, {"gpus": 1}).status_code in (201, 202)
+    hub.wait_ready(user)
+    [server] = ledger.active(user=user)
+    wait_for(lambda: spent(hub, user), 90, f"{user}'s budget spent")
+    kc = hub.server_kernel(user)
+    try:  # a pool of 2 needs a burst of 1 beside the server's GPU: refused, with the reason
+        status, out = run(kc, "%%distributed --gpus 2\nimport os\nos.getpid()")
+        assert status == "error", out
+        assert reason in out, out
+        assert [a.id for a in ledger.active(user=user)] == [server.id]
+    finally:
+        kc.stop_channels()
+    hub.stop_server(user)
+
+    page = login(browser, hub, user, DEMO_PASSWORD)
+    page.goto(f"{hub.url}/hub/spawn")
+    page.fill("#gpuhub-gpus", "1")
+    page.locator("#spawn_form button[type=submit], #spawn_form input[type=submit]").first.click()
+    expect(page.locator(".spawn-error-msg")).to_contain_text(reason, timeout=30_000)
+    assert hub.server(user) is None and ledger.active(user=user) == []
+    # a server without GPUs still starts
+    assert hub.spawn(user, {"gpus": 0}).status_code in (201, 202)
+    hub.wait_ready(user)
+    hub.stop_server(user)
 
 
 def requests_metrics(hub) -> str:

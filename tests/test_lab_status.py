@@ -119,6 +119,50 @@ def test_the_document_holds_this_servers_gpus_its_pools_and_its_waits_only():
     )
 
 
+# GET me's figures: a server's (PUE 1.5, EUR, no carbon intensity) and a burst not measured yet
+FIGURES = {
+    "gpu_kwh": 2.0,
+    "idle_kwh": 0.5,
+    "idle_share": 0.25,
+    "meter_kwh": 3.0,
+    "cost": 0.6,
+    "currency": "EUR",
+    "co2e_kg": None,
+    "measured_gpu_hours": 4.0,
+    "unknown_gpu_hours": 0.5,
+    "unknown_share": 0.1111,
+}
+COSTING = {"pue": 1.5, "price_per_kwh": 0.2, "currency": "EUR", "carbon_g_per_kwh": None, "source": "gpuhub"}
+
+
+def test_the_document_passes_each_allocations_energy_through_with_its_words():
+    doc = status.document(
+        me(
+            alloc(1, energy=FIGURES),
+            alloc(2, "distributed", gpus=(("n1", 2),), energy=None),
+            alloc(3, server="other", energy=FIGURES),
+            energy=COSTING,
+        ),
+        UTIL,
+        [],
+        [],
+        "",
+        NOW,
+    )
+    assert doc["energy"] == COSTING
+    assert doc["server"]["energy"] == FIGURES
+    assert doc["server"]["energy_text"] == (
+        "2.000 kWh at the GPUs (3.000 kWh at the meter, 0.60 EUR); 25 % of it idle; "
+        "0.50 GPU-hours not measured"
+    )
+    [pool] = doc["pools"]
+    assert pool["energy"] is None and pool["energy_text"] == "not measured yet"
+    # a broker that says nothing of energy: nothing measured, no facility numbers
+    old = status.document(me(alloc(1)), UTIL, [], [], "", NOW)
+    assert old["energy"] is None and old["server"]["energy"] is None
+    assert old["server"]["energy_text"] == "not measured yet"
+
+
 @pytest.mark.parametrize(
     "server, pools, queue, text",
     [

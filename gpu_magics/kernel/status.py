@@ -1,9 +1,12 @@
 """``%gpus`` (:class:`GpuMagics`): what this session holds, and the use of the user's GPUs
 (:func:`describe_use`, pure): the latest reading of each and any idle warning, which
 allocations hold borrowed GPUs and any notice that they are taken back, from the broker's
-``me`` and ``utilization`` answers."""
+``me`` and ``utilization`` answers; and the energy this session used so far
+(:mod:`gpu_magics.kernel.energy`)."""
 
 from __future__ import annotations
+
+import os
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
@@ -11,6 +14,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from gpu_magics.common import words
 from gpu_magics.common.session import describe, server_gpus
 from gpu_magics.common.words import stamp
+from gpu_magics.kernel import energy
 from gpu_magics.kernel.broker import BrokerClient, BrokerError
 from gpu_magics.kernel.burst import burst_size
 from gpu_magics.kernel.notices import parse_due, taken, taken_back
@@ -106,14 +110,28 @@ class GpuMagics(Magics):
             print()
             print(d.describe().split("\n", 1)[1])
         client = BrokerClient.from_env()
-        if client is not None:  # how busy the user's GPUs are, and any idle warning
+        if client is not None:  # how busy the user's GPUs are, any idle warning, the energy used
+            energy = ""
             try:
-                use = describe_use(client.me(), client.utilization())
+                me = client.me()
+                use = describe_use(me, client.utilization())
+                energy = self._energy(me)
             except BrokerError as e:
                 use = f"(GPU use unknown: {e.message})"
             if use:
                 print()
                 print(use)
+            if energy:
+                print()
+                print(energy)
+
+    def _energy(self, me: dict) -> str:
+        """``This session so far: ...``: the energy of the server's allocation and its kernels'
+        bursts (:func:`gpu_magics.kernel.energy.session_line`)."""
+        ids = [server_gpus().allocation_id] if server_gpus().allocation_id else []
+        burst = self.distributed.lifecycle.burst
+        ids += [p.id for p in (burst.parts if burst is not None else ())]
+        return energy.session_line(me, os.environ.get("JUPYTERHUB_SERVER_NAME", ""), ids)
 
     def _extend(self, raw: str) -> None:
         """``%gpus --extend LENGTH``: each of this session's time-limited allocations (the

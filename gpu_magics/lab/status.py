@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from gpu_magics.kernel.energy import energy_text
 from gpu_magics.kernel.notices import parse_due
 
 RECENT_SECONDS = 600  # what ended (a reclaim, a preemption, a wait) is told for this long
@@ -59,7 +60,12 @@ def gpus_with_use(allocation: Mapping[str, Any], util: Mapping[str, Any]) -> lis
     return out
 
 
-def allocation_view(a: Mapping[str, Any], util: Mapping[str, Any]) -> dict[str, Any]:
+def allocation_view(
+    a: Mapping[str, Any], util: Mapping[str, Any], costing: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """One allocation of ``GET me`` as the panel shows it; ``energy``: the broker's figures as
+    they are (null: nothing measured yet), ``energy_text``: them in words (``costing``: ``GET
+    me``'s ``energy``, the facility's numbers)."""
     return {
         "id": a["id"],
         "purpose": a["purpose"],
@@ -73,6 +79,8 @@ def allocation_view(a: Mapping[str, Any], util: Mapping[str, Any]) -> dict[str, 
         "preemption": a.get("preemption"),
         "time_limit": a.get("time_limit"),
         "gpus": gpus_with_use(a, util),
+        "energy": a.get("energy"),
+        "energy_text": energy_text(a.get("energy"), (costing or {}).get("pue")),
     }
 
 
@@ -286,8 +294,9 @@ def document(
     ``kernel_pools``: what this server's kernels say of their pools (``common.poolstatus``)."""
     kernel_pools = [dict(p) for p in kernel_pools]
     mine = [a for a in me.get("allocations", ()) if a.get("server_name", "") == server_name]
-    server = next((allocation_view(a, util) for a in mine if a["purpose"] == "server"), None)
-    pools = [allocation_view(a, util) for a in mine if a["purpose"] == "distributed"]
+    costing = me.get("energy")
+    server = next((allocation_view(a, util, costing) for a in mine if a["purpose"] == "server"), None)
+    pools = [allocation_view(a, util, costing) for a in mine if a["purpose"] == "distributed"]
     waiting = [
         {
             "id": q["id"],
@@ -313,6 +322,7 @@ def document(
         "may_take": me.get("may_take"),
         "borrow": me.get("borrow"),
         "gpu_hours_used": me.get("gpu_hours_used"),
+        "energy": costing,
         "history_seconds": util.get("history_seconds"),
         "kernel_pools": kernel_pools,
         "summary": summary(server, pools, waiting, kernel_pools),

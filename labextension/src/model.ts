@@ -14,6 +14,29 @@ export interface GpuView {
   history: [number, number][]; // [seconds before now, utilization]
 }
 
+// the broker's EnergyFigures (spawner/broker/openapi.yaml): what an allocation used so far
+export interface EnergyFigures {
+  gpu_kwh: number;
+  idle_kwh: number;
+  idle_share: number | null;
+  meter_kwh: number;
+  cost: number | null;
+  currency: string | null;
+  co2e_kg: number | null;
+  measured_gpu_hours: number;
+  unknown_gpu_hours: number;
+  unknown_share: number | null;
+}
+
+// the facility's numbers and where energy is read (the broker's Costing)
+export interface Costing {
+  pue: number;
+  price_per_kwh: number | null;
+  currency: string | null;
+  carbon_g_per_kwh: number | null;
+  source: string;
+}
+
 export interface AllocationView {
   id: number;
   purpose: 'server' | 'distributed';
@@ -25,6 +48,8 @@ export interface AllocationView {
   preemption: { due: string; reason: string } | null;
   time_limit: { ends: string; seconds: number; warned?: boolean } | null;
   gpus: GpuView[];
+  energy?: EnergyFigures | null; // null: nothing measured yet
+  energy_text?: string; // the figures in words (gpu_magics.kernel.energy.energy_text)
 }
 
 export interface QueueView {
@@ -67,6 +92,7 @@ export interface Status {
   may_take?: number | null;
   borrow?: { allowance: number | null; borrowed: number; may_borrow_now: number };
   gpu_hours_used?: number;
+  energy?: Costing | null;
   history_seconds?: number;
   my_gpus?: string | null;
   kernel_pools?: KernelPool[];
@@ -155,6 +181,34 @@ export class GpuModel {
 
 export function gpuWord(n: number): string {
   return n === 1 ? '1 GPU' : `${n} GPUs`;
+}
+
+// as gpu_magics.kernel.energy.energy_text (and spawner.policy.energy.describe): one line
+export function energyText(f: EnergyFigures | null | undefined, pue?: number | null): string {
+  if (!f) {
+    return 'not measured yet';
+  }
+  let text = `${f.gpu_kwh.toFixed(3)} kWh at the GPUs`;
+  const extra: string[] = [];
+  if (pue != null ? pue !== 1 : f.meter_kwh !== f.gpu_kwh) {
+    extra.push(`${f.meter_kwh.toFixed(3)} kWh at the meter`);
+  }
+  if (f.cost != null) {
+    extra.push(`${f.cost.toFixed(2)} ${f.currency ?? ''}`.trim());
+  }
+  if (f.co2e_kg != null) {
+    extra.push(`${f.co2e_kg.toFixed(3)} kg CO2e`);
+  }
+  if (extra.length) {
+    text += ` (${extra.join(', ')})`;
+  }
+  if (f.idle_share != null) {
+    text += `; ${(f.idle_share * 100).toFixed(0)} % of it idle`;
+  }
+  if (f.unknown_gpu_hours > 0) {
+    text += `; ${f.unknown_gpu_hours.toFixed(2)} GPU-hours not measured`;
+  }
+  return text;
 }
 
 export function untilText(deadline: string, now: number = Date.now()): string {

@@ -10,7 +10,7 @@ import {
   LineElement,
   PointElement
 } from 'chart.js';
-import { AllocationView, GpuModel, GpuView, Status, gpuWord, untilText } from './model';
+import { AllocationView, GpuModel, GpuView, Status, energyText, gpuWord, untilText } from './model';
 
 Chart.register(LineController, LineElement, PointElement, LinearScale, CategoryScale, Filler);
 
@@ -61,12 +61,12 @@ export class GpuPanel extends Widget {
       );
     }
     if (status.server) {
-      parts.push(this.allocation('This server', status.server, seen, false));
+      parts.push(this.allocation('This server', status.server, seen, false, status));
     } else {
       parts.push(el('p', { class: 'gpuhub-none' }, 'This server holds no GPUs.'));
     }
     for (const pool of status.pools ?? []) {
-      parts.push(this.allocation(`%%distributed burst #${pool.id}`, pool, seen, true));
+      parts.push(this.allocation(`%%distributed burst #${pool.id}`, pool, seen, true, status));
     }
     for (const p of status.kernel_pools ?? []) {
       const rows = p.ranks.map(r =>
@@ -121,7 +121,7 @@ export class GpuPanel extends Widget {
     return el('div', { class: 'gpuhub-limits' }, words.join(' · '), el('br'), budget);
   }
 
-  private allocation(title: string, a: AllocationView, seen: Set<string>, burst: boolean): HTMLElement {
+  private allocation(title: string, a: AllocationView, seen: Set<string>, burst: boolean, s: Status): HTMLElement {
     const head = el('div', { class: 'gpuhub-alloc-head' }, el('strong', {}, `${title}: ${gpuWord(a.gpu_count)}`));
     if (a.borrowed) {
       head.append(el('span', { class: 'gpuhub-badge gpuhub-borrowed' }, `${a.borrowed} borrowed`));
@@ -142,12 +142,27 @@ export class GpuPanel extends Widget {
       seen.add(g.label);
       box.append(this.gpu(g));
     }
+    box.append(this.energy(a, s));
     if (burst) {
       const release = el('button', { class: 'jp-mod-styled gpuhub-release', 'data-allocation': String(a.id) }, 'Release');
       release.addEventListener('click', () => void this.act(this.model.release(a.id)));
       box.append(release);
     }
     return box;
+  }
+
+  // what the allocation used so far, from gpuhub's own readings of its GPUs
+  private energy(a: AllocationView, s: Status): HTMLElement {
+    const f = a.energy ?? null;
+    const line = el(
+      'div',
+      { class: 'gpuhub-energy', 'data-allocation': String(a.id), 'data-gpu-kwh': f === null ? '' : String(f.gpu_kwh) },
+      `Energy so far: ${a.energy_text ?? energyText(f, s.energy?.pue)}`
+    );
+    if (s.energy?.source) {
+      line.title = `From ${s.energy.source}.`;
+    }
+    return line;
   }
 
   private gpu(g: GpuView): HTMLElement {

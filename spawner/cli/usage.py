@@ -7,10 +7,10 @@ from __future__ import annotations
 from datetime import datetime
 
 from gpu_magics.common import words
+from spawner.broker.energy_views import costing_json
 from spawner.cli.context import load_settings, open_ledger
 from spawner.cli.output import UsageError, format_table, iso, parse_name, print_json
 from spawner.cli.parsers import command
-from spawner.broker.energy_views import costing_json
 from spawner.policy import values
 from spawner.policy.energy import Energy, figures
 

@@ -244,6 +244,9 @@ class AdmissionRecords:
         policy.check_request(asked, eff, holdings, inventory, inventory)
         if req.count == 0:
             raise policy.Refusal("An allocation needs at least 1 GPU.", reason="bad_request", fits=None)
+        spent = self.budget_refusal_in(s, req.user, req.groups)
+        if spent:
+            raise policy.Refusal(spent, reason="energy_budget_spent", fits=0)
         if policy.place(asked, inventory, inventory) is None:
             raise policy.Refusal(
                 f"{req.count} GPUs cannot be split as asked ({req.gpus_per_node or 'any'} per node, "

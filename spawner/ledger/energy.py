@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from spawner.ledger.db import connection
 from spawner.ledger.models import Allocation, EnergyUse
+from spawner.policy import budgets
 from spawner.policy.energy import Energy, Share
 
 _E = EnergyUse.__table__
@@ -33,7 +34,7 @@ def days(since: datetime, until: datetime) -> tuple[date, date]:
 
 
 class EnergyRecords:
-    """Uses ``_tx``/``_read`` (``LedgerBase``)."""
+    """Uses ``_tx``/``_read``, ``clock``, ``costing`` and ``budgets`` (``LedgerBase``)."""
 
     def add_energy(self, shares: Iterable[Share]) -> int:
         """Add ``shares`` to their allocation's days; returns how many rows changed. Shares of
@@ -88,6 +89,15 @@ class EnergyRecords:
         first, last = days(since, until)
         q = select(*_SUMS).where(_E.c.user == user, _E.c.day >= first, _E.c.day <= last)
         return _energy(connection(s).execute(q).one())
+
+    def budget_refusal_in(self, s: Session, user: str, groups) -> str | None:
+        """Why ``user``'s energy budget refuses a request for GPUs now (None: it does not)."""
+        budget, source = budgets.effective_budget(user, groups, self.budgets, self.costing)
+        if budget is None:
+            return None
+        now = self.clock()
+        used = self.energy_in(s, user, now - timedelta(hours=budget.window_hours), now)
+        return budgets.spent_message(budget, source, used, self.costing)
 
     def energy_totals(self, since: datetime, until: datetime, user: str | None = None) -> dict[str, Energy]:
         """Energy per user on the days from ``since`` to ``until``."""

@@ -373,6 +373,10 @@ class QueueRecords:
                     + (f", or start again with {room} or fewer" if room else ""),
                 )
                 return Admission(entry=entry_info(e))
+            spent = self.budget_refusal_in(s, e.user, _groups(e.groups))
+            if spent:  # the energy budget ran out while it waited
+                self._leave(e, spent[0].lower() + spent[1:].rstrip("."))
+                return Admission(entry=entry_info(e))
             allocation = self.grant_in(s, e, gpus, now, scene.plan.ahead_of.get(e.id, ()))
             return Admission(allocation=allocation, entry=entry_info(e))
 

@@ -34,6 +34,8 @@ from spawner.ledger.models import (
     is_live,
 )
 from spawner.policy import borrowing, fairshare
+from spawner.policy.budgets import BudgetRules
+from spawner.policy.energy import Costing
 from spawner.policy.extensions import ExtendSettings
 from spawner.policy.records import AllocationInfo
 from spawner.policy.timelimits import TimeRules
@@ -212,6 +214,8 @@ class LedgerBase(CombinedWrites):
         time_rules: TimeRules | None = None,
         time_warnings: tuple[float, ...] = (),
         extend: ExtendSettings | None = None,
+        costing: Costing | None = None,
+        budgets: BudgetRules | None = None,
         sqlite_sync: str = "normal",
     ):
         self.url = url
@@ -221,6 +225,8 @@ class LedgerBase(CombinedWrites):
         self.time_rules = time_rules or TimeRules()  # the longest sessions (c.GpuHub.*_max_hours)
         self.time_warnings = tuple(time_warnings)  # minutes before a time limit's end (c.GpuHub)
         self.extend_settings = extend or ExtendSettings()  # c.GpuHub.extension_*
+        self.costing = costing or Costing()  # c.GpuHub.pue, energy_price, energy_currency
+        self.budgets = budgets or BudgetRules()  # c.GpuHub.*_energy_budget(s)
         self.clock = clock
         self.engine = make_engine(url, sqlite_sync=sqlite_sync)
         ensure_schema(self.engine, url)

@@ -135,6 +135,7 @@ class Refusal(Exception):
         "over_time_limit": 403,  # longer than the user's longest session (c.GpuHub.*_max_hours)
         "extension_refused": 403,  # more time than the policy grants now (policy.extensions)
         "quota_exhausted": 403,
+        "energy_budget_spent": 403,
         "no_capacity": 409,
         "no_borrowing": 409,  # beyond the limit while someone waits: only idle GPUs are lent
         "not_found": 404,

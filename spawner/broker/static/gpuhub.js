@@ -1,4 +1,4 @@
-// gpuhub pages: release buttons, the in-place limit editor, the usage chart, the admin's
+// gpuhub pages: release buttons, the in-place limit editor, the usage and energy charts, the admin's
 // live GPU grid, reclaims, borrowing and preemptions, and queue (cancel, move to front), and a
 // user's own GPU use, idle warnings, preemption notices and waits in the queue (leave).
 // Everything goes through the broker's REST API with JupyterHub's XSRF token.
@@ -121,6 +121,15 @@ function usageQuery(container) {
   return params;
 }
 
+function bucketAxis(usage) {
+  // buckets are periods back from now (24 h by default): name each by the day it ends on,
+  // and show its exact start and end on hover
+  const starts = usage.buckets.map((b) => Date.parse(b));
+  const step = starts.length > 1 ? starts[1] - starts[0] : Date.parse(usage.until) - starts[0];
+  const iso = (ms) => new Date(ms).toISOString().slice(0, 16).replace("T", " ");
+  return { starts, step, iso, labels: starts.map((t) => iso(t + step).slice(0, 10)) };
+}
+
 // GPU-hours per day per user as stacked bars (Chart.js, served by the broker itself:
 // static/vendor/chart.umd.min.js); hovering a day shows each user's GPU-hours that day.
 function drawPlot(container, usage) {
@@ -148,15 +157,11 @@ function drawPlot(container, usage) {
   container.replaceChildren(csv, box);
   const old = window.Chart.getChart(canvas);
   if (old) old.destroy();
-  // buckets are periods back from now (24 h by default): name each by the day it ends on,
-  // and show its exact start and end on hover
-  const starts = usage.buckets.map((b) => Date.parse(b));
-  const step = starts.length > 1 ? starts[1] - starts[0] : Date.parse(usage.until) - starts[0];
-  const iso = (ms) => new Date(ms).toISOString().slice(0, 16).replace("T", " ");
+  const { starts, step, iso, labels } = bucketAxis(usage);
   new window.Chart(canvas, {
     type: "bar",
     data: {
-      labels: starts.map((t) => iso(t + step).slice(0, 10)),
+      labels,
       datasets: users.map((u, k) => ({
         label: `${u} (${fmt(usage.total[u])} h)`,
         gpuhubUser: u,
@@ -185,11 +190,215 @@ function drawPlot(container, usage) {
   });
 }
 
+// ---- energy (GET me's and GET usage's "energy"): gpuhub's own readings of each GPU ----
+
+function energyText(f, pue) {
+  // as spawner.policy.energy.describe and gpu_magics.kernel.energy.energy_text: "2.000 kWh at
+  // the GPUs (3.000 kWh at the meter, 0.60 EUR, 1.050 kg CO2e); 25 % of it idle"; the meter's
+  // kWh only where the PUE is not 1, the cost and CO2e only where the broker gives them
+  if (!f) return "not measured yet";
+  let text = `${f.gpu_kwh.toFixed(3)} kWh at the GPUs`;
+  const extra = [];
+  if (pue !== null && pue !== undefined ? pue !== 1 : f.meter_kwh !== f.gpu_kwh) {
+    extra.push(`${f.meter_kwh.toFixed(3)} kWh at the meter`);
+  }
+  if (f.cost !== null && f.cost !== undefined) extra.push(`${f.cost.toFixed(2)} ${f.currency || ""}`.trim());
+  if (f.co2e_kg !== null && f.co2e_kg !== undefined) extra.push(`${f.co2e_kg.toFixed(3)} kg CO2e`);
+  if (extra.length) text += ` (${extra.join(", ")})`;
+  if (f.idle_share !== null && f.idle_share !== undefined) text += `; ${(f.idle_share * 100).toFixed(0)} % of it idle`;
+  if (f.unknown_gpu_hours > 0) text += `; ${f.unknown_gpu_hours.toFixed(2)} GPU-hours not measured`;
+  return text;
+}
+
+function costingText(c) {
+  // where the figures come from, and the facility's numbers they are costed with
+  const parts = [`Energy figures come from ${c.source}.`,
+    `kWh at the meter: kWh at the GPUs times the facility's PUE (${c.pue}).`];
+  if (c.currency) parts.push(`A kWh at the meter costs ${c.price_per_kwh} ${c.currency}.`);
+  if (c.carbon_g_per_kwh !== null && c.carbon_g_per_kwh !== undefined) {
+    parts.push(`CO2e: ${c.carbon_g_per_kwh} g per kWh at the meter.`);
+  }
+  return parts.join(" ");
+}
+
+function fillMyEnergy(me) {
+  // My GPUs: each allocation's "Energy so far" line, and the note on where it comes from
+  const live = new Map(me.allocations.map((a) => [a.id, a]));
+  const pue = me.energy ? me.energy.pue : null;
+  for (const span of document.querySelectorAll("[data-energy-allocation]")) {
+    const a = live.get(Number(span.dataset.energyAllocation));
+    if (!a || a.energy === undefined) continue;  // ended (its row says so), or an older broker
+    span.textContent = `Energy so far: ${energyText(a.energy, pue)}`;
+    span.dataset.gpuKwh = a.energy ? String(a.energy.gpu_kwh) : "";
+  }
+  const note = document.getElementById("gpuhub-energy-note");
+  if (note && me.energy) {
+    note.textContent = costingText(me.energy);
+    note.classList.remove("d-none");
+  }
+}
+
+function hatch(color) {
+  // the idle part of a user's bars: the user's colour, lighter and hatched
+  const c = document.createElement("canvas");
+  c.width = c.height = 8;
+  const ctx = c.getContext("2d");
+  ctx.fillStyle = `${color}55`;
+  ctx.fillRect(0, 0, 8, 8);
+  ctx.strokeStyle = color;
+  ctx.lineWidth = 1.5;
+  ctx.beginPath();
+  ctx.moveTo(0, 8);
+  ctx.lineTo(8, 0);
+  ctx.moveTo(-2, 2);
+  ctx.lineTo(2, -2);
+  ctx.moveTo(6, 10);
+  ctx.lineTo(10, 6);
+  ctx.stroke();
+  return ctx.createPattern(c, "repeat") || `${color}55`;
+}
+
+function kwh(v) {
+  return v.toFixed(3);
+}
+
+function drawEnergyChart(box, usage) {
+  // kWh at the GPUs per user per bucket, stacked: the busy part, then the idle part (hatched)
+  const energy = usage.energy;
+  const users = Object.keys(energy.series);
+  const old = document.getElementById("gpuhub-energy-chart");
+  if (old && window.Chart && window.Chart.getChart(old)) window.Chart.getChart(old).destroy();
+  const values = Object.values(energy.series).flatMap((s) => s.gpu_kwh);
+  if (!users.length || !values.some((v) => v > 0)) {
+    box.replaceChildren(el("p", { class: "text-muted", id: "gpuhub-energy-chart" },
+      "No energy measured in this period."));
+    return;
+  }
+  if (!window.Chart) {
+    box.replaceChildren(el("p", { class: "text-warning", id: "gpuhub-energy-chart" },
+      "The energy chart needs chart.js in the broker's static files (scripts/setup installs it)."));
+    return;
+  }
+  const canvas = el("canvas", { id: "gpuhub-energy-chart", role: "img",
+    "aria-label": "kWh at the GPUs per day per user, the idle part hatched" });
+  const chartBox = el("div", { class: "usage-chart" });
+  chartBox.appendChild(canvas);
+  box.replaceChildren(chartBox);
+  const { starts, step, iso, labels } = bucketAxis(usage);
+  const datasets = [];
+  users.forEach((u, k) => {
+    const s = energy.series[u];
+    const color = COLORS[k % COLORS.length];
+    const total = energy.total[u] ? energy.total[u].gpu_kwh : s.gpu_kwh.reduce((a, b) => a + b, 0);
+    datasets.push({
+      label: `${u} (${kwh(total)} kWh)`,
+      gpuhubUser: u,
+      gpuhubPart: "busy",
+      data: s.gpu_kwh.map((v, i) => Math.max(0, v - s.idle_kwh[i])),
+      backgroundColor: color,
+      stack: "kwh",
+    }, {
+      label: `${u} idle`,
+      gpuhubUser: u,
+      gpuhubPart: "idle",
+      data: s.idle_kwh,
+      backgroundColor: hatch(color),
+      borderColor: color,
+      borderWidth: 1,
+      stack: "kwh",
+    });
+  });
+  new window.Chart(canvas, {
+    type: "bar",
+    data: { labels, datasets },
+    options: {
+      animation: false,
+      maintainAspectRatio: false,
+      interaction: { mode: "index", intersect: false },
+      scales: {
+        x: { stacked: true, title: { display: true, text: "period ending on (UTC)" } },
+        y: { stacked: true, beginAtZero: true, title: { display: true, text: "kWh at the GPUs" } },
+      },
+      plugins: {
+        tooltip: {
+          callbacks: {
+            title: (items) => `${iso(starts[items[0].dataIndex])} to ${iso(starts[items[0].dataIndex] + step)} UTC`,
+            label: (ctx) => `${ctx.dataset.gpuhubUser}${ctx.dataset.gpuhubPart === "idle" ? " idle" : " busy"}: ` +
+              `${kwh(ctx.parsed.y)} kWh`,
+          },
+        },
+      },
+    },
+  });
+}
+
+function energyColumns(costing) {
+  // [header, figures => cell text, class] of the energy tables; cost and CO2e where set
+  const cols = [
+    ["kWh at the GPUs", (f) => kwh(f.gpu_kwh), "energy-gpu-kwh"],
+    ["Idle kWh", (f) => kwh(f.idle_kwh), "energy-idle-kwh"],
+    ["Idle", (f) => (f.idle_share === null ? "–" : `${(f.idle_share * 100).toFixed(0)} %`), "energy-idle-share"],
+    ["kWh at the meter", (f) => kwh(f.meter_kwh), "energy-meter-kwh"],
+  ];
+  if (costing.currency) {
+    cols.push([`Cost (${costing.currency})`, (f) => (f.cost === null ? "–" : f.cost.toFixed(2)), "energy-cost"]);
+  }
+  if (costing.carbon_g_per_kwh !== null && costing.carbon_g_per_kwh !== undefined) {
+    cols.push(["CO2e (kg)", (f) => (f.co2e_kg === null ? "–" : f.co2e_kg.toFixed(3)), "energy-co2e"]);
+  }
+  cols.push(["GPU-hours not measured", (f) => f.unknown_gpu_hours.toFixed(2), "energy-unknown-hours"]);
+  return cols;
+}
+
+function energyRow(cols, name, f, attrs, cell = "td") {
+  const tr = el("tr", { ...attrs, "data-gpu-kwh": f.gpu_kwh });
+  tr.append(el(cell, { class: "energy-name" }, name));
+  for (const [, text, cls] of cols) tr.append(el(cell, { class: cls }, text(f)));
+  return tr;
+}
+
+function energyHead(table, first, cols) {
+  const tr = el("tr");
+  tr.append(el("th", {}, first), ...cols.map(([h]) => el("th", {}, h)));
+  table.querySelector("thead").replaceChildren(tr);
+}
+
+function fillEnergy(usage) {
+  // the admin page: the chart, a row per user and one for all, a row per group
+  const energy = usage.energy;
+  const box = document.getElementById("gpuhub-energy-box");
+  if (!box || !energy) return;
+  drawEnergyChart(box, usage);
+  const cols = energyColumns(energy.costing);
+  const table = document.getElementById("gpuhub-energy-table");
+  energyHead(table, "User", cols);
+  const users = Object.entries(energy.total);
+  table.querySelector("tbody").replaceChildren(...(users.length
+    ? users.map(([u, f]) => energyRow(cols, u, f, { "data-user": u }))
+    : [emptyRow(cols.length + 1, "No energy measured in this period.")]));
+  table.querySelector("tfoot").replaceChildren(energyRow(cols, "All users", energy.all, { "data-all": "" }, "th"));
+  const groups = document.getElementById("gpuhub-energy-groups");
+  const named = Object.entries(energy.groups || {});
+  if (groups) {
+    energyHead(groups, "Group", cols);
+    groups.querySelector("tbody").replaceChildren(...named.map(([g, f]) => energyRow(cols, g, f, { "data-group": g })));
+    for (const e of document.querySelectorAll('[data-when-full="energy-groups"]')) {
+      e.classList.toggle("d-none", energy.groups === undefined);
+    }
+    if (energy.groups !== undefined && !named.length) {
+      groups.querySelector("tbody").replaceChildren(emptyRow(cols.length + 1, "No group used energy in this period."));
+    }
+  }
+  const note = document.getElementById("gpuhub-energy-costing");
+  if (note) note.textContent = costingText(energy.costing);
+}
+
 async function loadUsage() {
   for (const container of document.querySelectorAll(".usage-plot")) {
     try {
       const usage = await api("GET", `usage?${usageQuery(container)}`);
       drawPlot(container, usage);
+      if (!container.dataset.usageUser) fillEnergy(usage);
       const table = document.querySelector("#usage-table tbody");
       if (table) {
         table.replaceChildren(...Object.entries(usage.total).map(([u, h]) => {
@@ -674,6 +883,7 @@ function startUserLive(container) {
   livePoll(container, async () => {
     const [me, util, queue] = await Promise.all([api("GET", "me"), api("GET", "utilization"), api("GET", mine)]);
     fillMyUse(me, util);
+    fillMyEnergy(me);
     fillMyQueue(queue.queue);
   });
 }
