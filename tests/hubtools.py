@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import secrets
 import signal
@@ -39,13 +40,20 @@ def free_port() -> int:
     hand out the same port."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
     mine = int((os.environ.get("PYTEST_XDIST_WORKER") or "gw0")[2:] or 0)
+    # chosen here, not by bind(0): Linux gives bind(0) odd ports only (even ones are kept for
+    # connect), so with two workers the even residue would never come; below the ephemeral
+    # range (ip_local_port_range), where outgoing connections never take them
     while True:
+        port = random.randrange(10000 + mine, 30000, workers)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port % workers == mine and port not in _handed_out:
-            _handed_out.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use
+        _handed_out.add(port)
+        return port
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):

@@ -170,7 +170,8 @@ def _alice_is_warned_whatever_she_reports(hub):
     token = hub.user_token("alice")
     [row] = hub.broker("GET", "utilization", token).json()["gpus"]
     gpu, allocation = row, row["holder"]["allocation_id"]
-    body = {"gpus": [{"node": gpu["node"], "index": gpu["index"], "utilization": 100}]}
+    # her own report: 100 % busy, at 1500 W
+    body = {"gpus": [{"node": gpu["node"], "index": gpu["index"], "utilization": 100, "power_watts": 1500}]}
 
     def warned():
         r = hub.broker("POST", f"allocations/{allocation}/samples", token, json=body)
@@ -180,4 +181,15 @@ def _alice_is_warned_whatever_she_reports(hub):
     wait_for(warned, 60, "alice warned while she reports her idle GPU busy", interval=0.5)
     [row] = hub.broker("GET", "utilization", token).json()["gpus"]
     assert row["utilization"] == 0.0 and row["reported"] is not None, row
+
+    # her energy is gpuhub's sampler's too: an idle simulated GPU's 60 W, not her 1500 W
+    def energy():
+        me = hub.broker("GET", "me", token).json()
+        [mine] = [a for a in me["allocations"] if a["id"] == allocation]
+        e = mine["energy"]
+        return e if e and e["measured_gpu_hours"] * 3600 >= 3 else None
+
+    e = wait_for(energy, 60, "alice's energy measured by gpuhub's sampler")
+    watts = e["gpu_kwh"] * 3.6e6 / (e["measured_gpu_hours"] * 3600)
+    assert watts == pytest.approx(60.0, rel=0.02) and e["idle_share"] == 1.0, e
     hub.stop_server("alice")
