@@ -22,6 +22,7 @@ from spawner.policy.energy import (
     describe,
     figures,
     interval,
+    reclaim_saving,
 )
 from spawner.policy.limits import Limit, LimitRules, Refusal
 from spawner.policy.records import AllocationInfo
@@ -278,3 +279,25 @@ def test_a_spent_budget_refuses_a_request_and_ends_a_wait_at_its_turn(db_url):
         assert [a.id for a in led.active(user="carol")] == [carol.id]
     finally:
         led.close()
+
+
+def test_idle_seconds_are_counted_so_an_idle_draw_is_known():
+    iv = Interval(T0, T0 + 10, 600.0, idle=True, how="power")
+    (s,) = attribute(iv, [Span(1, T0 - 5)])
+    assert s.idle_seconds == 10 and s.measured_seconds == 10
+    e = Energy(joules=900.0, idle_joules=600.0, measured_seconds=15, idle_seconds=10)
+    assert e.idle_watts == 60.0 and Energy(joules=5.0, measured_seconds=1).idle_watts is None
+
+
+@pytest.mark.parametrize(
+    "limit_end, now, saved",
+    [
+        (None, T0 + 1000, 60.0 * 2 * 300),  # as long again as it had been idle (300 s)
+        (None, T0 + 100, 60.0 * 2 * 100),  # never past now
+        (T0 + 50, T0 + 1000, 60.0 * 2 * 50),  # its time limit would have ended it sooner
+        (T0 - 50, T0 + 1000, 0.0),  # already past its limit
+    ],
+)
+def test_a_reclaims_saving_is_the_idle_draw_for_as_long_as_it_would_have_run(limit_end, now, saved):
+    assert reclaim_saving(60.0, 2, 300.0, T0, limit_end, now) == pytest.approx(saved)
+    assert reclaim_saving(None, 2, 300.0, T0, limit_end, now) is None  # never measured idle

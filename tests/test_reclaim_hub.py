@@ -10,6 +10,7 @@ import re
 import socket
 import threading
 from contextlib import contextmanager
+from datetime import UTC, datetime
 
 import pytest
 
@@ -153,6 +154,14 @@ def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(rec
     alice_before = before["users"].get("alice", {}).get("reclaims", 0)
     assert recs["users"]["alice"]["reclaims"] == alice_before + 1
     assert recs["total"]["reclaims"] == before["total"]["reclaims"] + 1
+    # what it saved, estimated from its GPU's measured idle draw (a simulated idle GPU: 60 W),
+    # for as long again as it had been idle (no time limit), never past now
+    reclaimed = datetime.fromisoformat(rec["created"].rstrip("Z")).replace(tzinfo=UTC)
+    after = (datetime.now(UTC) - reclaimed).total_seconds()
+    ran_on = min(rec["idle_seconds"], after)
+    assert rec["saved_kwh_estimate"] == pytest.approx(60.0 * ran_on / 3.6e6, rel=0.05, abs=2 * 60 / 3.6e6)
+    [same] = [r for r in recs["reclaims"] if r["id"] == rec["id"]]  # one answer: one "now"
+    assert recs["total"]["saved_kwh_estimate"] >= same["saved_kwh_estimate"] > 0
     # another user sees only their own
     assert hub.broker("GET", "reclaims", hub.user_token("dave")).json()["reclaims"] == []
 

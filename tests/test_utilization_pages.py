@@ -142,6 +142,8 @@ def test_the_user_page_shows_my_gpus_warns_when_idle_and_the_admin_sees_the_recl
     cells = row.locator("td")
     expect(cells.nth(1)).to_have_text("alice")
     expect(cells.nth(3)).to_have_text("1")
+    expect(cells.nth(6)).to_have_text(re.compile(r"^\d+\.\d{3} kWh$"))  # its saving, estimated
+    expect(admin.locator("#reclaim-saved")).to_contain_text("kWh at the GPUs")
     per_user = admin.locator('#reclaim-users tbody tr[data-user="alice"] td')
     expect(per_user.nth(1)).to_have_text("1")
     hours = float(per_user.nth(2).text_content())

@@ -53,7 +53,9 @@ class EnergyMeter:
             owner = self.owners.get(sh.allocation_id)
             if owner is None:
                 continue
-            e = energy.Energy(sh.joules, sh.idle_joules, sh.measured_seconds, sh.unknown_seconds)
+            e = energy.Energy(
+                sh.joules, sh.idle_joules, sh.measured_seconds, sh.unknown_seconds, sh.idle_seconds
+            )
             self.totals[owner] = self.totals.get(owner, energy.Energy()).plus(e)
 
     def left_holders(self, samples: Iterable[Sample], holders: Mapping[Key, AllocationInfo]) -> set[int]:

@@ -24,9 +24,11 @@ from spawner.broker import access
 from spawner.broker import requests as schemas
 from spawner.broker import responses as views
 from spawner.broker.handlers import APIHandler
+from spawner.broker.utilization import epoch
 from spawner.ledger import utcnow
 from spawner.ledger.reclaims import totals
 from spawner.policy import values
+from spawner.policy.energy import JOULES_PER_KWH, reclaim_saving
 
 
 class SamplesHandler(APIHandler):
@@ -102,17 +104,41 @@ class ReclaimsHandler(_SinceHandler):
             return
         found = await self.broker.run(self.broker.ledger.reclaims, who, since)
         per_user = totals(found)
+        saved = await self.savings(found, now)
+        shown = [{**views.reclaim_json(r), "saved_kwh_estimate": saved[r.id]} for r in found]
         self.finish(
             {
                 "since": views.iso(since),
-                "reclaims": [views.reclaim_json(r) for r in found],
+                "reclaims": shown,
                 "users": per_user,
                 "total": {
                     "reclaims": len(found),
                     "gpu_hours": round(sum(r.gpu_hours for r in found), 4),
+                    "saved_kwh_estimate": round(sum(v for v in saved.values() if v is not None), 6),
                 },
             }
         )
+
+    async def savings(self, found, now) -> dict[int, float | None]:
+        """Each reclaim's estimated saving in kWh at the GPUs (``policy.energy.reclaim_saving``;
+        None where its GPUs were never measured idle)."""
+        ledger = self.broker.ledger
+        used = await self.broker.run(ledger.energy_per_allocation, [r.allocation_id for r in found])
+        out = {}
+        for r in found:
+            a = await self.broker.run(ledger.get, r.allocation_id)
+            e = used.get(r.allocation_id)
+            ends = a.time_ends if a is not None else None
+            joules = reclaim_saving(
+                e.idle_watts if e is not None else None,
+                r.gpus,
+                r.idle_seconds,
+                epoch(r.created),
+                epoch(ends) if ends is not None else None,
+                epoch(now),
+            )
+            out[r.id] = None if joules is None else round(joules / JOULES_PER_KWH, 6)
+        return out
 
 
 class PreemptionsHandler(_SinceHandler):

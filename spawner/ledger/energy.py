@@ -21,6 +21,7 @@ _SUMS = (
     func.sum(_E.c.idle_joules),
     func.sum(_E.c.measured_seconds),
     func.sum(_E.c.unknown_seconds),
+    func.sum(_E.c.idle_seconds),
 )
 
 
@@ -74,6 +75,7 @@ class EnergyRecords:
                         idle_joules=0.0,
                         measured_seconds=0.0,
                         unknown_seconds=0.0,
+                        idle_seconds=0.0,
                     )
                     s.add(row)
                     rows[(sh.allocation_id, sh.day)] = row
@@ -81,6 +83,7 @@ class EnergyRecords:
                 row.idle_joules += sh.idle_joules
                 row.measured_seconds += sh.measured_seconds
                 row.unknown_seconds += sh.unknown_seconds
+                row.idle_seconds += sh.idle_seconds
                 changed += 1
         return changed
 

@@ -305,6 +305,7 @@ class EnergyUse(Base):
     idle_joules: Mapped[float] = mapped_column(Float, default=0.0)
     measured_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     unknown_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    idle_seconds: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 def is_live(state=None):

@@ -94,6 +94,7 @@ class Share:
     idle_joules: float = 0.0
     measured_seconds: float = 0.0  # GPU-seconds whose energy is known
     unknown_seconds: float = 0.0  # GPU-seconds held whose energy is not known
+    idle_seconds: float = 0.0  # of the measured GPU-seconds, those idle
 
     def plus(self, other: Share) -> Share:
         return Share(
@@ -103,6 +104,7 @@ class Share:
             self.idle_joules + other.idle_joules,
             self.measured_seconds + other.measured_seconds,
             self.unknown_seconds + other.unknown_seconds,
+            self.idle_seconds + other.idle_seconds,
         )
 
 
@@ -132,7 +134,16 @@ def attribute(iv: Interval, spans: Sequence[Span]) -> list[Share]:
                 part = Share(span.allocation_id, day, unknown_seconds=seconds)
             else:
                 joules = watts * seconds
-                part = Share(span.allocation_id, day, joules, joules if iv.idle else 0.0, seconds)
+                idle = iv.idle
+                part = Share(
+                    span.allocation_id,
+                    day,
+                    joules,
+                    joules if idle else 0.0,
+                    seconds,
+                    0.0,
+                    seconds if idle else 0.0,
+                )
             key = (span.allocation_id, day)
             out[key] = out[key].plus(part) if key in out else part
     return list(out.values())
@@ -169,6 +180,7 @@ class Energy:
     idle_joules: float = 0.0
     measured_seconds: float = 0.0
     unknown_seconds: float = 0.0
+    idle_seconds: float = 0.0
 
     def plus(self, other: Energy) -> Energy:
         return Energy(
@@ -176,7 +188,13 @@ class Energy:
             self.idle_joules + other.idle_joules,
             self.measured_seconds + other.measured_seconds,
             self.unknown_seconds + other.unknown_seconds,
+            self.idle_seconds + other.idle_seconds,
         )
+
+    @property
+    def idle_watts(self) -> float | None:
+        """The mean draw of one GPU while idle (None: never measured idle)."""
+        return self.idle_joules / self.idle_seconds if self.idle_seconds > 0 else None
 
     @property
     def gpu_kwh(self) -> float:
@@ -185,6 +203,24 @@ class Energy:
     @property
     def idle_kwh(self) -> float:
         return self.idle_joules / JOULES_PER_KWH
+
+
+def reclaim_saving(
+    idle_watts: float | None,
+    gpus: int,
+    idle_seconds: float,
+    reclaimed: float,
+    time_limit_end: float | None,
+    now: float,
+) -> float | None:
+    """An estimate of the energy an idle reclaim saved, in joules (None: no idle draw was
+    measured): the reclaimed GPUs' measured idle draw for as long as the session would have
+    run on, to its time limit's end where it had one, else as long again as it had already been
+    idle (nobody knows when its holder would have stopped it), never past ``now``."""
+    if idle_watts is None:
+        return None
+    until = time_limit_end if time_limit_end is not None else reclaimed + idle_seconds
+    return idle_watts * gpus * max(0.0, min(until, now) - reclaimed)
 
 
 def meter_kwh(e: Energy, costing: Costing) -> float:

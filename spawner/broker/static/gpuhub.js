@@ -645,7 +645,9 @@ function fillReclaims(rec) {
   const body = document.querySelector("#reclaims tbody");
   if (!body) return;
   const rows = rec.reclaims.map((r) => row(
-    [timeEl(r.created), r.user, allocationWhat(r), r.gpus, duration(r.idle_seconds), fmt(r.gpu_hours), r.reason],
+    [timeEl(r.created), r.user, allocationWhat(r), r.gpus, duration(r.idle_seconds), fmt(r.gpu_hours),
+      r.saved_kwh_estimate === null || r.saved_kwh_estimate === undefined ? "not measured" : `${r.saved_kwh_estimate.toFixed(3)} kWh`,
+      r.reason],
     { "data-reclaim": r.id, "data-user": r.user }));
   body.replaceChildren(...rows);
   showSection("reclaims", rows.length > 0, rows.length);
@@ -654,6 +656,8 @@ function fillReclaims(rec) {
   users.replaceChildren(...userRows);
   const total = document.getElementById("reclaim-total");
   total.replaceChildren(el("th", {}, "Total"), el("th", {}, rec.total.reclaims), el("th", {}, fmt(rec.total.gpu_hours)));
+  const saved = document.getElementById("reclaim-saved");
+  if (saved) saved.textContent = `${rec.total.saved_kwh_estimate.toFixed(3)} kWh at the GPUs`;
 }
 
 function fillPreemptions(pre) {

@@ -26,6 +26,7 @@ def upgrade() -> None:
         sa.Column("idle_joules", sa.Float(), nullable=False),
         sa.Column("measured_seconds", sa.Float(), nullable=False),
         sa.Column("unknown_seconds", sa.Float(), nullable=False),
+        sa.Column("idle_seconds", sa.Float(), nullable=False),
         sa.ForeignKeyConstraint(
             ["allocation_id"], ["allocations.id"], name=op.f("fk_energy_use_allocation_id_allocations")
         ),
