@@ -360,6 +360,10 @@ def test_the_openapi_check_catches_a_wrong_shape(hub, tokens):
         ("usage?since=1d&bucket_hours=0", 400),
         ("allocations/99999999999999999999", 404),
         ("allocations/99999999999999999999/renew", 404),
+        ("me?server=", 400),  # a session needs its start
+        ("me?server=&since=yesterday", 400),
+        ("me?server=&since=1d", 200),
+        ("usage?since=1d&format=csv", 200),
     ],
 )
 def test_odd_queries_are_answered_never_500(hub, tokens, path, status):

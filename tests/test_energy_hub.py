@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -103,6 +104,13 @@ def test_an_idle_server_and_a_busy_pool_use_what_the_power_model_says(energy_hub
 
         status, out = run(kc, "%distributed shutdown")
         assert status == "ok", out
+        wait_for(lambda: ledger.get(pool.id).state == "released", 60, "bob's pool released")
+        # the session so far still counts the pool that ended (bob's server holds no GPU itself)
+        status, out = run(kc, "%gpus")
+        assert status == "ok", out
+        [line] = [ln for ln in out.splitlines() if ln.startswith("This session so far")]
+        kwh = float(re.match(r"This session so far: ([0-9.]+) kWh at the GPUs", line).group(1))
+        assert kwh == pytest.approx(ledger.energy_of([pool.id]).joules / 3.6e6, abs=0.0015), line
     finally:
         kc.stop_channels()
     hub.stop_server("alice")

@@ -1,6 +1,8 @@
 """``%gpus``'s energy words (gpu_magics.kernel.energy): one allocation's figures in a line, as
 spawner.policy.energy.describe says them, and this session's allocations added up. Pure."""
 
+from datetime import UTC, datetime
+
 import pytest
 
 from gpu_magics.kernel import energy
@@ -76,17 +78,19 @@ def test_this_session_adds_up_its_servers_allocation_and_its_kernels_bursts():
         ],
     }
     assert energy.session_line(me, "", [1]) == (
-        "This session so far: 3.000 kWh at the GPUs (4.500 kWh at the meter, 0.90 EUR); "
+        "This session so far (what it holds now): 3.000 kWh at the GPUs (4.500 kWh at the meter, 0.90 EUR); "
         "17 % of it idle; 0.25 GPU-hours not measured"
     )
     # the named server "other": its own allocation alone
-    assert energy.session_line(me, "other", [4]).startswith("This session so far: 5.000 kWh at the GPUs")
+    assert energy.session_line(me, "other", [4]).startswith(
+        "This session so far (what it holds now): 5.000 kWh"
+    )
     # a burst asked for outside this server, but this kernel's pool: counted by its id
     assert [a["id"] for a in energy.session_allocations(me, "other", [4, 2])] == [2, 4]
 
 
 def test_this_session_says_when_nothing_is_measured_yet():
-    none = "This session so far: not measured yet"
+    none = "This session so far (what it holds now): not measured yet"
     assert energy.session_line({"allocations": [alloc(1)]}, "", [1]) == none
     assert energy.session_line({"allocations": []}, "", []) == none
     # an older broker without energy at all
@@ -99,3 +103,32 @@ def test_a_sum_keeps_cost_and_co2e_only_where_given():
     assert total["cost"] is None and total["co2e_kg"] == 0.5 and total["gpu_kwh"] == 4.0
     assert total["idle_share"] == pytest.approx(0.25)
     assert energy.add_up([None, None]) is None
+
+
+def test_the_brokers_session_counts_ended_bursts_too_and_wins():
+    me = {
+        "energy": {"pue": 1.0},
+        "allocations": [alloc(1, f=fig(gpu=2.0, idle=0.5, cost=None, currency=None, unknown=0.0))],
+        "session": {
+            "server": "",
+            "since": "2026-12-07T06:00:00Z",
+            "energy": fig(gpu=7.0, idle=0.0, cost=None, currency=None, unknown=0.0),
+        },
+    }
+    assert energy.session_line(me, "", [1]) == "This session so far: 7.000 kWh at the GPUs; 0 % of it idle"
+    nothing = {
+        **me,
+        "session": {"server": "", "since": "x", "energy": fig(gpu=0.0, idle=0.0, measured=0.0, unknown=0.0)},
+    }
+    assert energy.session_line(nothing, "", [1]) == "This session so far: not measured yet"
+
+
+def test_a_kernels_server_start_is_its_parent_process_start():
+    import os
+
+    import psutil
+
+    started = energy.server_started()
+    expected = psutil.Process(os.getppid()).create_time()
+    assert started == datetime.fromtimestamp(expected, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert energy.server_started(ppid=2**22 + 12345) is None  # no such process: unknown

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from urllib.parse import urlencode
 
 import requests
 
@@ -47,8 +48,12 @@ class BrokerClient:
             )
         return data
 
-    def me(self) -> dict:
-        return self._call("GET", "me")
+    def me(self, session: tuple[str, str] | None = None) -> dict:
+        """``GET me``; ``session``: ``(server name, its start as an ISO time)``, for that
+        server's session's energy so far (``session``)."""
+        if session is None:
+            return self._call("GET", "me")
+        return self._call("GET", "me?" + urlencode({"server": session[0], "since": session[1]}))
 
     def request(
         self,

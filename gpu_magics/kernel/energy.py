@@ -9,7 +9,9 @@ the cost only with a currency, CO2e only with a carbon intensity.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 NOT_MEASURED = "not measured yet"
@@ -81,7 +83,26 @@ def session_allocations(
 
 
 def session_line(me: Mapping[str, Any], server_name: str, allocation_ids: Iterable[int] = ()) -> str:
-    """``%gpus``'s line: ``This session so far: 1.234 kWh at the GPUs (0.31 EUR); ...``."""
+    """``%gpus``'s line: ``This session so far: 1.234 kWh at the GPUs (0.31 EUR); ...``: the
+    broker's ``session`` (every allocation of this server since it started, ended bursts too)
+    where it answered one, else what this server holds now (and says so)."""
     pue = (me.get("energy") or {}).get("pue")
+    session = me.get("session")
+    if session is not None:
+        f = session.get("energy")
+        measured = f and (f.get("measured_gpu_hours") or f.get("unknown_gpu_hours"))
+        return f"This session so far: {energy_text(f if measured else None, pue)}"
     total = add_up(a.get("energy") for a in session_allocations(me, server_name, allocation_ids))
-    return f"This session so far: {energy_text(total, pue)}"
+    return f"This session so far (what it holds now): {energy_text(total, pue)}"
+
+
+def server_started(ppid: int | None = None) -> str | None:
+    """When this kernel's server (its parent process) started, as the broker reads a time
+    (None: unknown)."""
+    try:
+        import psutil
+
+        t = psutil.Process(os.getppid() if ppid is None else ppid).create_time()
+    except Exception:
+        return None
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

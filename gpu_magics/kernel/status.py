@@ -111,19 +111,21 @@ class GpuMagics(Magics):
             print(d.describe().split("\n", 1)[1])
         client = BrokerClient.from_env()
         if client is not None:  # how busy the user's GPUs are, any idle warning, the energy used
-            energy = ""
+            used = ""
             try:
-                me = client.me()
+                started = energy.server_started()
+                name = os.environ.get("JUPYTERHUB_SERVER_NAME", "")
+                me = client.me(session=(name, started) if started else None)
                 use = describe_use(me, client.utilization())
-                energy = self._energy(me)
+                used = self._energy(me)
             except BrokerError as e:
                 use = f"(GPU use unknown: {e.message})"
             if use:
                 print()
                 print(use)
-            if energy:
+            if used:
                 print()
-                print(energy)
+                print(used)
 
     def _energy(self, me: dict) -> str:
         """``This session so far: ...``: the energy of the server's allocation and its kernels'

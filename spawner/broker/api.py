@@ -50,6 +50,16 @@ class MeHandler(APIHandler):
         )
         costing = self.broker.costing
         me["energy"] = energy_views.costing_json(costing)
+        server = self.get_argument("server", None)
+        if server is not None:  # ?server=NAME&since=TIME: that server's session so far
+            try:
+                since = self.time_argument("since", None, ledger.clock())
+            except values.BadValue as e:
+                return self.fail(400, str(e), "bad_request")
+            if since is None:
+                return self.fail(400, "'server' needs 'since': when that server started.", "bad_request")
+            session = await self.broker.run(ledger.session_energy, caller.name, server, since)
+            me["session"] = {"server": server, "since": views.iso(since), "energy": figures(session, costing)}
         for a in me["allocations"]:
             e = used.get(a["id"])
             # None: nothing measured yet (a new allocation, or GPUs gpuhub's sampler does not read)

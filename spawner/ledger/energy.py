@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import date, datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from spawner.ledger.db import connection
-from spawner.ledger.models import Allocation, EnergyUse
+from spawner.ledger.models import Allocation, EnergyUse, is_live
 from spawner.policy import budgets
 from spawner.policy.energy import Energy, Share
 
@@ -154,6 +154,18 @@ class EnergyRecords:
         q = select(_E.c.allocation_id, *_SUMS).where(_E.c.allocation_id.in_(ids)).group_by(_E.c.allocation_id)
         with self._read() as s:
             return {i: _energy(rest) for i, *rest in connection(s).execute(q)}
+
+    def session_energy(self, user: str, server_name: str, since: datetime) -> Energy:
+        """The energy of every allocation ``user`` made for server ``server_name`` since
+        ``since`` (its kernels' bursts, ended ones too), and of the server's own live allocation
+        (booked before its process started): a session so far."""
+        ids = select(Allocation.id).where(
+            Allocation.user == user,
+            Allocation.server_name == server_name,
+            or_(Allocation.created >= since, and_(Allocation.purpose == "server", is_live())),
+        )
+        with self._read() as s:
+            return _energy(connection(s).execute(select(*_SUMS).where(_E.c.allocation_id.in_(ids))).one())
 
     def ended_times(self, allocation_ids: Iterable[int]) -> dict[int, datetime | None]:
         """When each of some allocations ended (None: still live): where an interval's
