@@ -378,3 +378,30 @@ def test_counts_and_times_are_written_for_people(hubdir):
     assert usage.startswith("GPU-hours from 2026-11-01 00:00:00 UTC to ") and usage.endswith(" UTC")
     entry = ledger.request("dave", [], 2, purpose="distributed", lease_seconds=60).entry
     assert "(dave, 2 GPUs)" in gpuhub(hubdir, "queue", "cancel", str(entry.id)).stdout
+
+
+def test_usage_with_energy_shows_kwh_idle_meter_cost_and_what_was_not_measured(hubdir):
+    from spawner.policy.energy import Share
+
+    (hubdir / "jupyterhub_config.py").write_text(
+        CONFIG + '\nc.GpuHub.pue = 1.5\nc.GpuHub.energy_price = 0.2\nc.GpuHub.energy_currency = "EUR"\n'
+    )
+    ledger = Ledger(f"sqlite:///{hubdir / 'gpuhub.sqlite'}")
+    ledger.sync_inventory(parse_simulated([{"node": "n1", "count": 2, "model": "A100"}]))
+    a = ledger.allocate("carol", [], 1)
+    today = ledger.clock().date()
+    # 2 kWh at the GPUs, a quarter of it idle; 0.5 GPU-hours not measured
+    ledger.add_energy([Share(a.id, today, 2 * 3.6e6, 0.5 * 3.6e6, 3600.0, 1800.0, 900.0)])
+    out = gpuhub(hubdir, "usage", "--since", "1d", "--energy").stdout.splitlines()
+    assert "PUE 1.5" in out[0]
+    head = out[1].split()
+    assert head[:5] == ["USER", "GPU-HOURS", "KWH", "IDLE", "METER"] and "EUR" in head
+    row = out[-1].split()
+    assert row[0] == "carol" and row[2:7] == ["2.000", "25", "%", "3.000", "0.60"] and row[7] == "0.50"
+    doc = json.loads(gpuhub(hubdir, "usage", "--since", "1d", "--energy", "--json").stdout)
+    assert doc["energy"]["carol"]["cost"] == pytest.approx(0.6) and doc["costing"]["currency"] == "EUR"
+    # a bad facility setting is refused with the setting named
+    (hubdir / "jupyterhub_config.py").write_text(CONFIG + "\nc.GpuHub.pue = 0.5\n")
+    r = gpuhub(hubdir, "usage", "--energy", ok=False)
+    assert r.returncode == 2 and "c.GpuHub.pue must be from 1 to 5" in r.stderr
+    assert "Traceback" not in r.stderr
