@@ -39,7 +39,9 @@ The showcase: 4 GPUs for users with limits of 3 (alice), 2 (bob and carol, group
   ``gpuhub-simulated-utilization.json`` in the state directory to make a simulated GPU busy;
 - time limits: a student's session ends after 8 h (``group_max_hours``), with warnings 30 and
   5 minutes before; "Extend by hours" on My GPUs or ``%gpus --extend 1h`` adds up to 2 h in all
-  (``extension_max_hours``) when nobody waiting would start later (docs/time-limits.md).
+  (``extension_max_hours``) when nobody waiting would start later (docs/time-limits.md);
+- energy and cost: a simulated GPU draws 60 W idle and up to 300 W busy; kWh, EUR and CO2e
+  per session on My GPUs, GPU admin, the JupyterLab panel and ``%gpus`` (docs/energy.md).
 """
 
 import sys
@@ -72,6 +74,11 @@ c.GpuHub.group_limits = {"students": 2}
 c.GpuHub.user_limits = {"alice": 3}
 c.GpuHub.group_max_hours = {"students": 8}  # a student's session ends after 8 h (docs/time-limits.md)
 c.GpuHub.extension_max_hours = 2  # ... and may be extended by 2 h in all when nobody waits for it
+# what the GPUs cost (docs/energy.md): a simulated GPU draws 60 W idle, 300 W busy
+c.GpuHub.pue = 1.3
+c.GpuHub.energy_price = 0.25
+c.GpuHub.energy_currency = "EUR"
+c.GpuHub.carbon_intensity = 300
 # the showcase (the docstring above): borrowing with a short notice, idle reclaim in minutes
 c.GpuHub.default_borrow = 2
 c.GpuHub.preempt_grace_seconds = 60
