@@ -301,3 +301,19 @@ def test_idle_seconds_are_counted_so_an_idle_draw_is_known():
 def test_a_reclaims_saving_is_the_idle_draw_for_as_long_as_it_would_have_run(limit_end, now, saved):
     assert reclaim_saving(60.0, 2, 300.0, T0, limit_end, now) == pytest.approx(saved)
     assert reclaim_saving(None, 2, 300.0, T0, limit_end, now) is None  # never measured idle
+
+
+def test_the_meters_counters_add_what_was_written_and_forget_allocations_that_left():
+    meter = EnergyMeter()
+    meter.seed({("alice", "server"): Energy(joules=100.0)})
+    key = ("n1", 0)
+    a = info(1, T0 - 100)
+    meter.observe([s(watts=100)], {key: a}, {}, 5, 180, now=T0)
+    shares = meter.observe([s(watts=100)], {key: a}, {}, 5, 180, now=T0 + 10)
+    meter.count(shares)
+    assert meter.totals[("alice", "server")].joules == pytest.approx(1100.0)
+    ended = {1: datetime.fromtimestamp(T0 + 15, UTC).replace(tzinfo=None)}
+    shares = meter.observe([s(watts=100)], {}, ended, 5, 180, now=T0 + 20)  # released at +15
+    meter.count(shares)
+    assert meter.totals[("alice", "server")].joules == pytest.approx(1600.0)
+    assert meter.owners == {}  # its last share counted: nothing kept for it

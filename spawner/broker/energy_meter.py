@@ -57,6 +57,10 @@ class EnergyMeter:
                 sh.joules, sh.idle_joules, sh.measured_seconds, sh.unknown_seconds, sh.idle_seconds
             )
             self.totals[owner] = self.totals.get(owner, energy.Energy()).plus(e)
+        # an allocation that holds no GPU any more has had its last share: forget its owner
+        held = {h.allocation_id for h in self.held.values() if h is not None}
+        for gone in [i for i in self.owners if i not in held]:
+            del self.owners[gone]
 
     def left_holders(self, samples: Iterable[Sample], holders: Mapping[Key, AllocationInfo]) -> set[int]:
         """The allocations that held a GPU at its last reading and no longer do: their end
