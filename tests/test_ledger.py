@@ -360,3 +360,41 @@ def test_a_writer_whose_connection_the_server_dropped_admits_on_a_fresh_one():
         assert ledger.release(second.id) and ledger.release(first.id)
         assert [a.id for a in ledger.active()] == []
         ledger.close()
+
+
+def test_usage_reads_only_the_period_and_agrees_with_the_policys_gpu_hours(ledger, clock):
+    """GPU-hours per user and per bucket, read over the allocations that overlap the period
+    only, against ``policy.gpu_hours_used`` over every allocation, for random histories."""
+    import random
+
+    from spawner.policy import gpu_hours_used
+
+    rnd = random.Random(11)
+    start = clock.now
+    live, made = [], []
+    for _ in range(40):
+        clock.advance(minutes=rnd.randint(1, 90))
+        if live and rnd.random() < 0.5:
+            ledger.release(live.pop(rnd.randrange(len(live))).id, "done")
+        try:
+            a = ledger.allocate(rnd.choice(["alice", "bob", "carol"]), ["staff"], rnd.randint(1, 2))
+        except Refusal:
+            continue
+        live.append(a)
+        made.append(a.id)
+    clock.advance(minutes=30)
+    rows = {name: [] for name in ("alice", "bob", "carol")}
+    for a in map(ledger.get, made):
+        rows[a.user].append((a.started or a.created, a.ended, len(a.gpus)))
+    since, until = start + timedelta(hours=3), clock.now - timedelta(hours=2)
+    window = (until - since).total_seconds() / 3600
+    assert ledger.usage(since, until) == pytest.approx(
+        {u: gpu_hours_used(r, until, window) for u, r in rows.items()}
+    )
+    starts, series = ledger.usage_series(since, until, bucket_hours=1.5)
+    for u, r in rows.items():
+        ends = [min(b + timedelta(hours=1.5), until) for b in starts]
+        spans = zip(starts, ends, strict=True)
+        expected = [gpu_hours_used(r, e, (e - b).total_seconds() / 3600) for b, e in spans]
+        assert series[u] == pytest.approx(expected), u
+    assert sum(ledger.usage(start, clock.now).values()) > 0

@@ -39,6 +39,7 @@ class EnergyMeter:
         self.last: dict[Key, energy.Point] = {}
         self.held: dict[Key, Held | None] = {}
         self.power: dict[Key, tuple[float, float]] = {}  # the last power read: (time, watts)
+        self.models: dict[Key, str] = {}  # each sampled GPU's model (the metrics' label)
         self.owners: dict[int, tuple[str, str]] = {}  # allocation id: (user, purpose)
         # every user's energy by purpose, all history: the ledger's at the start, then what this
         # meter wrote (the metrics' counters, read without a query per scrape)
@@ -61,6 +62,17 @@ class EnergyMeter:
         held = {h.allocation_id for h in self.held.values() if h is not None}
         for gone in [i for i in self.owners if i not in held]:
             del self.owners[gone]
+
+    def note_models(self, table) -> None:
+        """Each GPU's model, from the ledger's table the sampler read anyway."""
+        for st in table:
+            self.models[(st.gpu.node, st.gpu.index)] = st.gpu.model
+
+    def holder_user(self, key: Key) -> str:
+        """Who held the GPU at its last reading ("" nobody)."""
+        h = self.held.get(key)
+        owner = self.owners.get(h.allocation_id) if h is not None else None
+        return owner[0] if owner is not None else ""
 
     def left_holders(self, samples: Iterable[Sample], holders: Mapping[Key, AllocationInfo]) -> set[int]:
         """The allocations that held a GPU at its last reading and no longer do: their end

@@ -2,7 +2,7 @@
 counters: the broker's meter keeps them, from the ledger's totals at its start):
 
 - ``gpuhub_gpu_power_watts{node,index,model,user}``: each GPU's last power reading by gpuhub's
-  own sampler (fresh ones only; ``user`` empty for a free GPU);
+  own sampler (fresh ones only; ``user``: who held it at that reading, empty for nobody);
 - ``gpuhub_energy_joules_total{user,purpose,idle}``: energy at the GPUs per user and purpose,
   the part while idle (``idle="true"``) apart from the rest; multiply by ``c.GpuHub.pue`` for
   the meter;
@@ -27,13 +27,13 @@ class EnergyCollector:
             "Last power reading of each GPU by gpuhub's own sampler, watts",
             labels=["node", "index", "model", "user"],
         )
-        if b.energy.power:
-            stale = b.reclaim_rules.stale_after
-            for st in sorted(b.ledger.gpu_table(), key=lambda st: (st.gpu.node, st.gpu.index)):
-                watts = b.energy.watts((st.gpu.node, st.gpu.index), stale)
-                if watts is not None:
-                    user = st.holder.user if st.holder is not None else ""
-                    power.add_metric([st.gpu.node, str(st.gpu.index), st.gpu.model, user], watts)
+        meter, stale = b.energy, b.reclaim_rules.stale_after
+        now = meter.clock()
+        for key in sorted(meter.power):  # from memory: the sampler's last readings, no query
+            watts = meter.watts(key, stale, now)
+            if watts is not None:
+                model = meter.models.get(key, "")
+                power.add_metric([key[0], str(key[1]), model, meter.holder_user(key)], watts)
         yield power
         joules = CounterMetricFamily(
             "gpuhub_energy_joules",

@@ -74,6 +74,7 @@ async def meter(broker, samples: list[Sample], table) -> int:
     """The energy since each sampled GPU's last reading, written to the ledger for the
     allocations that held it (:mod:`.energy_meter`); returns how many rows changed."""
     holders = {(st.gpu.node, st.gpu.index): st.holder for st in table if st.holder is not None}
+    broker.energy.note_models(table)
     left = broker.energy.left_holders(samples, holders)
     ended = await broker.run(broker.ledger.ended_times, left) if left else {}
     rules = broker.reclaim_rules

@@ -122,20 +122,25 @@ class EnergyRecords:
     def energy_days(
         self, since: datetime, until: datetime, user: str | None = None
     ) -> dict[str, dict[date, Energy]]:
-        """Energy per user per UTC day from ``since`` to ``until`` (the admin page's bars)."""
+        """Energy per user per UTC day from ``since`` to ``until`` (the admin page's bars): its
+        joules and idle joules only."""
         first, last = days(since, until)
+        # what the chart draws: energy and its idle part (the other sums are the totals')
         q = (
-            select(_E.c.user, _E.c.day, *_SUMS)
+            select(_E.c.user, _E.c.day, func.sum(_E.c.joules), func.sum(_E.c.idle_joules))
             .where(_E.c.day >= first, _E.c.day <= last)
             .group_by(_E.c.user, _E.c.day)
         )
         if user is not None:
             q = q.where(_E.c.user == user)
         out: dict[str, dict[date, Energy]] = {}
+        seen: dict[object, date] = {}
         with self._read() as s:
-            for u, d, *rest in connection(s).execute(q):
-                day = d if isinstance(d, date) else date.fromisoformat(str(d))
-                out.setdefault(u, {})[day] = _energy(rest)
+            for u, d, joules, idle in connection(s).execute(q):
+                day = seen.get(d)
+                if day is None:
+                    day = seen[d] = d if isinstance(d, date) else date.fromisoformat(str(d))
+                out.setdefault(u, {})[day] = Energy(joules or 0.0, idle or 0.0)
         return out
 
     def energy_of(self, allocation_ids: Iterable[int]) -> Energy:

@@ -283,6 +283,9 @@ class TimeExtension(Base):
     after_seconds: Mapped[float] = mapped_column(Float)
 
 
+ENERGY_SUMS = ("joules", "idle_joules", "measured_seconds", "unknown_seconds", "idle_seconds")
+
+
 class EnergyUse(Base):
     """The energy one allocation used on one UTC day, added up from gpuhub's own readings of
     its GPUs (``policy.energy``; written by the broker): joules, the part while idle, and the
@@ -292,8 +295,9 @@ class EnergyUse(Base):
     __tablename__ = "energy_use"
     __table_args__ = (
         UniqueConstraint("allocation_id", "day", name="uq_energy_use_allocation_day"),
-        Index("ix_energy_use_day_user", "day", "user"),
-        Index("ix_energy_use_user_day", "user", "day"),
+        # covering: a period's sums are read from the index alone (docs/benchmarks.md)
+        Index("ix_energy_use_day_user", "day", "user", *ENERGY_SUMS),
+        Index("ix_energy_use_user_day", "user", "day", *ENERGY_SUMS),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

@@ -33,8 +33,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_energy_use")),
         sa.UniqueConstraint("allocation_id", "day", name="uq_energy_use_allocation_day"),
     )
-    op.create_index("ix_energy_use_day_user", "energy_use", ["day", "user"], unique=False)
-    op.create_index("ix_energy_use_user_day", "energy_use", ["user", "day"], unique=False)
+    sums = ["joules", "idle_joules", "measured_seconds", "unknown_seconds", "idle_seconds"]
+    op.create_index("ix_energy_use_day_user", "energy_use", ["day", "user", *sums], unique=False)
+    op.create_index("ix_energy_use_user_day", "energy_use", ["user", "day", *sums], unique=False)
 
 
 def downgrade() -> None:
