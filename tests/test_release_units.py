@@ -193,3 +193,57 @@ def test_a_burst_that_waited_keeps_its_server_when_granted(led):
     got = led.wait_turn(waits.entry.id)
     assert got.allocation is not None and got.allocation.of_server and got.allocation.server_name == "lab"
     assert led.release_server("alice", "lab", 0, "server exited") == [got.allocation.id]
+
+
+def _ended_pool(pids, pidfd_saw=()):
+    """An ``EnginePool``'s parts that the end checks read: its ranks' pids here, and a pidfd
+    watch that saw only ``pidfd_saw`` end (as one that missed an end would)."""
+    from types import SimpleNamespace
+
+    from gpu_magics.common.ranks import Slot, make_rank_specs
+    from gpu_magics.kernel.pool import EnginePool
+
+    pool = SimpleNamespace(
+        _remote=False,
+        infos=[{"pid": p} for p in pids],
+        specs=make_rank_specs([Slot("vm", i) for i in range(len(pids))], "127.0.0.1", 1),
+        _ended=lambda: set(pidfd_saw),
+        client=None,  # a shrink that asked the engines would fail on it
+    )
+    pool.ended_for_sure = lambda: EnginePool.ended_for_sure(pool)
+    return pool
+
+
+def test_an_engine_that_ended_is_seen_even_where_its_pidfd_missed_it():
+    """A dead engine (a zombie here: its parent has not reaped it) counts as ended by the
+    process table, whatever the pidfd watch says; one that runs does not."""
+    from gpu_magics.kernel import resize
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        wait_until = time.monotonic() + 30
+        while time.monotonic() < wait_until:
+            with open(f"/proc/{dead.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.05)
+        pool = _ended_pool([dead.pid, live.pid])
+        assert pool.ended_for_sure() == {0}
+        # a shrink that would keep the dead rank 0 says so at once, asking no engine
+        with pytest.raises(resize.ShrinkFailed, match="the engine of rank 0, which would stay, has ended"):
+            resize.shrink(pool, [1])
+        # with every engine gone, a notice finds nothing to keep or save: it is done with, and
+        # the cell's own check says what was lost (not a shrink that waits on dead engines)
+        from types import SimpleNamespace
+
+        from gpu_magics.kernel.preemption import Notice, Preemption
+
+        for pids, gone in (([dead.pid, live.pid], False), ([dead.pid, dead.pid], True)):
+            notice = Notice(part=None, reason="preempted", due=time.time())
+            preemption = Preemption(SimpleNamespace(pool=_ended_pool(pids)), None, None)
+            assert preemption.engines_gone(notice) is gone and notice.acted is gone
+    finally:
+        live.kill()
+        live.wait()
+        dead.wait()

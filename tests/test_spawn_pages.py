@@ -8,7 +8,8 @@ no borrowing beyond a limit, whose refusals are borrowing's: test_borrow_pages.p
   someone ahead leaves;
 - a progress stream that fails to open loads the page again rather than standing still;
 - a limit lowered with ``gpuhub limits set`` below a waiting request ends the wait at once, and
-  the spawn page says why and what to do.
+  the spawn page says why and what to do;
+- (upstream, pinned by a strict xfail) a start after a failed one answers 201 while it waits.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def fill(hub, *holders):
         hub.wait_ready(user)
 
 
+def limits(hub, *args: str) -> None:
+    """``gpuhub limits ARGS...``, as the admin runs it."""
+    r = subprocess.run(
+        [GPUHUB, "--db-url", hub.ledger_url, "limits", *args], cwd=hub.dir, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+
+
 def waiting_users(hub) -> list[str]:
     r = hub.broker("GET", "queue", hub.user_token("admin"))
     assert r.status_code == 200, r.text
@@ -98,8 +107,7 @@ def test_an_over_limit_refusal_agrees_with_the_form_and_keeps_the_count(hub, bro
 def test_the_pending_page_says_the_place_and_moves_when_someone_ahead_leaves(hub, browser, tmp_path):
     fill(hub, ("alice", 2), ("dave", 2))
     for user in ("carol", "bob"):
-        assert hub.spawn(user, {"gpus": 2}).status_code == 202
-        hub.wait_progress(user, "waiting for 2 GPUs")
+        hub.spawn_waits(user, {"gpus": 2}, "waiting for 2 GPUs")
     first, second = waiting_users(hub)  # fair share decides who is ahead
 
     page = login(browser, hub, second)
@@ -130,8 +138,7 @@ def test_a_progress_stream_that_fails_to_open_loads_the_page_again(hub, browser)
     # would stand still. The first load's streams (jupyterhub's own and gpuhub's) are answered
     # so here; the page must load again and follow the wait.
     fill(hub, ("alice", 2), ("dave", 2))
-    assert hub.spawn("bob", {"gpus": 2}).status_code == 202
-    hub.wait_progress("bob", "waiting for 2 GPUs")
+    hub.spawn_waits("bob", {"gpus": 2}, "waiting for 2 GPUs")
     page = login(browser, hub, "bob")
     answered = []
 
@@ -152,21 +159,14 @@ def test_a_progress_stream_that_fails_to_open_loads_the_page_again(hub, browser)
 
 def test_a_limit_lowered_with_the_cli_ends_the_wait_and_the_page_says_why(hub, browser, tmp_path):
     fill(hub, ("alice", 2), ("dave", 2))
-    assert hub.spawn("bob", {"gpus": 2}).status_code == 202
-    hub.wait_progress("bob", "waiting for 2 GPUs")
+    hub.spawn_waits("bob", {"gpus": 2}, "waiting for 2 GPUs")
     page = login(browser, hub, "bob")
     page.goto(f"{hub.url}/hub/spawn-pending/bob")
     expect(page.locator("#gpuhub-heading")).to_have_text(
         "Waiting for GPUs: 1st of 1 in the queue", timeout=30_000
     )
 
-    r = subprocess.run(
-        [GPUHUB, "--db-url", hub.ledger_url, "limits", "set", "--group", "students", "1"],
-        cwd=hub.dir,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
+    limits(hub, "set", "--group", "students", "1")
     why = (
         "Your request for 2 GPUs no longer waits: your limit is now 1 GPU (group students); your "
         "request for 2 GPUs can never fit: start again with 1 or fewer, or ask an admin to raise the limit."
@@ -181,3 +181,22 @@ def test_a_limit_lowered_with_the_cli_ends_the_wait_and_the_page_says_why(hub, b
     # the spawn form now says the new limit
     page.goto(f"{hub.url}/hub/spawn")
     expect(page.locator("#gpuhub-gpus-help")).to_contain_text("of a limit of 1 (group students)")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="upstream: jupyterhub 6.1.1's User.get_spawner(replace_failed=True) returns a new spawner "
+    "without keeping it, so the POST that starts again after a failed start answers from that "
+    "spawner, which is never pending: 201 for a start that waits (docs/known-issues.md); a pass "
+    "here means upstream fixed it: update the docs and drop this mark",
+)
+def test_upstream_a_start_after_a_failed_one_answers_201_while_it_waits(hub):
+    fill(hub, ("alice", 2), ("dave", 2))
+    hub.spawn_waits("bob", {"gpus": 2}, "waiting for 2 GPUs")
+    # bob's start fails: his limit falls below his request while he waits
+    limits(hub, "set", "--user", "bob", "1")
+    wait_for(lambda: hub.server("bob") is None, 30, "bob's start to end")
+    limits(hub, "unset", "--user", "bob")
+    again = hub.spawn("bob", {"gpus": 2})
+    hub.wait_progress("bob", "waiting for 2 GPUs")  # it waits, whatever the answer said
+    assert again.status_code == 202, again.text

@@ -387,6 +387,16 @@ class EnginePool:
         host means nothing here: there the controller's heartbeat tells)."""
         return rank < len(self.infos) and rank in self._ended()
 
+    def ended_for_sure(self) -> set[int]:
+        """The ranks here whose engine has ended, by its pidfd (:meth:`_ended`) or by the
+        process table (no such process, or a zombie): the checks that decide whether anything
+        is left to save or keep ask both, so that a pidfd that missed an end never makes them
+        wait on a dead engine."""
+        if self._remote:
+            return self._ended()
+        gone = {r for r, info in enumerate(self.infos) if info.get("pid") and not alive(info["pid"])}
+        return self._ended() | gone
+
     def _ended(self) -> set[int]:
         """The ranks whose engine runs on this machine and whose process has ended."""
         host = socket.gethostname() if self._remote else None

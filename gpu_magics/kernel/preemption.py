@@ -171,7 +171,7 @@ class Preemption:
         time while the kernel was paused): nothing is left to save or shrink, so ``n`` is done
         with, and the pool's check before the cell finds the burst ended and says what was lost."""
         pool = self.lifecycle.pool
-        if pool is None or pool._remote or not pool.infos or len(pool._ended()) < len(pool.infos):
+        if pool is None or pool._remote or not pool.infos or len(pool.ended_for_sure()) < len(pool.infos):
             return False
         n.acted = True
         return True

@@ -39,6 +39,11 @@ def shrink(pool, leaving: list[int], timeout: float = 60, planned: bool = True) 
         raise ShrinkFailed(problem, "before")
     keep = [i for i, spec in enumerate(pool.specs) if spec.rank not in leaving]
     gone = [i for i in range(len(pool.specs)) if i not in keep]
+    ended = sorted(pool.specs[i].rank for i in keep if i in pool.ended_for_sure())
+    if ended:  # nothing to ask them: the pool cannot go on in place
+        which = "the engine of " if len(ended) == 1 else "the engines of "
+        has = "has" if len(ended) == 1 else "have"
+        raise ShrinkFailed(f"{which}{resizing.ranks_text(ended)}, which would stay, {has} ended", "before")
     try:
         found = pool.client[pool.engine_ids[0]].apply_async(holders).get(timeout)
     except Exception as e:
