@@ -1,0 +1,189 @@
+"""GPU slices (pure): how an admin splits a model's GPUs, what a request for a slice says, and
+where a slice goes. The groundwork of slices as a unit (issue 34); nothing here touches a
+database, a clock or a process.
+
+- :func:`check_gpu_slices`: ``c.GpuHub.gpu_slices`` (``{"A100": 4}``: each A100 may be split in
+  four) checked against the GPUs the hub has: a whole number from 2 to :data:`MAX_SLICES`, of
+  a model that exists, into equal parts of its memory. Every refusal names the setting.
+- :func:`parse_share`: a request for part of a GPU (``1/4``, ``0.25``, ``25%``) read against
+  what is offered for that model: one slice exactly, or refused with what to ask for instead;
+  never rounded.
+- :func:`free_whole`, :func:`free_slices`, :func:`place_slice`: a GPU is held whole or in
+  slices, never both: a whole request takes only GPUs with no slice held, a slice only GPUs not
+  held whole. Slices pack onto the GPUs already split (fewest free slices first), so that whole
+  GPUs stay whole for whole requests.
+- :func:`units`: what an allocation counts against a limit and in GPU-hours: its GPUs times
+  its share (a quarter slice is 1/4 of a GPU), exactly, as a :class:`~fractions.Fraction`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+
+from spawner.policy.placement import Gpu
+from spawner.policy.values import show
+
+SETTING = "c.GpuHub.gpu_slices"
+# the most clients one GPU takes: 48 MPS clients per GPU on Volta and later (MIG has at most 7
+# instances, Slurm's shard count is free): more parts than that is never what an admin meant
+MAX_SLICES = 48
+
+_SHARE_TEXT = re.compile(
+    r"\s*(?:(\d{1,3})\s*/\s*(\d{1,3})|(\d{0,3}\.\d{1,6}|\d{1,3})|(\d{1,3}(?:\.\d{1,6})?)\s*%)\s*"
+)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """How a model's GPUs may be split: ``count`` equal slices."""
+
+    model: str
+    count: int
+    gpu_memory_mib: int | None = None  # the whole GPU's, where the inventory knows it
+
+    @property
+    def share(self) -> Fraction:
+        return Fraction(1, self.count)
+
+    @property
+    def memory_mib(self) -> int | None:
+        """Each slice's part of the GPU's memory."""
+        return None if self.gpu_memory_mib is None else self.gpu_memory_mib // self.count
+
+    @property
+    def thread_percent(self) -> int:
+        """Each slice's part of the GPU's compute, as MPS's active thread percentage."""
+        return max(1, 100 // self.count)
+
+    @property
+    def label(self) -> str:
+        return f"1/{self.count} GPU"
+
+
+def check_gpu_slices(setting: object, inventory: Iterable[Gpu]) -> dict[str, Offer]:
+    """The offers ``setting`` makes, by model; ``ValueError`` naming the setting otherwise."""
+    if setting is None:
+        return {}
+    if not isinstance(setting, Mapping):
+        raise ValueError(
+            f'{SETTING} must be a dict of model to slice count, e.g. {{"A100": 4}}; got {show(setting)}'
+        )
+    memory: dict[str, set[int | None]] = {}
+    for g in inventory:
+        memory.setdefault(g.model, set()).add(g.memory_mib)
+    offers = {}
+    for model, count in setting.items():
+        if not isinstance(model, str) or model not in memory:
+            known = ", ".join(sorted(memory)) or "none"
+            raise ValueError(f"{SETTING}: no GPU here is of model {show(model)} (the models here: {known})")
+        if isinstance(count, bool) or not isinstance(count, int):
+            got = repr(count) if isinstance(count, float) else show(count)  # 4.0 is not shown as 4
+            raise ValueError(f"{SETTING}[{model!r}] must be a whole number of slices; got {got}")
+        if count < 2 or count > MAX_SLICES:
+            hint = " (1 is the whole GPU: leave the model out)" if count == 1 else ""
+            raise ValueError(f"{SETTING}[{model!r}] must be from 2 to {MAX_SLICES} slices; got {count}{hint}")
+        sizes = memory[model]
+        if len(sizes) > 1:
+            shown = ", ".join(str(m) for m in sorted(m for m in sizes if m is not None))
+            raise ValueError(
+                f"{SETTING}[{model!r}]: the {model} GPUs here differ in memory ({shown} MiB), so a slice "
+                "would not be the same part of each: give them different model names"
+            )
+        [mib] = sizes
+        if mib is not None and mib % count:
+            raise ValueError(
+                f"{SETTING}[{model!r}] = {count}: {mib} MiB does not divide into {count} equal slices; "
+                f"choose a count that divides it"
+            )
+        offers[model] = Offer(model, count, mib)
+    return offers
+
+
+def parse_share(text: object, model: str, offers: Mapping[str, Offer]) -> Offer:
+    """The offer a request for part of a GPU of ``model`` asks for: exactly one slice of it
+    (``1/4``, ``0.25`` or ``25%`` where quarters are offered). ``ValueError`` saying what may
+    be asked otherwise: a share that is not one slice is refused, never rounded."""
+    offer = offers.get(model)
+    if offer is None:
+        split = ", ".join(f"{o.model} ({o.label})" for o in offers.values()) or "none"
+        raise ValueError(
+            f"{model} GPUs are not split into slices here: ask for whole GPUs (split here: {split})"
+        )
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        raise ValueError(f"a share of a GPU is written 1/{offer.count}; got {show(text)}")
+    m = _SHARE_TEXT.fullmatch(str(text))
+    if m is None:
+        raise ValueError(
+            f"a share of a GPU is written 1/{offer.count} (or {100 / offer.count:g}%); got {show(text)}"
+        )
+    num, den, dec, pct = m.groups()
+    if num is not None:
+        if int(den) == 0:
+            raise ValueError(f"a share of a GPU cannot divide by 0; ask for 1/{offer.count}")
+        share = Fraction(int(num), int(den))
+    elif dec is not None:
+        share = Fraction(dec)
+    else:
+        share = Fraction(pct) / 100
+    if share != offer.share:
+        if share >= 1:
+            raise ValueError(f"{show(text)} is a whole GPU or more: ask for whole GPUs, not a share")
+        raise ValueError(
+            f"{model} GPUs are split into {offer.count} slices here: ask for {offer.label} (one slice); "
+            f"{show(text)} is not one slice, and gpuhub does not round it. For more, ask for a whole GPU."
+        )
+    return offer
+
+
+@dataclass(frozen=True)
+class GpuUse:
+    """One GPU and what holds it: ``whole`` (an allocation has all of it) or the indices of
+    the slices held (a GPU is never both)."""
+
+    gpu: Gpu
+    whole: bool = False
+    slices: frozenset[int] = frozenset()
+
+
+def free_whole(uses: Iterable[GpuUse]) -> list[Gpu]:
+    """The GPUs a whole-GPU request may take: none of it held, not even a slice."""
+    return [u.gpu for u in uses if not u.whole and not u.slices]
+
+
+def free_slices(uses: Iterable[GpuUse], offer: Offer) -> int:
+    """How many slices of ``offer``'s model could start now."""
+    return sum(offer.count - len(u.slices) for u in uses if u.gpu.model == offer.model and not u.whole)
+
+
+def place_slice(uses: Iterable[GpuUse], offer: Offer) -> tuple[Gpu, int] | None:
+    """The GPU and slice index a request for one slice of ``offer`` takes, or None if none is
+    free: on a GPU of the model not held whole, the one with the fewest free slices (a GPU
+    already split before a whole one), then the lowest; its lowest free slice."""
+    best = None
+    for u in uses:
+        if u.gpu.model != offer.model or u.whole or len(u.slices) >= offer.count:
+            continue
+        key = (offer.count - len(u.slices), u.gpu)
+        if best is None or key < best[0]:
+            best = (key, u)
+    if best is None:
+        return None
+    u = best[1]
+    return u.gpu, min(set(range(offer.count)) - u.slices)
+
+
+def units(gpus: int, share: Fraction = Fraction(1)) -> Fraction:
+    """What an allocation of ``gpus`` GPUs (or slices of ``share`` each) counts as, in GPUs."""
+    return gpus * share
+
+
+def units_text(amount: Fraction) -> str:
+    """``1/4 GPU``, ``1 GPU``, ``2 1/2 GPUs``: an amount of GPUs as a person writes it."""
+    whole, part = divmod(amount.numerator, amount.denominator)
+    if part == 0:
+        return f"{whole} GPU" + ("" if whole == 1 else "s")
+    frac = f"{part}/{amount.denominator}"
+    return f"{frac} GPU" if whole == 0 else f"{whole} {frac} GPUs"
