@@ -5,6 +5,7 @@ with every burst its kernels asked for (SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -195,55 +196,71 @@ def test_a_burst_that_waited_keeps_its_server_when_granted(led):
     assert led.release_server("alice", "lab", 0, "server exited") == [got.allocation.id]
 
 
-def _ended_pool(pids, pidfd_saw=()):
-    """An ``EnginePool``'s parts that the end checks read: its ranks' pids here, and a pidfd
-    watch that saw only ``pidfd_saw`` end (as one that missed an end would)."""
+def _ended_pool(pids):
+    """An ``EnginePool``'s parts that the end checks read: its ranks' pids here, watched by
+    their pidfds as the pool watches them (``ExitWatch``)."""
     from types import SimpleNamespace
 
+    from gpu_magics.common.procs import ExitWatch
     from gpu_magics.common.ranks import Slot, make_rank_specs
     from gpu_magics.kernel.pool import EnginePool
 
+    watch = ExitWatch(pids)
     pool = SimpleNamespace(
         _remote=False,
         infos=[{"pid": p} for p in pids],
         specs=make_rank_specs([Slot("vm", i) for i in range(len(pids))], "127.0.0.1", 1),
-        _ended=lambda: set(pidfd_saw),
+        _ended=lambda: {r for r, p in enumerate(pids) if p in watch.ended()},
         client=None,  # a shrink that asked the engines would fail on it
     )
     pool.ended_for_sure = lambda: EnginePool.ended_for_sure(pool)
     return pool
 
 
-def test_an_engine_that_ended_is_seen_even_where_its_pidfd_missed_it():
-    """A dead engine (a zombie here: its parent has not reaped it) counts as ended by the
-    process table, whatever the pidfd watch says; one that runs does not."""
-    from gpu_magics.kernel import resize
+# a killed engine's main thread ends first; its pidfd is readable only once its last thread has
+# (a torch process's teardown, under load, takes a while): this one's main thread ends and a
+# thread of it runs on, as such an engine's does for that while
+LEADER_GONE = (
+    "import ctypes, threading, time\n"
+    "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: this thread only\n"
+)
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="SYS_exit is syscall 60 on x86_64 only")
+def test_an_engine_whose_main_thread_ended_counts_as_ended_before_its_pidfd_says_so():
+    """The check a preemption notice makes when the kernel resumes (``engines_gone``) and a
+    shrink's check of the ranks that stay see an engine ended once its main thread has,
+    where the pidfd watch alone would wait on it (a shrink then waited 60 s on a dead rank 0)."""
+    from types import SimpleNamespace
+
+    from gpu_magics.kernel import resize
+    from gpu_magics.kernel.preemption import Notice, Preemption
+
+    dying = subprocess.Popen([sys.executable, "-c", LEADER_GONE])
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         wait_until = time.monotonic() + 30
-        while time.monotonic() < wait_until:
-            with open(f"/proc/{dead.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
+        while _state(dying.pid) != "Z" and time.monotonic() < wait_until:
             time.sleep(0.05)
-        pool = _ended_pool([dead.pid, live.pid])
+        pool = _ended_pool([dying.pid, live.pid])
+        assert pool._ended() == set()  # the pidfd: not yet
         assert pool.ended_for_sure() == {0}
         # a shrink that would keep the dead rank 0 says so at once, asking no engine
         with pytest.raises(resize.ShrinkFailed, match="the engine of rank 0, which would stay, has ended"):
             resize.shrink(pool, [1])
         # with every engine gone, a notice finds nothing to keep or save: it is done with, and
         # the cell's own check says what was lost (not a shrink that waits on dead engines)
-        from types import SimpleNamespace
-
-        from gpu_magics.kernel.preemption import Notice, Preemption
-
-        for pids, gone in (([dead.pid, live.pid], False), ([dead.pid, dead.pid], True)):
+        for pids, gone in (([dying.pid, live.pid], False), ([dying.pid, dying.pid], True)):
             notice = Notice(part=None, reason="preempted", due=time.time())
             preemption = Preemption(SimpleNamespace(pool=_ended_pool(pids)), None, None)
             assert preemption.engines_gone(notice) is gone and notice.acted is gone
     finally:
-        live.kill()
-        live.wait()
-        dead.wait()
+        for p in (dying, live):
+            p.kill()
+            p.wait()
