@@ -1,6 +1,6 @@
 """CUDA MPS for slices on the local backend (pure): the command lines and environments that
 give each slice of a GPU its memory limit and its part of the compute, where the GPU is not in
-MIG mode. gpuhub's spawner runs them (issue 34); here they are only built, so that what a
+MIG mode. No spawner runs them yet (issue 34 is under way); here they are built, so that what a
 slice gets is table-tested without a GPU.
 
 How MPS is shared, and why one control daemon per user and GPU: an MPS control daemon serves
