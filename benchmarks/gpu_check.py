@@ -19,6 +19,8 @@ Runs from the checkout (no install of gpuhub needed: the repository is put first
    engine's CPUs, and ``%distributed shutdown`` ending the engine.
 4. ``%dask_cuda --gpus 1`` in the same kernel (4a) and ``dask_cuda.LocalCUDACluster`` in a
    subprocess (4b): a task reports the worker's GPU, CUDA_VISIBLE_DEVICES and CPU affinity.
+5. Slices through CUDA MPS (``spawner.policy.mps``, issue 34): two control daemons on GPU 0,
+   each with a 1/4-GPU client: memory refused past the slice, both running at once.
 
 Each check has its own time limit and failure handling, so one failure hides no other. The
 table goes to stdout and, when ``$OUT`` is set, to ``$OUT/gpu_check.txt`` (and everything
@@ -97,6 +99,8 @@ def helper_main(argv: list[str]) -> None:
             ),
             flush=True,
         )
+    elif argv[0] == "mps_client":
+        mps_client(int(argv[1]), float(argv[2]))
     elif argv[0] == "load":
         seconds, ballast_gib = float(argv[1]), int(argv[2])
         dev = torch.device("cuda", 0)
@@ -127,6 +131,35 @@ def helper_main(argv: list[str]) -> None:
             ),
             flush=True,
         )
+
+
+def mps_client(limit_mib: int, seconds: float) -> None:
+    """A slice's client under MPS (``--helper mps_client LIMIT SECONDS``): how much it could
+    allocate, in 256 MiB steps up to twice its limit, then matmuls for ``seconds``, with the
+    wall-clock span it ran them in (so two clients' spans show whether they ran at once)."""
+    import torch
+
+    dev = torch.device("cuda", 0)
+    held, got, refused = [], 0, None
+    while got < 2 * limit_mib:
+        try:
+            held.append(torch.empty(256 * 2**20, dtype=torch.uint8, device=dev))
+            got += 256
+        except torch.OutOfMemoryError as e:
+            refused = str(e).splitlines()[0][:200]
+            break
+    held.clear()
+    torch.cuda.empty_cache()
+    n = 4096
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    t0, count = time.time(), 0
+    while time.time() - t0 < seconds:
+        a @ a
+        count += 1
+        if count % 20 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    print(json.dumps({"allocated_mib": got, "refused": refused, "matmuls": count, "span": [t0, time.time()]}))
 
 
 def run_helper(args: list[str], timeout: float, env: dict | None = None) -> dict:
@@ -918,6 +951,75 @@ def check_distributed(tmp: Path, dry: bool) -> tuple[str, str, dict]:
         raise
 
 
+def check_mps(tmp: Path, seconds: float = 4.0) -> tuple[str, str, dict]:
+    """Slices through CUDA MPS as ``spawner.policy.mps`` builds them (issue 34): two control
+    daemons on GPU 0 (gpuhub's plan: one per user and GPU; here both of this account, so
+    what differs between Unix users stays unchecked), each with one 1/4-GPU client. Each client
+    must be refused memory past its slice (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``) and both must
+    run their matmuls at the same time; the daemons are quit as gpuhub would quit them."""
+    require_nvml()
+    from spawner.policy import mps
+    from spawner.policy.slices import Offer
+
+    if not shutil.which(mps.CONTROL):
+        raise Skip(f"{mps.CONTROL} is not on PATH")
+    [[uuid, total, mode]] = nvidia_smi("uuid,memory.total,compute_mode")[:1]
+    if mode.replace("_", " ").lower() != "default":
+        raise Skip(
+            f"GPU 0's compute mode is {mode}: gpuhub's slices need Default, and this check changes no setting"
+        )
+    offer = Offer("GPU 0", 4, int(float(total)))
+    dirs = [tmp / f"mps-user{i}" for i in (1, 2)]
+    started, clients, details = [], [], {"offer_mib": offer.memory_mib, "threads": offer.thread_percent}
+    try:
+        for d in dirs:
+            d.mkdir(mode=0o700)
+            argv, env = mps.control_start(str(d), uuid)
+            for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+                Path(env[k]).mkdir(parents=True, mode=0o700)
+            subprocess.run(argv, env=dict(os.environ, **env), check=True, timeout=30)
+            started.append(d)
+        for d in dirs:
+            env = dict(os.environ, **mps.client_env(str(d), uuid, offer))
+            clients.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--helper", "mps_client", str(offer.memory_mib), str(seconds)],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                )
+            )  # fmt: skip
+        results = []
+        for c in clients:
+            out, err = c.communicate(timeout=120)
+            if c.returncode:
+                raise RuntimeError(f"an MPS client exited {c.returncode}: {err[-1500:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        details["clients"] = results
+    finally:
+        for d in started:
+            argv, env, stdin = mps.control_quit(str(d), uuid)
+            subprocess.run(argv, env=dict(os.environ, **env), input=stdin, text=True, timeout=30, check=False)
+    problems = []
+    for i, r in enumerate(results, 1):
+        if r["allocated_mib"] > offer.memory_mib:
+            problems.append(
+                f"client {i} allocated {r['allocated_mib']} MiB past its {offer.memory_mib} MiB slice"
+            )
+        if r["refused"] is None:
+            problems.append(f"client {i} was never refused memory")
+    (a0, a1), (b0, b1) = results[0]["span"], results[1]["span"]
+    overlap = max(0.0, min(a1, b1) - max(a0, b0))
+    if overlap <= 0:
+        problems.append("the two clients never ran at the same time")
+    measured = (
+        f"1/4 slices of {total} MiB: clients allocated {results[0]['allocated_mib']} and "
+        f"{results[1]['allocated_mib']} MiB of {offer.memory_mib} (refused past it: "
+        f"{results[0]['refused'] is not None}, {results[1]['refused'] is not None}); ran at once for "
+        f"{overlap:.1f} s; {results[0]['matmuls']} and {results[1]['matmuls']} matmuls at "
+        f"{offer.thread_percent} % of the SMs each; two daemons, one account (different users unchecked)"
+    )
+    return verdict(problems, measured, details)
+
+
 def same_as_nvml(cpus: list[int], nvml_aff) -> str:
     if not isinstance(nvml_aff, list):
         return ""
@@ -1191,6 +1293,7 @@ def main() -> int:
         ("4a", "%dask_cuda magic", lambda: check_dask_magic(tmp, dry), 150),
         ("4b", "LocalCluster subprocess (CPU)" if dry else "LocalCUDACluster subprocess",
          lambda: check_cluster(tmp, dry), 150),
+        ("5", "MPS slices (two daemons)", lambda: check_mps(tmp), 120),
     ]  # fmt: skip
     try:
         for cid, name, fn, budget in checks:
