@@ -136,11 +136,13 @@ def test_an_idle_server_and_a_busy_pool_use_what_the_power_model_says(energy_hub
     admin = hub.user_token("admin")
     usage = hub.broker("GET", "usage?since=2d", admin).json()["energy"]
     for user, e in (("alice", alice_e), ("bob", bob_e)):
-        f = usage["total"][user]
-        assert f["gpu_kwh"] == pytest.approx(e.joules / 3.6e6, abs=1e-6)
-        assert f["meter_kwh"] == pytest.approx(1.5 * f["gpu_kwh"], abs=1e-6)
-        assert f["cost"] == pytest.approx(0.2 * f["meter_kwh"], abs=1e-4) and f["currency"] == "EUR"
-        assert f["co2e_kg"] == pytest.approx(0.3 * f["meter_kwh"], abs=1e-6)
+        # each figure is the ledger's, rounded once (kWh and kg to 6 decimals, money to 4): held
+        # to the unrounded value, not to another rounded figure (1.5 x a rounded kWh can be 1e-6 off)
+        f, kwh = usage["total"][user], e.joules / 3.6e6
+        assert f["gpu_kwh"] == pytest.approx(kwh, abs=5e-7)
+        assert f["meter_kwh"] == pytest.approx(1.5 * kwh, abs=5e-7)
+        assert f["cost"] == pytest.approx(0.2 * 1.5 * kwh, abs=5e-5) and f["currency"] == "EUR"
+        assert f["co2e_kg"] == pytest.approx(0.3 * 1.5 * kwh, abs=5e-7)
     assert usage["total"]["alice"]["idle_share"] == pytest.approx(1.0)
     assert usage["total"]["bob"]["idle_share"] == 0.0
     mine = hub.broker("GET", "usage?since=2d", hub.user_token("alice")).json()["energy"]
