@@ -987,6 +987,7 @@ def check_mps(tmp: Path, seconds: float = 4.0) -> tuple[str, str, dict]:
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                 )
             )  # fmt: skip
+            STATE.setdefault("procs", []).append(clients[-1])  # killed by cleanup() if the check times out
         results = []
         for c in clients:
             out, err = c.communicate(timeout=120)

@@ -201,18 +201,17 @@ def _ended_pool(pids):
     their pidfds as the pool watches them (``ExitWatch``)."""
     from types import SimpleNamespace
 
-    from gpu_magics.common.procs import ExitWatch
     from gpu_magics.common.ranks import Slot, make_rank_specs
     from gpu_magics.kernel.pool import EnginePool
 
-    watch = ExitWatch(pids)
     pool = SimpleNamespace(
         _remote=False,
+        _exits=None,
         infos=[{"pid": p} for p in pids],
         specs=make_rank_specs([Slot("vm", i) for i in range(len(pids))], "127.0.0.1", 1),
-        _ended=lambda: {r for r, p in enumerate(pids) if p in watch.ended()},
         client=None,  # a shrink that asked the engines would fail on it
     )
+    pool._ended = lambda: EnginePool._ended(pool)  # the pool's own pidfd watch (ExitWatch)
     pool.ended_for_sure = lambda: EnginePool.ended_for_sure(pool)
     return pool
 
@@ -227,11 +226,6 @@ LEADER_GONE = (
 )
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="SYS_exit is syscall 60 on x86_64 only")
 def test_an_engine_whose_main_thread_ended_counts_as_ended_before_its_pidfd_says_so():
     """The check a preemption notice makes when the kernel resumes (``engines_gone``) and a
@@ -239,15 +233,16 @@ def test_an_engine_whose_main_thread_ended_counts_as_ended_before_its_pidfd_says
     where the pidfd watch alone would wait on it (a shrink then waited 60 s on a dead rank 0)."""
     from types import SimpleNamespace
 
+    from gpu_magics.common.procs import alive
     from gpu_magics.kernel import resize
     from gpu_magics.kernel.preemption import Notice, Preemption
+
+    from .hubtools import wait_for
 
     dying = subprocess.Popen([sys.executable, "-c", LEADER_GONE])
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        wait_until = time.monotonic() + 30
-        while _state(dying.pid) != "Z" and time.monotonic() < wait_until:
-            time.sleep(0.05)
+        wait_for(lambda: not alive(dying.pid), 30, "the main thread to end (a zombie)")
         pool = _ended_pool([dying.pid, live.pid])
         assert pool._ended() == set()  # the pidfd: not yet
         assert pool.ended_for_sure() == {0}

@@ -23,9 +23,12 @@ def alive(pid: int) -> bool:
 
 class ExitWatch:
     """Processes watched for their end, all told apart in one ``poll`` call: where Linux gives
-    pidfds (5.3 and later) each process's pidfd is readable once it has ended (a zombie
-    counts, as in :func:`alive`) and refers to that process only, never to a later one with
-    the same pid. Where a pidfd cannot be had, :func:`alive` answers for that pid."""
+    pidfds (5.3 and later) each process's pidfd is readable once it has ended and refers to
+    that process only, never to a later one with the same pid. "Ended" is the last thread's
+    end: a process whose main thread is already a zombie while others still tear down (a
+    killed torch engine, under load) is not yet readable, where :func:`alive` already says
+    gone (``EnginePool.ended_for_sure`` asks both). Where a pidfd cannot be had, :func:`alive`
+    answers for that pid."""
 
     def __init__(self, pids) -> None:
         import select

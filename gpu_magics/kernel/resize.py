@@ -39,7 +39,8 @@ def shrink(pool, leaving: list[int], timeout: float = 60, planned: bool = True) 
         raise ShrinkFailed(problem, "before")
     keep = [i for i, spec in enumerate(pool.specs) if spec.rank not in leaving]
     gone = [i for i in range(len(pool.specs)) if i not in keep]
-    ended = sorted(pool.specs[i].rank for i in keep if i in pool.ended_for_sure())
+    dead = pool.ended_for_sure()
+    ended = sorted(pool.specs[i].rank for i in keep if i in dead)
     if ended:  # nothing to ask them: the pool cannot go on in place
         which = "the engine of " if len(ended) == 1 else "the engines of "
         has = "has" if len(ended) == 1 else "have"

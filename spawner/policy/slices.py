@@ -87,7 +87,7 @@ def check_gpu_slices(setting: object, inventory: Iterable[Gpu]) -> dict[str, Off
             raise ValueError(f"{SETTING}[{model!r}] must be from 2 to {MAX_SLICES} slices; got {count}{hint}")
         sizes = memory[model]
         if len(sizes) > 1:
-            shown = ", ".join(str(m) for m in sorted(m for m in sizes if m is not None))
+            shown = ", ".join(sorted(str(m) if m is not None else "unknown" for m in sizes))
             raise ValueError(
                 f"{SETTING}[{model!r}]: the {model} GPUs here differ in memory ({shown} MiB), so a slice "
                 "would not be the same part of each: give them different model names"
@@ -162,16 +162,10 @@ def place_slice(uses: Iterable[GpuUse], offer: Offer) -> tuple[Gpu, int] | None:
     """The GPU and slice index a request for one slice of ``offer`` takes, or None if none is
     free: on a GPU of the model not held whole, the one with the fewest free slices (a GPU
     already split before a whole one), then the lowest; its lowest free slice."""
-    best = None
-    for u in uses:
-        if u.gpu.model != offer.model or u.whole or len(u.slices) >= offer.count:
-            continue
-        key = (offer.count - len(u.slices), u.gpu)
-        if best is None or key < best[0]:
-            best = (key, u)
-    if best is None:
+    room = [u for u in uses if u.gpu.model == offer.model and not u.whole and len(u.slices) < offer.count]
+    if not room:
         return None
-    u = best[1]
+    u = min(room, key=lambda u: (offer.count - len(u.slices), u.gpu))
     return u.gpu, min(set(range(offer.count)) - u.slices)
 
 
