@@ -15,13 +15,16 @@ from spawner.policy.slices import (
     MAX_SLICES,
     GpuUse,
     Offer,
+    SliceWait,
     check_gpu_slices,
     free_slices,
     free_whole,
+    grant_slices,
     parse_share,
     place_slice,
     units,
     units_text,
+    uses_of,
 )
 
 A100 = [Gpu("n1", i, "A100", 40960) for i in range(2)] + [Gpu("n2", 0, "A100", 40960)]
@@ -117,15 +120,15 @@ def uses(*states):
 @pytest.mark.parametrize(
     "states, want",
     [
-        (((False, ()), (False, ()), (False, ())), (A100[0], 0)),  # nothing split: the lowest GPU
-        (((False, ()), (False, (0,)), (False, ())), (A100[1], 1)),  # packs onto the GPU already split
-        (((False, (0, 1)), (False, (0,)), (False, ())), (A100[0], 2)),  # the fullest that has room
+        (((False, ()), (False, ()), (False, ())), (A100[0], 1)),  # nothing split: the lowest GPU
+        (((False, ()), (False, (1,)), (False, ())), (A100[1], 2)),  # packs onto the GPU already split
+        (((False, (1, 2)), (False, (1,)), (False, ())), (A100[0], 3)),  # the fullest that has room
         (
-            ((False, (0, 1, 2, 3)), (False, (1,)), (False, ())),
-            (A100[1], 0),
-        ),  # a full GPU is skipped; lowest free index
-        (((True, ()), (True, ()), (False, ())), (A100[2], 0)),  # held whole: never sliced
-        (((True, ()), (False, (0, 1, 2, 3)), (True, ())), None),  # nowhere
+            ((False, (1, 2, 3, 4)), (False, (2,)), (False, ())),
+            (A100[1], 1),
+        ),  # a full GPU is skipped; lowest free number
+        (((True, ()), (True, ()), (False, ())), (A100[2], 1)),  # held whole: never sliced
+        (((True, ()), (False, (1, 2, 3, 4)), (True, ())), None),  # nowhere
     ],
 )
 def test_a_slice_goes_where_a_gpu_is_split_already_and_never_on_one_held_whole(states, want):
@@ -133,14 +136,14 @@ def test_a_slice_goes_where_a_gpu_is_split_already_and_never_on_one_held_whole(s
 
 
 def test_a_whole_request_never_takes_a_gpu_with_a_slice_in_use():
-    state = uses((False, ()), (False, (2,)), (True, ()))
+    state = uses((False, ()), (False, (3,)), (True, ()))
     assert free_whole(state) == [A100[0]]
     assert free_slices(state, QUARTERS["A100"]) == 4 + 3
     # the other model's GPUs are not this offer's slices
     other = [*state, GpuUse(Gpu("n2", 1, "H100", 81920))]
     assert free_slices(other, QUARTERS["A100"]) == 7 and place_slice(other, Offer("H100", 2, 81920)) == (
         other[3].gpu,
-        0,
+        1,
     )
 
 
@@ -213,3 +216,48 @@ def test_mps_takes_only_a_uuid_as_nvml_gives_it(uuid):
 def test_mps_takes_mig_instances_too():
     mig = "MIG-1a2b3c4d-5e6f-7a8b-9c0d-1e2f3a4b5c6d"
     assert mps.pipe_dir(PRIVATE, mig) == f"{PRIVATE}/mps-{mig}/pipe"
+
+
+def test_the_uses_of_gpus_from_the_free_set_and_the_slices_held():
+    split = {A100[1]: [(2, 4)], A100[2]: [(1, 2)]}  # GPU 2's slices are halves: offered as quarters now
+    gpus = [*A100, Gpu("n3", 0, "A100", 40960), Gpu("n3", 1, "A100", 40960)]
+    got = uses_of(gpus, free=[gpus[0], gpus[3]], split=split, count=4)
+    assert got == [
+        GpuUse(gpus[0]),
+        GpuUse(gpus[1], slices=frozenset({2})),
+        GpuUse(gpus[2], slices=frozenset({1, 2, 3, 4})),  # full until its halves end
+        GpuUse(gpus[3]),
+        GpuUse(gpus[4], whole=True),  # neither free nor split: held whole
+    ]
+
+
+Q = QUARTERS["A100"]
+
+
+@pytest.mark.parametrize(
+    "order, whole_waits, states, want",
+    [
+        # in the queue's order, onto the GPU already split, then a fresh one
+        ([1, 2], [], ((False, (1, 2, 3)), (False, ())), {1: (0, 4), 2: (1, 1)}),
+        # a whole request waits ahead: the later slice only fills the split GPU, never a fresh one
+        ([1, 9, 2], [9], ((False, (1, 2, 3)), (False, ())), {1: (0, 4)}),
+        ([9, 1], [9], ((False, ()), (False, ())), {}),
+        # a whole request behind it does not hold it back
+        ([1, 9], [9], ((False, ()), (True, ())), {1: (0, 1)}),
+        # nothing free
+        ([1], [], ((True, ()), (False, (1, 2, 3, 4))), {}),
+    ],
+)
+def test_waiting_slices_start_in_the_queues_order_and_never_split_a_gpu_a_whole_request_waits_for(
+    order, whole_waits, states, want
+):
+    waits = {i: SliceWait(i, Q) for i in (1, 2)}
+    got = grant_slices(order, waits, whole_waits, uses(*states))
+    assert {i: (A100.index(g.whole), g.part) for i, g in got.items()} == want
+    for g in got.values():
+        assert (g.parts, g.memory_mib, g.label[-2:]) == (4, 40960 // 4, f"s{g.part}")
+
+
+def test_a_waiting_slice_keeps_to_its_nodes():
+    waits = {1: SliceWait(1, Q, frozenset({"elsewhere"}))}
+    assert grant_slices([1], waits, [], uses((False, ()))) == {}

@@ -36,6 +36,8 @@ the underscored ones are the transactions' and the inventory's own machinery):
 - ``limits`` (``LimitRecords``): ``_rules`` (the limits in force).
 - ``gpus`` (``GpuRecords``): ``_inventory``, ``_free``, ``_present`` (the GPUs).
 - ``energy`` (``EnergyRecords``): energy per allocation and day, ``energy_in`` (budgets).
+- ``slices`` (``SliceRecords``): slices of GPUs (``check_slice_in``, ``place_now_in``,
+  ``plan_slices_in``: the queue's plan for waiting slices).
 - ``usage`` (``UsageRecords``) and ``reclaims`` (``ReclaimRecords``: ``reclaim_reason_in``,
   ``undo_if_used_in``).
 
@@ -54,6 +56,7 @@ from spawner.ledger.gpus import GpuRecords
 from spawner.ledger.limits import LimitRecords
 from spawner.ledger.queue import QueueRecords
 from spawner.ledger.reclaims import ReclaimRecords
+from spawner.ledger.slices import SliceRecords
 from spawner.ledger.takeback import TakeBackRecords
 from spawner.ledger.timeup import TimeUpRecords
 from spawner.ledger.transactions import BorrowSettings, LedgerBase, QueueSettings, utcnow
@@ -76,6 +79,7 @@ class Ledger(
     UsageRecords,
     EnergyRecords,
     ReclaimRecords,
+    SliceRecords,
     LedgerBase,
 ):
     """One ledger database. Safe to use from several processes at once."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 from datetime import datetime, timedelta
+from fractions import Fraction
 
 from sqlalchemy import bindparam, insert, or_, select
 from sqlalchemy.orm import Session
@@ -29,14 +30,14 @@ from spawner.ledger.queue import NEW
 from spawner.ledger.queue import entry_info as _entry_info
 from spawner.ledger.transactions import gpus_of
 from spawner.ledger.usage import INTERVAL_COLUMNS, usage_interval
-from spawner.policy import borrowing, fairshare, timelimits
+from spawner.policy import borrowing, fairshare, slices, timelimits
 from spawner.policy import schedule as queueplan
 from spawner.policy.records import ACTIVE_STATES, Admission, AllocationInfo, AllocationRequest, Allowance
 
 _A, _AG = Allocation.__table__, AllocationGpu.__table__
 NEW_ALLOCATION = insert(_A).returning(_A.c.id)
 NEW_LINKS = insert(_AG)
-LIVE_COUNTS = select(_A.c.gpu_count, gpus_of(_A.c.id), _A.c.borrowed).where(
+LIVE_COUNTS = select(_A.c.gpu_count, gpus_of(_A.c.id), _A.c.borrowed, _A.c.slice_parts).where(
     _A.c.user == bindparam("user"), is_live(_A.c.state)
 )
 WINDOW_ROWS = select(_A.c.state, _A.c.gpu_count, *INTERVAL_COLUMNS).where(
@@ -65,6 +66,8 @@ def entry_request(e: QueueEntry) -> AllocationRequest:
         user=e.user,
         groups=(),
         count=e.gpu_count,
+        model=e.model,
+        slice_parts=e.slice_parts,
         purpose=e.purpose,
         server_name=e.server_name,
         backend=e.backend,
@@ -74,16 +77,17 @@ def entry_request(e: QueueEntry) -> AllocationRequest:
     )
 
 
-def check_limit_with_waiting(asked: policy.Request, eff, held: int, waiting: int) -> None:
-    """Refuse a request that, with the GPUs its user already waits for, passes the limit."""
+def check_limit_with_waiting(asked: Fraction, eff, held: Fraction, waiting: Fraction) -> None:
+    """Refuse a request for ``asked`` GPUs (a slice: its share) that, with the GPUs its user
+    already waits for, passes the limit."""
     room = policy.remaining(eff, policy.Holdings(held=held + waiting))
-    if waiting and room is not None and asked.count > room:
+    if waiting and room is not None and asked > room:
         raise policy.Refusal(
-            f"You asked for {words.count(asked.count, 'GPU')}, but you hold {held} and already wait for "
-            f"{waiting} of {policy.describe_limit(eff)}. Leave the other wait, or ask for "
-            f"{room} or fewer.",
+            f"You asked for {slices.units_text(asked)}, but you hold {slices.plain(held)} and already "
+            f"wait for {slices.plain(waiting)} of {policy.describe_limit(eff)}. Leave the other wait, "
+            f"or ask for {slices.plain(room)} or fewer.",
             reason="over_limit",
-            fits=room,
+            fits=int(room),
         )
 
 
@@ -101,10 +105,10 @@ class AdmissionRecords:
         conn = connection(s)
         if limit.gpu_hours is None:
             held = sum(
-                max(count or 0, n) - (borrowed or 0)
-                for count, n, borrowed in conn.execute(LIVE_COUNTS, {"user": user})
+                Fraction(max(count or 0, n) - (borrowed or 0), parts or 1)
+                for count, n, borrowed, parts in conn.execute(LIVE_COUNTS, {"user": user})
             )
-            return policy.Holdings(held=held, gpu_hours=0.0)
+            return policy.Holdings(held=slices.plain(held), gpu_hours=0.0)
         # borrowed GPU-hours count against the budget unless c.GpuHub.borrowed_hours_count is off
         in_limit = not self.borrow_settings.count_borrowed_hours
         now = self.clock()
@@ -115,10 +119,11 @@ class AdmissionRecords:
         for state, count, *row in conn.execute(WINDOW_ROWS, {"user": user, "since": since}):
             interval = usage_interval(*row, in_limit=in_limit)
             if state in ACTIVE_STATES:
-                held += max(count or 0, row[-1]) - (row[-2] or 0)
+                *_, borrowed, n, parts = row
+                held += Fraction(max(count or 0, n) - (borrowed or 0), parts or 1)
             intervals.append(interval)
         hours = policy.gpu_hours_used(intervals, now, limit.window_hours)
-        return policy.Holdings(held=held, gpu_hours=hours)
+        return policy.Holdings(held=slices.plain(held), gpu_hours=hours)
 
     def allowance(self, user: str, groups: Iterable[str] = (), model: str | None = None) -> Allowance:
         groups = list(groups)
@@ -175,6 +180,7 @@ class AdmissionRecords:
         deferred: bool = False,
         of_server: bool = False,
         hours: float | None = None,
+        slice_parts: int | None = None,
     ) -> AllocationInfo:
         """Admit and record a request now, or raise :class:`policy.Refusal` leaving nothing
         behind. (:meth:`request` waits in the queue instead of a refusal for capacity.)
@@ -188,6 +194,9 @@ class AdmissionRecords:
         against the user's limit and against what the nodes could ever hold, but not against
         what is free now (the job queues in the scheduler); it holds its count until
         :meth:`record_gpus` writes the GPUs the scheduler gave it.
+
+        ``slice_parts``: one slice of a ``model`` GPU split in that many parts, as
+        ``c.GpuHub.gpu_slices`` offers (``spawner/ledger/slices.py``); ``count`` is then 1.
         """
         got = self._admit(request_of(locals(), wait=False))
         assert got.allocation is not None
@@ -209,6 +218,7 @@ class AdmissionRecords:
         on_nodes: Iterable[str] | None = None,
         of_server: bool = False,
         hours: float | None = None,
+        slice_parts: int | None = None,
     ) -> Admission:
         """Like :meth:`allocate`, but a request that fits the limit and not the free GPUs
         joins the queue (``Admission.entry``; its waiter then calls :meth:`wait_turn`).
@@ -235,6 +245,11 @@ class AdmissionRecords:
             inventory = policy.GpuSet.ordered(g for g in inventory if g.node in req.on_nodes)
             free = policy.GpuSet.ordered(g for g in free if g.node in req.on_nodes)
         holdings = self.holdings_in(s, req.user, eff.limit)
+        if req.slice_parts:  # one slice: never borrowed beyond the limit, never split over nodes
+            self.check_slice_in(s, req, eff, holdings)
+            if req.deferred:
+                return Admission(allocation=self.book_in(s, req, ()))
+            return self._admit_or_queue(s, req, asked, eff, holdings.held, inventory, free)
         borrowed = self.borrowed_part_in(s, req.user, req.groups, eff, holdings, req.count)
         within = max(0, (eff.limit.max_gpus or 0) - holdings.held)  # what the limit leaves
         if borrowed:  # beyond the limit, within the allowance: the limit check counts it
@@ -285,13 +300,14 @@ class AdmissionRecords:
                 ),
                 None,
             )
-        waiting = sum(e.gpu_count for e in live if e.user == req.user and e is not adopt)
-        check_limit_with_waiting(asked, eff, held, waiting)
+        mine = [e for e in live if e.user == req.user and e is not adopt]
+        waiting = sum((Fraction(e.gpu_count, e.slice_parts or 1) for e in mine), Fraction(0))
+        check_limit_with_waiting(req.units, eff, held, waiting)
         nodes = req.on_nodes
         if not live:
             # the plan of a queue holding only this request grants what fits the free GPUs now
             # (queueplan.plan: nothing waits to be protected); only the rest needs the scene
-            gpus = policy.place(asked, free, inventory)
+            gpus = self.place_now_in(s, req, asked, free, inventory)
             if gpus is not None:
                 return Admission(allocation=self.book_in(s, req, gpus, now=now))
         created = adopt.created if adopt is not None else now
@@ -301,9 +317,8 @@ class AdmissionRecords:
         # the plan sees the new request as one more waiting entry (the scene fills in its run length,
         # never past its time limit)
         cand = fairshare.Candidate(NEW, req.user, created, front)
-        scene = self.scene_in(
-            s, now, (cand, queueplan.Waiting(NEW, asked, 0.0, nodes)), req.groups, req.time_limit_seconds
-        )
+        new = queueplan.Waiting(NEW, asked, 0.0, nodes, req.slice_parts)
+        scene = self.scene_in(s, now, (cand, new), req.groups, req.time_limit_seconds)
         if adopt is not None:
             adopt.state = "waiting"
         gpus = scene.plan.grants.get(NEW)
@@ -316,7 +331,8 @@ class AdmissionRecords:
             return Admission(allocation=booked)
         if not req.wait:
             ahead = scene.plan.position(scene.order, NEW)[0] - 1
-            policy.check_request(asked, eff, policy.Holdings(held=held), inventory, free)
+            if not req.slice_parts:
+                policy.check_request(asked, eff, policy.Holdings(held=held), inventory, free)
             if ahead == 0:
                 raise policy.Refusal(
                     f"{req.count} GPUs cannot be placed as asked right now "
@@ -338,7 +354,7 @@ class AdmissionRecords:
         e.max_nodes, e.gpus_per_node = req.max_nodes, req.gpus_per_node
         e.on_nodes = None if nodes is None else ",".join(sorted(nodes))[:4000]
         e.lease_seconds, e.seen, e.of_server = req.lease_seconds, now, req.of_server
-        e.time_limit_seconds = req.time_limit_seconds
+        e.time_limit_seconds, e.slice_parts = req.time_limit_seconds, req.slice_parts
         if adopt is None:
             s.add(e)
             s.info["queued"] = True  # someone waits now (the next write of a combined turn reads it)
@@ -391,14 +407,18 @@ class AdmissionRecords:
             backfill_for=borrowing.backfill_text(backfill_for),
             of_server=req.of_server,
             time_limit_seconds=req.time_limit_seconds,
+            slice_parts=req.slice_parts,
         )
         conn = connection(s)
         aid = conn.execute(NEW_ALLOCATION, row).scalar_one()
         gpus = tuple(sorted(chosen))
         if gpus:
-            links = [{"allocation_id": aid, "gpu_id": ids[(g.node, g.index)], "held": True} for g in gpus]
+            links = [
+                dict(allocation_id=aid, gpu_id=ids[(g.node, g.index)], held=True, part=g.part, parts=g.parts)
+                for g in gpus
+            ]
             conn.execute(NEW_LINKS, links)
-            s.info.setdefault(CHANGES, []).extend((link["gpu_id"], True) for link in links)
+            s.info.setdefault(CHANGES, []).extend((x["gpu_id"], True, x["part"], x["parts"]) for x in links)
         return AllocationInfo(
             id=aid,
             user=req.user,
@@ -418,4 +438,5 @@ class AdmissionRecords:
             backfill=row["backfill_for"] is not None,
             of_server=req.of_server,
             time_limit_seconds=req.time_limit_seconds,
+            slice_parts=req.slice_parts,
         )

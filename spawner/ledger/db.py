@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 MIGRATIONS = Path(__file__).with_name("migrations")
-SCHEMA_HEAD = "0013"  # the newest migration's revision (tests/test_ledger.py holds it to Alembic's)
+SCHEMA_HEAD = "0014"  # the newest migration's revision (tests/test_ledger.py holds it to Alembic's)
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 

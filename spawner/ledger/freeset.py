@@ -12,7 +12,8 @@ write records its own); only when those are no longer kept are the free GPUs rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from sqlalchemy import Connection, bindparam, delete, inspect, select, update
@@ -22,7 +23,8 @@ from spawner import policy
 from spawner.ledger.db import connection
 from spawner.ledger.models import AllocationGpu, GpuMove, LedgerLock
 
-CHANGES = "held_changes"  # session.info key: [(gpu_id, held now)] in flush order
+CHANGES = "held_changes"  # session.info key: [(gpu_id, held now, part, parts)] in flush order
+Move = tuple[int, bool, int, int]  # a GPU taken or given back: whole (part 0) or one part of it
 KEEP_GENERATIONS = 4096  # gpu_moves keeps the moves of this many of the newest generations
 PRUNE_EVERY = 512  # ... pruned by the write whose generation is a multiple of this
 _MOVES = GpuMove.__table__
@@ -34,7 +36,11 @@ def record_moves(conn: Connection, info: dict, generation: int) -> None:
     changes = info.get(CHANGES)
     if changes:
         conn.execute(
-            _MOVES.insert(), [{"generation": generation, "gpu_id": g, "held": h} for g, h in changes]
+            _MOVES.insert(),
+            [
+                {"generation": generation, "gpu_id": g, "held": h, "part": part, "parts": parts}
+                for g, h, part, parts in changes
+            ],
         )
     if generation % PRUNE_EVERY == 0 and generation > KEEP_GENERATIONS:
         oldest = generation - KEEP_GENERATIONS
@@ -45,19 +51,19 @@ def record_moves(conn: Connection, info: dict, generation: int) -> None:
 
 
 MOVES_SINCE = (
-    select(_MOVES.c.gpu_id, _MOVES.c.held)
+    select(_MOVES.c.gpu_id, _MOVES.c.held, _MOVES.c.part, _MOVES.c.parts)
     .where(_MOVES.c.generation > bindparam("generation"))
     .order_by(_MOVES.c.id)
 )
 
 
-def moves_since(s: Session, generation: int) -> list[tuple[int, bool]] | None:
+def moves_since(s: Session, generation: int) -> list[Move] | None:
     """The GPU moves of every write after ``generation``, in order; None when some of them
     are no longer kept (read the held GPUs again)."""
     if generation < (s.info.get("moves_after") or 0):
         return None
     rows = connection(s).execute(MOVES_SINCE, {"generation": generation})
-    return [(gpu_id, bool(held)) for gpu_id, held in rows]
+    return [(gpu_id, bool(held), part, parts) for gpu_id, held, part, parts in rows]
 
 
 def note_held(session: Session, _flush_context) -> None:
@@ -65,13 +71,13 @@ def note_held(session: Session, _flush_context) -> None:
     changes = session.info.setdefault(CHANGES, [])
     for row in session.new:
         if isinstance(row, AllocationGpu):
-            changes.append((row.gpu_id, bool(row.held)))
+            changes.append((row.gpu_id, bool(row.held), row.part or 0, row.parts or 0))
     for row in session.dirty:
         if isinstance(row, AllocationGpu) and inspect(row).attrs.held.history.has_changes():
-            changes.append((row.gpu_id, bool(row.held)))
+            changes.append((row.gpu_id, bool(row.held), row.part or 0, row.parts or 0))
     for row in session.deleted:
         if isinstance(row, AllocationGpu):
-            changes.append((row.gpu_id, False))
+            changes.append((row.gpu_id, False, row.part or 0, row.parts or 0))
 
 
 @dataclass(frozen=True)
@@ -85,19 +91,33 @@ class FreeState:
     groups: dict[str, list[policy.Gpu]]  # the free GPUs of each node with any (read only)
     everyone: policy.GpuSet  # the present GPUs they are free among
     fit: policy.FitIndex  # the groups' nodes by free count, for the one-node best fit
+    # the GPUs held in slices, by row id: the (part, parts) held of each (a GPU held in parts
+    # is not free for a whole request; a few on a cluster, kept whole from write to write)
+    split: dict[int, frozenset[tuple[int, int]]] = field(default_factory=dict)
 
     @cached_property
     def free(self) -> policy.GroupedGpus:
         return policy.GroupedGpus(self.groups, (self.everyone, self.fit))
 
     @classmethod
-    def read(cls, generation: int, present, held: set[int]) -> FreeState:
+    def read(cls, generation: int, present, held: Iterable[tuple[int, int, int]]) -> FreeState:
+        """From the held rows ``(gpu_id, part, parts)``: a GPU is free when no row holds it,
+        whole or any part of it."""
+        whole: set[int] = set()
+        split: dict[int, set[tuple[int, int]]] = {}
+        for gpu_id, part, parts in held:
+            if part:
+                split.setdefault(gpu_id, set()).add((part, parts))
+            else:
+                whole.add(gpu_id)
+        taken = whole | split.keys()
         free = policy.GpuSet.ordered(
-            g for g, i in zip(present.gpus, present.ids, strict=True) if i not in held
+            g for g, i in zip(present.gpus, present.ids, strict=True) if i not in taken
         )
         groups = free.by_node(None)
         fit = policy.make_fit_index(groups, present.gpus.by_node(None))
-        return cls(generation, present.version, groups, present.gpus, fit)
+        frozen = {i: frozenset(p) for i, p in split.items()}
+        return cls(generation, present.version, groups, present.gpus, fit, frozen)
 
     def at(self, generation: int) -> FreeState:
         """The same free GPUs at a later generation (a write that moved none)."""
@@ -106,19 +126,33 @@ class FreeState:
             later.__dict__["free"] = self.free
         return later
 
-    def after(self, generation: int, present, changes: list[tuple[int, bool]]) -> FreeState:
+    def after(self, generation: int, present, changes: list[Move]) -> FreeState:
         """This state with ``changes`` applied, in order: only their nodes change (absent
-        GPUs are never free)."""
+        GPUs are never free). A GPU is free again when its last held part is given back (it
+        is never held whole and in parts at once: ``spawner/ledger/slices.py``)."""
         by_id, before = present.by_id, self.groups
         nodes: dict[str, set[policy.Gpu]] = {}
-        for gpu_id, held in changes:
+        split = self.split
+        for gpu_id, held, part, parts in changes:
             g = by_id.get(gpu_id)
             if g is None:
                 continue
             free = nodes.get(g.node)
             if free is None:
                 free = nodes[g.node] = set(before.get(g.node, ()))
-            (free.discard if held else free.add)(g)
+            if not part:
+                (free.discard if held else free.add)(g)
+                continue
+            if split is self.split:
+                split = dict(split)
+            now = set(split.get(gpu_id, ()))
+            (now.add if held else now.discard)((part, parts))
+            if now:
+                split[gpu_id] = frozenset(now)
+                free.discard(g)
+            else:
+                split.pop(gpu_id, None)
+                free.add(g)
         groups = dict(before)
         for node, free in nodes.items():
             if free:
@@ -132,4 +166,5 @@ class FreeState:
             node: (len(before.get(node, ())), len(free), len(everyone.get(node, ())))
             for node, free in nodes.items()
         }
-        return FreeState(generation, self.inventory, groups, self.everyone, policy.refit(self.fit, moved))
+        fit = policy.refit(self.fit, moved)
+        return FreeState(generation, self.inventory, groups, self.everyone, fit, split)

@@ -15,7 +15,9 @@ from spawner.ledger.freeset import CHANGES, FreeState, moves_since
 from spawner.ledger.models import Allocation, AllocationGpu, GpuRow, LedgerLock, Node, is_live
 from spawner.policy.records import AllocationInfo, GpuStatus
 
-HELD_GPUS = select(AllocationGpu.__table__.c.gpu_id).where(AllocationGpu.__table__.c.held)
+_AG = AllocationGpu.__table__
+HELD_GPUS = select(_AG.c.gpu_id).where(_AG.c.held)
+HELD_ROWS = select(_AG.c.gpu_id, _AG.c.part, _AG.c.parts).where(_AG.c.held)
 
 
 @dataclass(frozen=True)
@@ -116,30 +118,38 @@ class GpuRecords:
         return self._present(s).gpus
 
     def _held_gpu_ids(self, s: Session) -> set[int]:
+        """The GPUs held, whole or in part."""
         return set(connection(s).execute(HELD_GPUS).scalars())
 
+    def _held_rows(self, s: Session) -> list[tuple[int, int, int]]:
+        return [tuple(row) for row in connection(s).execute(HELD_ROWS)]
+
     def _free(self, s: Session) -> policy.GpuSet | policy.GroupedGpus:
-        """The present GPUs no live allocation holds. A writing transaction uses the free GPUs
-        this process kept, brought up to date with the moves written since (``freeset``)."""
+        """The present GPUs no live allocation holds, whole or in part."""
+        return self._free_state_in(s).free
+
+    def _free_state_in(self, s: Session) -> FreeState:
+        """The free GPUs and the GPUs held in parts. A writing transaction uses those this
+        process kept, brought up to date with the moves written since (``freeset``)."""
         present = self._present(s)
         if s.new or s.dirty or s.deleted:
             s.flush()  # this transaction's own changes first (note_held records them)
         generation = s.info.get("generation")
         if generation is None:  # a reader
-            return FreeState.read(-1, present, self._held_gpu_ids(s)).free
+            return FreeState.read(-1, present, self._held_rows(s))
         state = getattr(self, "_free_state", None)
         if state is not None and state.inventory == present.version and state.generation < generation:
             moved = moves_since(s, state.generation)  # another process wrote since: its moves
             state = None if moved is None else state.after(generation, present, moved)
         if state is None or state.generation != generation or state.inventory != present.version:
             if s.info.get(CHANGES):  # GPUs moved in this transaction, before anything was kept
-                return FreeState.read(-1, present, self._held_gpu_ids(s)).free
-            state = FreeState.read(generation, present, self._held_gpu_ids(s))
+                return FreeState.read(-1, present, self._held_rows(s))
+            state = FreeState.read(generation, present, self._held_rows(s))
         self._free_state = state  # as at the transaction's start (what _committed builds on)
         changes = s.info.get(CHANGES)
         if changes:  # GPUs moved in this transaction (an earlier write of a combined turn)
-            return state.after(generation, present, changes).free
-        return state.free
+            return state.after(generation, present, changes)
+        return state
 
     def _committed(self, s: Session, before: int, after: int) -> None:
         """After a writing transaction committed (generation ``before`` to ``after``): keep

@@ -148,6 +148,9 @@ class Allocation(Base):
     of_server: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # how long it may run from its start (c.GpuHub.*_max_hours, or less as asked); NULL: no limit
     time_limit_seconds: Mapped[float | None] = mapped_column(Float)
+    # a slice of a GPU split in this many parts (c.GpuHub.gpu_slices): each of its GPUs counts
+    # as 1/slice_parts of one against limits and in GPU-hours; NULL: whole GPUs (migration 0014)
+    slice_parts: Mapped[int | None] = mapped_column(Integer)
     gpus: Mapped[list[AllocationGpu]] = relationship(
         back_populates="allocation", cascade="all, delete-orphan"
     )
@@ -162,14 +165,29 @@ class AllocationGpu(Base):
             "uq_allocation_gpus_held_gpu",
             "gpu_id",
             unique=True,
-            sqlite_where=text("held = 1"),
-            postgresql_where=text("held"),
+            sqlite_where=text("held = 1 AND part = 0"),
+            postgresql_where=text("held AND part = 0"),
         ),
+        # ... and each slice of a GPU by at most one (a slice holder holds the GPU's row with
+        # its part): that a GPU is never held whole and in slices at once, the ledger's write
+        # lock keeps (spawner/ledger/slices.py), as it keeps the limits (migration 0014)
+        Index(
+            "uq_allocation_gpus_held_part",
+            "gpu_id",
+            "part",
+            unique=True,
+            sqlite_where=text("held = 1 AND part > 0"),
+            postgresql_where=text("held AND part > 0"),
+        ),
+        CheckConstraint("part >= 0 AND parts >= 0 AND part <= parts", name="part"),
     )
 
     allocation_id: Mapped[int] = mapped_column(ForeignKey("allocations.id"), primary_key=True)
     gpu_id: Mapped[int] = mapped_column(ForeignKey("gpus.id"), primary_key=True)
     held: Mapped[bool] = mapped_column(Boolean, default=True)
+    # a slice: ``part`` (1 to ``parts``) of the GPU split in ``parts``; 0 and 0: the whole GPU
+    part: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    parts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     allocation: Mapped[Allocation] = relationship(back_populates="gpus")
     gpu: Mapped[GpuRow] = relationship()
 
@@ -239,6 +257,7 @@ class QueueEntry(Base):
     allocation_id: Mapped[int | None] = mapped_column(ForeignKey("allocations.id"))
     of_server: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # as allocations'
     time_limit_seconds: Mapped[float | None] = mapped_column(Float)  # as allocations'
+    slice_parts: Mapped[int | None] = mapped_column(Integer)  # as allocations'
 
 
 class Preemption(Base):
@@ -336,6 +355,8 @@ class GpuMove(Base):
     generation: Mapped[int] = mapped_column(Integer, index=True)
     gpu_id: Mapped[int] = mapped_column(Integer)
     held: Mapped[bool] = mapped_column(Boolean)
+    part: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))  # as allocation_gpus'
+    parts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
 
 
 class LedgerLock(Base):

@@ -256,6 +256,7 @@ class QueueRecords:
                 policy.Request(e.user, e.gpu_count, e.model, e.max_nodes, e.gpus_per_node),
                 run_length(runs.get(e.user, default_run), e.time_limit_seconds),
                 nodes_of(e.on_nodes),
+                e.slice_parts,
             )
             for e in rows
         }
@@ -290,10 +291,14 @@ class QueueRecords:
             if ends is None:  # nothing known: its user's run lengths, a guess
                 ends, sure = guessed_end(a, now, runs.get(a.user), default_run)
             held.append(queueplan.Held(gpus, ends, sure))
+        in_order = [waiting[c.id] for c in ordered]
         plan = queueplan.plan(
-            [waiting[c.id] for c in ordered], self._inventory(s), held, now, qs.reservations
+            [w for w in in_order if not w.slice_parts], self._inventory(s), held, now, qs.reservations
         )
-        return _Scene([c.id for c in ordered], plan, found, self._free(s))
+        order = [c.id for c in ordered]
+        if any(w.slice_parts for w in in_order):  # the slices' part of the plan (ledger/slices.py)
+            self.plan_slices_in(s, plan, order, in_order, now)
+        return _Scene(order, plan, found, self._free(s))
 
     def _cached_scene(self, s: Session, now: datetime) -> _Scene:
         """The scene, computed at most once per ``SCENE_SECONDS`` while the ledger does not

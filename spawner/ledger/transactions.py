@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -38,6 +38,7 @@ from spawner.policy.budgets import BudgetRules
 from spawner.policy.energy import Costing
 from spawner.policy.extensions import ExtendSettings
 from spawner.policy.records import AllocationInfo
+from spawner.policy.slices import Offer
 from spawner.policy.timelimits import TimeRules
 
 log = logging.getLogger("gpuhub.ledger")
@@ -114,7 +115,7 @@ FREE_GPUS = (
     update(_AG)
     .where(_AG.c.allocation_id == bindparam("allocation"), _AG.c.held)
     .values(held=False)
-    .returning(_AG.c.gpu_id)
+    .returning(_AG.c.gpu_id, _AG.c.part, _AG.c.parts)
 )
 UNCOUNT = update(_LOCK).where(_LOCK.c.id == 1).values(generation=_LOCK.c.generation - 1)
 
@@ -147,7 +148,7 @@ def utcnow() -> datetime:
 
 def _info(a: Allocation, booked: Iterable[policy.Gpu] | None = None) -> AllocationInfo:
     """The record of ``a``; ``booked``: the GPUs of one just written (nothing to load)."""
-    gpus = tuple(sorted(booked if booked is not None else (_gpu(ag.gpu) for ag in a.gpus)))
+    gpus = tuple(sorted(booked if booked is not None else (held_gpu(ag) for ag in a.gpus)))
     preemption = None if booked is not None else a.preemption
     pending = preemption is not None and preemption.withdrawn is None
     return AllocationInfo(
@@ -174,6 +175,7 @@ def _info(a: Allocation, booked: Iterable[policy.Gpu] | None = None) -> Allocati
         backfill=a.backfill_for is not None,
         of_server=bool(a.of_server),
         time_limit_seconds=a.time_limit_seconds,
+        slice_parts=a.slice_parts,
     )
 
 
@@ -194,10 +196,25 @@ def _count(a: Allocation) -> int:
 
 # what a policy.Gpu is made of, in its order
 _GPU_COLUMNS = (GpuRow.index, GpuRow.model, GpuRow.memory_mib, GpuRow.uuid)
+_PART_COLUMNS = (AllocationGpu.part, AllocationGpu.parts)  # ... and of a slice
 
 
 def _gpu(g: GpuRow) -> policy.Gpu:
     return policy.Gpu(g.node.name, g.index, g.model, g.memory_mib, g.uuid)
+
+
+def slice_of(node, index, model, memory_mib, uuid, part=0, parts=0) -> policy.Gpu:
+    """The GPU an allocation holds: the whole GPU, or its ``part`` of ``parts`` (with that
+    share of its memory)."""
+    if part and memory_mib is not None:
+        memory_mib //= parts
+    return policy.Gpu(node, index, model, memory_mib, uuid, part, parts)
+
+
+def held_gpu(ag: AllocationGpu) -> policy.Gpu:
+    """What the allocation-GPU row ``ag`` holds: its GPU, or a slice of it."""
+    g = ag.gpu
+    return slice_of(g.node.name, g.index, g.model, g.memory_mib, g.uuid, ag.part or 0, ag.parts or 0)
 
 
 class LedgerBase(CombinedWrites):
@@ -217,8 +234,10 @@ class LedgerBase(CombinedWrites):
         costing: Costing | None = None,
         budgets: BudgetRules | None = None,
         sqlite_sync: str = "normal",
+        slice_offers: Mapping[str, Offer] | None = None,
     ):
         self.url = url
+        self.slice_offers = dict(slice_offers or {})  # c.GpuHub.gpu_slices, by model (ledger/slices.py)
         self.config_rules = config_rules or policy.LimitRules()
         self.queue_settings = queue or QueueSettings()
         self.borrow_settings = borrow or BorrowSettings()
@@ -320,7 +339,7 @@ class LedgerBase(CombinedWrites):
         conn, at = connection(s), self.clock()
         conn.execute(END_ALLOCATION, {"allocation": allocation_id, "at": at, "reason": reason[:255]})
         freed = conn.execute(FREE_GPUS, {"allocation": allocation_id})
-        s.info.setdefault(CHANGES, []).extend((gpu_id, False) for (gpu_id,) in freed)
+        s.info.setdefault(CHANGES, []).extend((gpu_id, False, part, parts) for gpu_id, part, parts in freed)
 
     def _live_infos(self, s: Session, **where) -> list[AllocationInfo]:
         """The records of the live allocations (filtered by column values), in id order: read
@@ -331,13 +350,13 @@ class LedgerBase(CombinedWrites):
         live = rows.subquery()
         gpus: dict[int, list[policy.Gpu]] = {}
         q = (
-            select(AllocationGpu.allocation_id, Node.name, *_GPU_COLUMNS)
+            select(AllocationGpu.allocation_id, Node.name, *_GPU_COLUMNS, *_PART_COLUMNS)
             .join(live, live.c.id == AllocationGpu.allocation_id)
             .join(GpuRow, GpuRow.id == AllocationGpu.gpu_id)
             .join(Node, Node.id == GpuRow.node_id)
         )
         for aid, *g in s.execute(q):
-            gpus.setdefault(aid, []).append(policy.Gpu(*g))
+            gpus.setdefault(aid, []).append(slice_of(*g))
         notices = {
             aid: rest
             for aid, *rest in s.execute(
@@ -382,6 +401,7 @@ class LedgerBase(CombinedWrites):
                     backfill=a["backfill_for"] is not None,
                     of_server=bool(a["of_server"]),
                     time_limit_seconds=a["time_limit_seconds"],
+                    slice_parts=a["slice_parts"],
                 )
             )
         return out

@@ -12,14 +12,23 @@ from spawner.ledger.models import Allocation
 from spawner.ledger.transactions import gpus_of
 
 _A = Allocation.__table__
-# what one allocation's GPU-hours are read from: its start, creation, end, borrowed part, GPUs
-INTERVAL_COLUMNS = (_A.c.started, _A.c.created, _A.c.ended, _A.c.borrowed, gpus_of(_A.c.id))
+# what one allocation's GPU-hours are read from: its start, creation, end, borrowed part, GPUs,
+# and the parts its GPUs are split in (a slice's GPU-hours are its share of its GPU's)
+INTERVAL_COLUMNS = (
+    _A.c.started,
+    _A.c.created,
+    _A.c.ended,
+    _A.c.borrowed,
+    gpus_of(_A.c.id),
+    _A.c.slice_parts,
+)
 
 
-def usage_interval(started, created, ended, borrowed, n, *, in_limit: bool = False):
+def usage_interval(started, created, ended, borrowed, n, slice_parts, *, in_limit: bool = False):
     """``(start, end, GPUs)`` of one allocation's row of ``INTERVAL_COLUMNS`` (``in_limit``:
-    its borrowed GPUs left out)."""
-    return started or created, ended, max(0, n - ((borrowed or 0) if in_limit else 0))
+    its borrowed GPUs left out); a slice counts as its share of a GPU."""
+    gpus = max(0, n - ((borrowed or 0) if in_limit else 0))
+    return started or created, ended, gpus / slice_parts if slice_parts else gpus
 
 
 def _window_query(since: datetime, until: datetime, user: str | None):

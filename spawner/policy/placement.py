@@ -26,10 +26,22 @@ class Gpu:
     model: str = "GPU"
     memory_mib: int | None = field(default=None, compare=False)
     uuid: str | None = field(default=None, compare=False)
+    # a slice of the GPU ``index`` (``c.GpuHub.gpu_slices``): ``part`` 1 to ``parts``; 0: the whole GPU
+    part: int = 0
+    parts: int = field(default=0, compare=False)
 
     @property
     def label(self) -> str:
-        return f"{self.node}:{self.index}"
+        """``node:0`` for a whole GPU, ``node:0s2`` for its slice 2 (of ``parts``)."""
+        return f"{self.node}:{self.index}" + (f"s{self.part}" if self.part else "")
+
+    @property
+    def whole(self) -> Gpu:
+        """The GPU this is a slice of (itself when whole)."""
+        if not self.part:
+            return self
+        memory = None if self.memory_mib is None else self.memory_mib * self.parts
+        return Gpu(self.node, self.index, self.model, memory, self.uuid)
 
 
 def largest_placeable(free: Sequence[Gpu], model: str | None, max_nodes: int | None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from fractions import Fraction
 
 from spawner.policy import fairshare, waitline
 from spawner.policy.limits import EffectiveLimit, Limit
@@ -43,6 +44,12 @@ class AllocationRequest:
     of_server: bool = False  # a burst of server ``server_name``'s kernels: released at its stop
     hours: float | None = None  # the length it asks for (None: the user's longest session)
     time_limit_seconds: float | None = None  # what the admission granted (from ``hours``)
+    slice_parts: int | None = None  # one slice of a GPU split in this many parts (None: whole GPUs)
+
+    @property
+    def units(self) -> Fraction:
+        """What it asks for, in GPUs: its count, or its slice's share of one GPU."""
+        return Fraction(self.count, self.slice_parts or 1)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,12 @@ class AllocationInfo:
     backfill: bool = False  # it started ahead of a reservation that still waits: may be taken back
     of_server: bool = False  # a burst of server ``server_name``'s kernels: released at its stop
     time_limit_seconds: float | None = None  # how long it may run from its start (None: no limit)
+    slice_parts: int | None = None  # slices of GPUs split in this many parts (None: whole GPUs)
+
+    @property
+    def units(self) -> Fraction:
+        """What it counts as against a limit and in GPU-hours, in GPUs (a 1/4 slice: 1/4)."""
+        return Fraction(self.gpu_count, self.slice_parts or 1)
 
     @property
     def active(self) -> bool:

@@ -40,6 +40,7 @@ class Waiting:
     request: policy.Request
     run_hours: float  # how long it is expected to hold its GPUs once started
     on_nodes: frozenset[str] | None = None
+    slice_parts: int | None = None  # one slice of a GPU split in this many (policy.slices plans it)
 
 
 @dataclass(frozen=True)

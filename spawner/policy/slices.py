@@ -140,8 +140,8 @@ def parse_share(text: object, model: str, offers: Mapping[str, Offer]) -> Offer:
 
 @dataclass(frozen=True)
 class GpuUse:
-    """One GPU and what holds it: ``whole`` (an allocation has all of it) or the indices of
-    the slices held (a GPU is never both)."""
+    """One GPU and what holds it: ``whole`` (an allocation has all of it) or the numbers
+    (1 to the offer's count) of the slices held (a GPU is never both)."""
 
     gpu: Gpu
     whole: bool = False
@@ -159,19 +159,26 @@ def free_slices(uses: Iterable[GpuUse], offer: Offer) -> int:
 
 
 def place_slice(uses: Iterable[GpuUse], offer: Offer) -> tuple[Gpu, int] | None:
-    """The GPU and slice index a request for one slice of ``offer`` takes, or None if none is
-    free: on a GPU of the model not held whole, the one with the fewest free slices (a GPU
-    already split before a whole one), then the lowest; its lowest free slice."""
+    """The GPU and slice number (1 to ``offer.count``) a request for one slice of ``offer``
+    takes, or None if none is free: on a GPU of the model not held whole, the one with the
+    fewest free slices (a GPU already split before a whole one), then the lowest; its lowest
+    free slice."""
     room = [u for u in uses if u.gpu.model == offer.model and not u.whole and len(u.slices) < offer.count]
     if not room:
         return None
     u = min(room, key=lambda u: (offer.count - len(u.slices), u.gpu))
-    return u.gpu, min(set(range(offer.count)) - u.slices)
+    return u.gpu, min(set(range(1, offer.count + 1)) - u.slices)
 
 
 def units(gpus: int, share: Fraction = Fraction(1)) -> Fraction:
     """What an allocation of ``gpus`` GPUs (or slices of ``share`` each) counts as, in GPUs."""
     return gpus * share
+
+
+def plain(amount: Fraction | int) -> Fraction | int:
+    """``amount`` as an ``int`` where it is whole (what every count of whole GPUs was)."""
+    amount = Fraction(amount)
+    return amount.numerator if amount.denominator == 1 else amount
 
 
 def units_text(amount: Fraction) -> str:
@@ -181,3 +188,72 @@ def units_text(amount: Fraction) -> str:
         return f"{whole} GPU" + ("" if whole == 1 else "s")
     frac = f"{part}/{amount.denominator}"
     return f"{frac} GPU" if whole == 0 else f"{whole} {frac} GPUs"
+
+
+def uses_of(
+    gpus: Iterable[Gpu], free: Iterable[Gpu], split: Mapping[Gpu, Iterable[tuple[int, int]]], count: int
+) -> list[GpuUse]:
+    """The :class:`GpuUse` of each of ``gpus``: free whole GPUs (``free``), GPUs held in
+    slices (``split``: the (part, parts) held of each), the rest held whole. A GPU held in
+    slices of another count than ``count`` (the offer changed while they ran) takes no new
+    slice until they end: it counts as full."""
+    free = set(free)
+    out = []
+    for g in gpus:
+        held = list(split.get(g, ()))
+        if held:
+            same = all(parts == count for _, parts in held)
+            taken = frozenset(p for p, _ in held) if same else frozenset(range(1, count + 1))
+            out.append(GpuUse(g, slices=taken))
+        else:
+            out.append(GpuUse(g, whole=g not in free))
+    return out
+
+
+@dataclass(frozen=True)
+class SliceWait:
+    """A request for one slice waiting in the queue."""
+
+    id: int
+    offer: Offer
+    on_nodes: frozenset[str] | None = None
+
+
+def grant_slices(
+    order: Iterable[int], slice_waits: Mapping[int, SliceWait], whole_waits: Iterable[int], uses: list[GpuUse]
+) -> dict[int, Gpu]:
+    """Which waiting slices start now (id: the slice, a ``Gpu`` with ``part`` and ``parts``),
+    in the queue's ``order``. A slice starts on a GPU already split wherever one has room; it
+    splits a free whole GPU only when no whole request waits ahead of it (``whole_waits``: the
+    whole requests not starting now), so that slices never keep a waiting whole request from
+    the GPUs it waits for. ``uses`` are the GPUs after this plan's whole grants."""
+    whole_waits = set(whole_waits)
+    current = {u.gpu: u for u in uses}
+    grants: dict[int, Gpu] = {}
+    whole_ahead = False
+    for entry in order:
+        if entry in whole_waits:
+            whole_ahead = True
+            continue
+        w = slice_waits.get(entry)
+        if w is None:
+            continue
+        room = [
+            u
+            for u in current.values()
+            if (w.on_nodes is None or u.gpu.node in w.on_nodes) and (u.slices or not whole_ahead)
+        ]
+        placed = place_slice(room, w.offer)
+        if placed is None:
+            continue
+        g, part = placed
+        u = current[g]
+        current[g] = GpuUse(g, slices=u.slices | {part})
+        grants[entry] = slice_gpu(g, part, w.offer.count)
+    return grants
+
+
+def slice_gpu(g: Gpu, part: int, count: int) -> Gpu:
+    """Slice ``part`` (1 to ``count``) of the GPU ``g``, with its share of the memory."""
+    memory = None if g.memory_mib is None else g.memory_mib // count
+    return Gpu(g.node, g.index, g.model, memory, g.uuid, part, count)

@@ -1,0 +1,155 @@
+"""Slices of GPUs (a part of :class:`spawner.ledger.Ledger`): ``c.GpuHub.gpu_slices``.
+
+A slice holder holds its GPU's ``allocation_gpus`` row with its ``part`` (1 to ``parts``): the
+partial unique indexes keep each part to one holder and a whole GPU to one holder; that a
+GPU is never held whole and in parts at once is kept here, under the write lock, as the
+limits are: a whole request sees a GPU held in any part as taken (``freeset``), and a slice
+goes only on a GPU that is free or already split (:func:`spawner.policy.slices.place_slice`).
+
+A slice counts as its share of a GPU against limits, in GPU-hours and in budgets
+(``allocations.slice_parts``). It waits in the queue like any request: the queue's plan
+places whole requests, then the waiting slices in the queue's order
+(:func:`spawner.policy.slices.grant_slices`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from fractions import Fraction
+
+from sqlalchemy.orm import Session
+
+from spawner import policy
+from spawner.policy import schedule as queueplan
+from spawner.policy import slices
+from spawner.policy.limits import zero_limit_message
+from spawner.policy.records import AllocationRequest
+
+
+class SliceRecords:
+    """What slices may be asked for, where one starts now, and their part of the queue's plan.
+
+    Uses ``_present``/``_free_state_in`` (``GpuRecords``) and ``budget_refusal_in``
+    (``EnergyRecords``); admission calls ``check_slice_in`` and ``place_now_in``, the queue's
+    scene ``plan_slices_in``."""
+
+    def slice_uses_in(
+        self, s: Session, offer: slices.Offer, on_nodes: frozenset[str] | None = None
+    ) -> list[slices.GpuUse]:
+        """Each present GPU of ``offer``'s model (on ``on_nodes``): free, held whole, or which
+        of its slices are held."""
+        present, state = self._present(s), self._free_state_in(s)
+        gpus = [
+            g for g in present.gpus if g.model == offer.model and (on_nodes is None or g.node in on_nodes)
+        ]
+        free = {g for g in gpus if g in set(state.groups.get(g.node, ()))}
+        by_id = present.by_id
+        split = {by_id[i]: held for i, held in state.split.items() if i in by_id}
+        return slices.uses_of(gpus, free, split, offer.count)
+
+    def offer_for(self, req: AllocationRequest) -> slices.Offer:
+        """The offer a slice request asks for; a refusal saying what may be asked otherwise."""
+        offer = self.slice_offers.get(req.model or "")
+        if offer is None or offer.count != req.slice_parts:
+            split = ", ".join(f"{o.model} ({o.label})" for o in self.slice_offers.values()) or "none"
+            raise policy.Refusal(
+                f"1/{req.slice_parts} of a {req.model or 'GPU'} is not offered here (slices offered: "
+                f"{split}). Ask for one of those, or for whole GPUs.",
+                reason="bad_request",
+            )
+        if req.count != 1:
+            raise policy.Refusal(
+                f"A request for a slice is for one slice ({offer.label}); got {req.count}. "
+                "For more, ask for whole GPUs.",
+                reason="bad_request",
+                fits=1,
+            )
+        return offer
+
+    def check_slice_in(
+        self,
+        s: Session,
+        req: AllocationRequest,
+        eff: policy.EffectiveLimit,
+        holdings: policy.Holdings,
+    ) -> None:
+        """The checks of a slice request a user can act on, in order: what is offered, a GPU
+        it could ever run on, the GPU-hours quota, the limit (in GPUs: a slice is its share),
+        the energy budget. What is free now is the queue's."""
+        offer = self.offer_for(req)
+        if not self.slice_uses_in(s, offer, req.on_nodes):
+            where = "on this server" if req.on_nodes is not None else "here"
+            raise policy.Refusal(
+                f"No {offer.model} GPU is {where} to take a slice of. Ask for another model.",
+                reason="too_large",
+                fits=0,
+            )
+        lim, asked = eff.limit, Fraction(1, offer.count)
+        if lim.max_gpus == 0:
+            raise policy.Refusal(zero_limit_message(1, eff), reason="over_limit", fits=0)
+        if lim.gpu_hours is not None and holdings.gpu_hours >= lim.gpu_hours:
+            raise policy.Refusal(
+                f"You have used {holdings.gpu_hours:.1f} of your {lim.gpu_hours:g} GPU-hours over the "
+                f"last {lim.window_hours:g} hours ({eff.source}). Start a server without GPUs (0), "
+                "or wait until older usage leaves the window.",
+                reason="quota_exhausted",
+                fits=0,
+            )
+        room = policy.remaining(eff, holdings)
+        if room is not None and asked > room:
+            raise policy.Refusal(
+                f"You asked for {offer.label}, but you hold {slices.units_text(Fraction(holdings.held))} "
+                f"of {policy.describe_limit(eff)} GPUs, which leaves "
+                f"{slices.units_text(Fraction(room))}. Stop something you hold first, or ask an admin "
+                "to raise your limit.",
+                reason="over_limit",
+                fits=0,
+            )
+        spent = self.budget_refusal_in(s, req.user, req.groups)
+        if spent:
+            raise policy.Refusal(spent, reason="energy_budget_spent", fits=0)
+
+    def place_now_in(
+        self, s: Session, req: AllocationRequest, asked: policy.Request, free, inventory
+    ) -> tuple[policy.Gpu, ...] | None:
+        """Where ``req`` starts now with nothing waiting: whole GPUs where they fit, or one
+        slice (on a GPU already split where one has room)."""
+        if not req.slice_parts:
+            return policy.place(asked, free, inventory)
+        offer = self.offer_for(req)
+        placed = slices.place_slice(self.slice_uses_in(s, offer, req.on_nodes), offer)
+        return None if placed is None else (slices.slice_gpu(*placed, offer.count),)
+
+    def plan_slices_in(
+        self,
+        s: Session,
+        plan: queueplan.Plan,
+        order: Sequence[int],
+        waiting: Sequence[queueplan.Waiting],
+        now: datetime,
+    ) -> None:
+        """Add the waiting slices to ``plan`` (made for the whole requests): those that start
+        now, on the GPUs its grants leave; the others wait with no expected start yet."""
+        waits, uses = {}, {}
+        for w in waiting:
+            if not w.slice_parts:
+                continue
+            offer = self.slice_offers.get(w.request.model or "")
+            if offer is None or offer.count != w.slice_parts:
+                plan.expected[w.id] = queueplan.Expected(None, "unknown")  # offered no longer
+                continue
+            waits[w.id] = slices.SliceWait(w.id, offer, w.on_nodes)
+            if offer.model not in uses:
+                granted = {g for gpus in plan.grants.values() for g in gpus}
+                uses[offer.model] = [
+                    slices.GpuUse(u.gpu, whole=True) if u.gpu in granted else u
+                    for u in self.slice_uses_in(s, offer)
+                ]
+        whole_waits = [w.id for w in waiting if not w.slice_parts and w.id not in plan.grants]
+        all_uses = [u for model_uses in uses.values() for u in model_uses]
+        for entry, g in slices.grant_slices(order, waits, whole_waits, all_uses).items():
+            plan.grants[entry] = (g,)
+            plan.expected[entry] = queueplan.Expected(now, "now")
+        for entry in waits:
+            plan.expected.setdefault(entry, queueplan.Expected(None, "unknown"))

@@ -1,0 +1,163 @@
+"""Slices of GPUs in the ledger (issue 34), on a real SQLite file and a real PostgreSQL
+database: four users share one GPU in quarters, a fifth waits in the queue and starts when one
+stops, a whole-GPU request waits while any slice is held (and a slice while the GPU is held
+whole), a slice counts as its share against limits and in GPU-hours, another process's kept
+free GPUs learn of slices, and the database refuses a second holder of one slice."""
+
+from datetime import datetime, timedelta
+from fractions import Fraction
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import IntegrityError
+
+from spawner.ledger import Ledger, QueueSettings
+from spawner.policy.limits import Limit, LimitRules, Refusal
+from spawner.policy.placement import Gpu
+from spawner.policy.slices import check_gpu_slices
+
+from .ledgertools import Clock
+
+INV = [Gpu("n1", 0, "A100", 40960), Gpu("n1", 1, "T4", 16384)]
+OFFERS = check_gpu_slices({"A100": 4}, INV)
+START = datetime(2026, 12, 7, 9, 0)
+QUARTER = dict(model="A100", slice_parts=4)
+
+
+@pytest.fixture
+def clock():
+    return Clock(START)
+
+
+@pytest.fixture
+def open_ledger(db_url, clock):
+    opened = []
+
+    def make(rules=LimitRules(default=Limit(max_gpus=1))):
+        led = Ledger(
+            db_url,
+            config_rules=rules,
+            clock=clock,
+            queue=QueueSettings(keepalive_seconds=3600),
+            slice_offers=OFFERS,
+        )
+        led.sync_inventory(INV)
+        opened.append(led)
+        return led
+
+    yield make
+    for led in opened:
+        led.close()
+
+
+@pytest.fixture
+def led(open_ledger):
+    return open_ledger()
+
+
+def held_rows(url):
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT allocation_id, gpu_id, part, parts FROM allocation_gpus WHERE held ORDER BY part")
+        ).all()
+    engine.dispose()
+    return rows
+
+
+def test_four_users_share_a_gpu_in_quarters_a_fifth_waits_and_starts_when_one_stops(led, db_url):
+    got = [led.allocate(f"s{i}", ["students"], 1, **QUARTER) for i in range(4)]
+    assert [a.gpus[0].label for a in got] == ["n1:0s1", "n1:0s2", "n1:0s3", "n1:0s4"]
+    assert {(a.gpus[0].parts, a.gpus[0].memory_mib, a.units) for a in got} == {(4, 10240, Fraction(1, 4))}
+    assert [(r.part, r.parts) for r in held_rows(db_url)] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    fifth = led.request("s4", ["students"], 1, **QUARTER)
+    assert fifth.allocation is None and (fifth.entry.position, fifth.entry.waiting) == (1, 1)
+    # the other model's GPU is whole and free: it was never split
+    assert [g.label for g in led.allocate("t", [], 1).gpus] == ["n1:1"]
+    assert led.wait_turn(fifth.entry.id).allocation is None  # nothing ended yet
+    led.release(got[1].id)
+    turn = led.wait_turn(fifth.entry.id)
+    assert turn.allocation is not None and turn.allocation.gpus[0].label == "n1:0s2"  # the part given back
+    assert turn.allocation.slice_parts == 4 and turn.entry.state == "granted"
+
+
+def test_a_whole_gpu_waits_while_any_slice_is_held_and_a_slice_while_it_is_held_whole(led):
+    one = led.allocate("s0", [], 1, **QUARTER)
+    whole = led.request("w", [], 1, model="A100")
+    assert whole.allocation is None and whole.entry.position == 1
+    with pytest.raises(Refusal) as e:  # not waiting: refused, never placed on the split GPU
+        led.allocate("w2", [], 1, model="A100")
+    assert e.value.reason == "no_capacity"
+    # a whole request waits ahead: a new slice fills only a GPU already split, so it still starts
+    assert led.allocate("s1", [], 1, **QUARTER).gpus[0].label == "n1:0s2"
+    led.release(one.id)
+    assert led.wait_turn(whole.entry.id).allocation is None  # one slice is still held
+    for a in led.active(user="s1"):
+        led.release(a.id)
+    granted = led.wait_turn(whole.entry.id).allocation
+    assert granted is not None and [g.label for g in granted.gpus] == ["n1:0"] and granted.slice_parts is None
+    waits = led.request("s2", [], 1, **QUARTER)
+    assert waits.allocation is None and waits.entry.position == 1
+    led.release(granted.id)
+    assert led.wait_turn(waits.entry.id).allocation.gpus[0].label == "n1:0s1"
+
+
+def test_a_slice_counts_as_its_share_against_the_limit_and_in_gpu_hours(led, clock):
+    held = [led.allocate("ann", [], 1, server_name=f"s{i}", **QUARTER) for i in range(3)]
+    with pytest.raises(Refusal) as e:  # 3/4 held of a limit of 1: a whole GPU passes it
+        led.allocate("ann", [], 1, model="T4")
+    assert e.value.reason == "over_limit" and "3/4" in e.value.message
+    fourth = led.allocate("ann", [], 1, server_name="s3", **QUARTER)
+    with pytest.raises(Refusal) as e:  # the fifth quarter would be 5/4
+        led.request("ann", [], 1, server_name="s4", **QUARTER)
+    assert e.value.reason == "over_limit" and "you hold 1 GPU" in e.value.message
+    assert led.allowance("ann", []).held == 1
+    clock.advance(hours=2)
+    for a in [*held, fourth]:
+        led.release(a.id)
+    assert led.usage(START, START + timedelta(hours=3))["ann"] == pytest.approx(4 * 0.25 * 2)
+
+
+def test_what_is_not_offered_is_refused_with_what_is(open_ledger):
+    led = open_ledger(LimitRules(default=Limit(max_gpus=0)))
+    cases = [
+        (dict(model="T4", slice_parts=4), "bad_request", "slices offered: A100 (1/4 GPU)"),
+        (dict(model="A100", slice_parts=2), "bad_request", "1/2 of a A100 is not offered"),
+        (dict(model="A100", slice_parts=4, on_nodes=["n9"]), "too_large", "No A100 GPU is on this server"),
+        (QUARTER, "over_limit", "your limit is 0 GPUs"),
+    ]
+    for kw, reason, why in cases:
+        with pytest.raises(Refusal) as e:
+            led.request("zed", [], 1, **kw)
+        assert (e.value.reason, why in e.value.message) == (reason, True), e.value.message
+    with pytest.raises(Refusal) as e:
+        led.request("zed", [], 2, **QUARTER)
+    assert "one slice (1/4 GPU); got 2" in e.value.message
+
+
+def test_another_process_kept_free_gpus_learn_of_slices(open_ledger):
+    a, b = open_ledger(), open_ledger()
+    b.allocate("x", [], 1, model="T4")  # b keeps its free GPUs from here on
+    a.allocate("s", [], 1, **QUARTER)  # a splits the A100: b learns it from the moves
+    with pytest.raises(Refusal) as e:
+        b.allocate("y", [], 1, model="A100")
+    assert e.value.reason == "no_capacity"
+    assert b.allocate("z", [], 1, **QUARTER).gpus[0].label == "n1:0s2"
+
+
+def test_the_database_refuses_a_second_holder_of_one_slice(led, db_url):
+    a = led.allocate("s0", [], 1, **QUARTER)
+    b = led.allocate("s1", [], 1, **QUARTER)
+    engine = create_engine(db_url)
+    gpu_id = held_rows(db_url)[0].gpu_id
+    with pytest.raises(IntegrityError), engine.begin() as conn:  # b's row made part 1 as well
+        conn.execute(text("UPDATE allocation_gpus SET part = 1 WHERE allocation_id = :b"), {"b": b.id})
+    with pytest.raises(IntegrityError), engine.begin() as conn:  # a whole hold beside it is one row more
+        conn.execute(
+            text("UPDATE allocation_gpus SET part = 0, parts = 0 WHERE allocation_id = :a"), {"a": a.id}
+        )
+        conn.execute(
+            text("UPDATE allocation_gpus SET part = 0, parts = 0 WHERE allocation_id = :b"), {"b": b.id}
+        )
+    engine.dispose()
+    assert gpu_id is not None
