@@ -33,10 +33,10 @@ def clock():
 def open_ledger(db_url, clock):
     opened = []
 
-    def make(rules=LimitRules(default=Limit(max_gpus=1))):
+    def make(rules=None):
         led = Ledger(
             db_url,
-            config_rules=rules,
+            config_rules=rules or LimitRules(default=Limit(max_gpus=1)),
             clock=clock,
             queue=QueueSettings(keepalive_seconds=3600),
             slice_offers=OFFERS,

@@ -23,7 +23,7 @@ from spawner.policy.slices import check_gpu_slices
 
 from .test_stress import read
 
-INV = [Gpu("n0", i, "A100", 40960) for i in range(2)] + [Gpu("n1", 0, "T4", 16384)]
+INV = [Gpu("n0", i, "A100", 40960) for i in range(2)] + [Gpu("n1", i, "T4", 16384) for i in range(3)]
 OFFERS = check_gpu_slices({"A100": 4}, INV)
 RULES = LimitRules(default=Limit(max_gpus=1), groups={"staff": Limit(max_gpus=2)})
 USERS = {f"u{i}": (["staff"] if i % 4 == 0 else []) for i in range(8)}
@@ -178,9 +178,9 @@ def test_concurrent_processes_never_mix_slices_and_whole_gpus_or_pass_a_limit(db
     for _ in procs:
         counts.update(results.get(timeout=10))
     # every path taken: slices and whole GPUs at once and after waiting, refusals over the limit
-    assert counts["slice"] > 20 and counts["whole"] > 10, counts
-    assert counts["queued slice"] > 5 and counts["queued whole"] > 5, counts
-    assert counts["granted after waiting"] > 5 and counts["refused: over_limit"] > 5, counts
+    assert counts["slice"] > 40 and counts["whole"] > 8, counts
+    assert counts["queued slice"] > 15 and counts["queued whole"] > 2, counts
+    assert counts["granted after waiting"] > 5 and counts["refused: over_limit"] > 40, counts
     assert live_problems == []
     rows, entries = history(db_url)
     assert check(rows, entries) == []
