@@ -56,6 +56,8 @@ def render_reference() -> str:
     for cls, section, blurb in SECTIONS:
         out += [f"## `c.{section}`", "", blurb, ""]
         own = cls.class_own_traits(config=True)
+        for part in getattr(cls, "trait_parts", ()):  # its settings kept in modules of their own
+            own |= part.class_own_traits(config=True)
         for name, trait in sorted(own.items()):
             default = trait.default_value_repr()
             if len(default) > 100:  # a template: shown in its module, not here

@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, Unicode, Union
-from traitlets.config import Configurable
 
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
 from spawner.policy import budgets, currencies, extensions, timelimits, values
@@ -24,6 +23,7 @@ from spawner.policy.fairshare import Shares, Weights, share_problem
 from spawner.policy.limits import DEFAULT_WINDOW_HOURS, Limit, LimitRules, parse_limit_field
 from spawner.policy.scoped import Scoped, checked
 from spawner.policy.timelimits import TimeRules, read_hours
+from spawner.settings_slices import SliceSettings
 from spawner.spawners import inventory
 
 LIMIT_KEYS = {"max_gpus", "gpu_hours", "window_hours"}
@@ -63,8 +63,11 @@ _LEDGERS: dict[str, Ledger] = {}
 _SYNCED: set[str] = set()
 
 
-class GpuHub(Configurable):
-    """Where the ledger lives, which GPUs exist, and how many each user may hold."""
+class GpuHub(SliceSettings):
+    """Where the ledger lives, which GPUs exist, and how many each user may hold (and, from
+    :class:`~spawner.settings_slices.SliceSettings`, how GPUs may be split)."""
+
+    trait_parts = (SliceSettings,)  # documented with this class (spawner/reference.py)
 
     db_url = Unicode(
         "sqlite:///gpuhub.sqlite",
@@ -597,9 +600,13 @@ class GpuHub(Configurable):
                 costing=self.costing(),
                 budgets=self.budget_rules(),
                 sqlite_sync=self.sqlite_synchronous,
+                slice_groups=self.slice_groups,
             )
             _LEDGERS[self.db_url] = ledger
         if sync and self.db_url not in _SYNCED:  # opened unsynced first (a page): sync now
             inventory.sync(ledger, self)
             _SYNCED.add(self.db_url)
+            ledger.slice_offers = self.slice_offers(ledger.present_gpus())
+        elif not sync and self.gpu_slices and not ledger.slice_offers:
+            ledger.slice_offers = self.slice_offers(ledger.present_gpus())
         return ledger

@@ -161,3 +161,20 @@ def test_the_database_refuses_a_second_holder_of_one_slice(led, db_url):
         )
     engine.dispose()
     assert gpu_id is not None
+
+
+def test_a_slice_group_takes_slices_only_and_never_a_pool(open_ledger):
+    led = open_ledger()
+    led.slice_groups = frozenset({"students"})
+    with pytest.raises(Refusal) as e:
+        led.request("ann", ["students"], 1, model="T4")
+    assert e.value.reason == "over_limit" and "Ask for 1/4 GPU of A100" in e.value.message
+    with pytest.raises(Refusal) as e:
+        led.allocate("ann", ["students"], 1, purpose="distributed", lease_seconds=60)
+    assert "a %%distributed pool needs whole GPUs" in e.value.message
+    with pytest.raises(Refusal) as e:  # nor as slices
+        led.allocate("ann", ["students"], 1, purpose="distributed", lease_seconds=60, **QUARTER)
+    assert "pools run on whole GPUs" in e.value.message
+    assert led.allocate("ann", ["students"], 1, **QUARTER).slice_parts == 4
+    # also in a group not listed (a teaching assistant): whole GPUs too
+    assert [g.label for g in led.allocate("tom", ["students", "staff"], 1, model="T4").gpus] == ["n1:1"]

@@ -22,6 +22,7 @@ from spawner.policy.slices import (
     grant_slices,
     parse_share,
     place_slice,
+    resolve_share,
     units,
     units_text,
     uses_of,
@@ -261,3 +262,33 @@ def test_waiting_slices_start_in_the_queues_order_and_never_split_a_gpu_a_whole_
 def test_a_waiting_slice_keeps_to_its_nodes():
     waits = {1: SliceWait(1, Q, frozenset({"elsewhere"}))}
     assert grant_slices([1], waits, [], uses((False, ()))) == {}
+
+
+TWO = {"A100": Offer("A100", 4, 40960), "T4": Offer("T4", 2, 16384)}
+
+
+@pytest.mark.parametrize(
+    "text, model, offers, want",
+    [
+        ("1/4", None, TWO, "A100"),  # the one model split in quarters
+        ("50%", None, TWO, "T4"),
+        ("1/4", "A100", TWO, "A100"),
+        ("1/3", None, TWO, "is not a slice offered here: ask for one of 1/4 GPU of A100, 1/2 GPU of T4"),
+        ("1/4", "T4", TWO, "T4 GPUs are split into 2 slices here: ask for 1/2 GPU"),
+        (
+            "1/4",
+            None,
+            {**TWO, "H100": Offer("H100", 4, 81920)},
+            "offered for A100, H100: choose the GPU model",
+        ),
+        ("1/4", None, {}, "no GPU is split into slices here"),
+        ("1/2", None, QUARTERS, "A100 GPUs are split into 4 slices here: ask for 1/4 GPU"),
+    ],
+)
+def test_a_share_without_a_model_names_the_one_split_model_it_fits(text, model, offers, want):
+    if want in offers:
+        assert resolve_share(text, model, offers) == offers[want]
+        return
+    with pytest.raises(ValueError) as e:
+        resolve_share(text, model, offers)
+    assert want in str(e.value)

@@ -58,8 +58,11 @@ def allocation_json(
         "backend": a.backend,
         "backend_job_id": a.backend_job_id,
         "nodes": list(a.nodes),
-        "gpus": [{"node": g.node, "index": g.index, "model": g.model} for g in a.gpus],
+        "gpus": [gpu_json(g) for g in a.gpus],
         "gpu_count": a.gpu_count,
+        # one slice of a GPU split in this many parts (null: whole GPUs), and what it counts as
+        "slice_parts": a.slice_parts,
+        "units": float(a.units),
         "borrowed": a.borrowed,
         "backfill": a.backfill,
         "notice_seconds": notice_seconds if (a.borrowed or a.backfill) else None,
@@ -88,6 +91,14 @@ def time_limit_of(a: AllocationInfo, warnings: tuple[float, ...] = ()) -> dict[s
     return {"seconds": a.time_limit_seconds, "ends": iso(a.time_ends), "warnings": list(warnings)}
 
 
+def gpu_json(g) -> dict[str, Any]:
+    """A GPU an allocation holds; a slice names its part (1 to ``parts``) and its memory."""
+    out = {"node": g.node, "index": g.index, "model": g.model}
+    if g.part:
+        out |= {"part": g.part, "parts": g.parts, "memory_mib": g.memory_mib, "label": g.label}
+    return out
+
+
 def queue_json(q, now) -> dict[str, Any]:
     """A queue entry (``spawner.policy.records.QueueInfo``) with its place and the line its user sees."""
     f = q.factors
@@ -97,6 +108,7 @@ def queue_json(q, now) -> dict[str, Any]:
         "purpose": q.purpose,
         "server_name": q.server_name,
         "gpus": q.gpu_count,
+        "slice_parts": q.slice_parts,
         "gpu_model": q.model,
         "state": q.state,
         "created": iso(q.created),
@@ -145,8 +157,8 @@ def me_json(
         "user": user,
         "groups": sorted(groups),
         "limit": {**limit_json(allowance.effective.limit), "source": allowance.effective.source},
-        "held": allowance.held,
-        "may_take": allowance.may_take,
+        "held": float(allowance.held),  # in GPUs: a slice is its share
+        "may_take": None if allowance.may_take is None else float(allowance.may_take),
         "fits": allowance.fits,
         "gpu_hours_used": round(allowance.gpu_hours, 4),
         "free": allowance.free,

@@ -140,6 +140,8 @@ class AdmissionRecords:
                 if seen >= quiet
             )
         room = policy.remaining(eff, holdings)
+        if room is not None:  # whole GPUs: a part of one left by slices held is no room for one
+            room = int(room)
         free_now = policy.largest_placeable(free, model, 1)
         allowance = borrowing.usable_allowance(eff.limit.max_gpus, self.borrow_allowance(user, groups)[0])
         beyond = max(0, free_now - (room or 0))  # free GPUs one request could take past the limit
@@ -239,6 +241,8 @@ class AdmissionRecords:
         longest, source = timelimits.max_hours(req.user, req.groups, self.time_rules)
         req = replace(req, time_limit_seconds=timelimits.session_seconds(req.hours, longest, source))
         asked = placement_request(req)
+        if not req.slice_parts and req.count:
+            self.check_whole_in(req)
         eff = policy.effective_limit(req.user, req.groups, self._rules(s))
         inventory, free = self._inventory(s), self._free(s)
         if req.on_nodes is not None:
@@ -246,6 +250,12 @@ class AdmissionRecords:
             free = policy.GpuSet.ordered(g for g in free if g.node in req.on_nodes)
         holdings = self.holdings_in(s, req.user, eff.limit)
         if req.slice_parts:  # one slice: never borrowed beyond the limit, never split over nodes
+            if req.purpose != "server" or req.lease_seconds is not None:
+                raise policy.Refusal(
+                    "A slice of a GPU is for a notebook server; %%distributed pools run on whole GPUs "
+                    "(NCCL needs them).",
+                    reason="bad_request",
+                )
             self.check_slice_in(s, req, eff, holdings)
             if req.deferred:
                 return Admission(allocation=self.book_in(s, req, ()))

@@ -169,6 +169,11 @@ class GpuRecords:
         # else another process wrote since it was read: it stays as it was, at its own
         # generation, and the next writing transaction catches up through gpu_moves
 
+    def present_gpus(self) -> list[policy.Gpu]:
+        """The GPUs present now, in order."""
+        with self._read() as s:
+            return list(self._inventory(s))
+
     def models(self) -> list[str]:
         with self._read() as s:
             return sorted({g.model for g in self._inventory(s)})

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from fractions import Fraction
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
@@ -67,6 +68,7 @@ def entry_info(e: QueueEntry) -> QueueInfo:
         ended=e.ended,
         end_reason=e.end_reason,
         allocation_id=e.allocation_id,
+        slice_parts=e.slice_parts,
     )
 
 
@@ -370,7 +372,7 @@ class QueueRecords:
             eff = policy.effective_limit(e.user, _groups(e.groups), self._rules(s))
             holdings = self.holdings_in(s, e.user, eff.limit)
             room = policy.remaining(eff, holdings)
-            if room is not None and e.gpu_count > room:
+            if room is not None and Fraction(e.gpu_count, e.slice_parts or 1) > room:
                 self._leave(
                     e,
                     f"your limit no longer leaves room for it: you hold {holdings.held} "

@@ -48,6 +48,32 @@ class SliceRecords:
         split = {by_id[i]: held for i, held in state.split.items() if i in by_id}
         return slices.uses_of(gpus, free, split, offer.count)
 
+    def slice_room(self) -> dict[str, tuple[slices.Offer, int, int]]:
+        """Each offer, with how many of its slices could start now and how many there are."""
+        with self._read() as s:
+            out = {}
+            for model, offer in self.slice_offers.items():
+                uses = self.slice_uses_in(s, offer)
+                out[model] = (offer, slices.free_slices(uses, offer), len(uses) * offer.count)
+            return out
+
+    def check_whole_in(self, req: AllocationRequest) -> None:
+        """Refuse whole GPUs to a user whose every group takes slices (``c.GpuHub.slice_groups``)."""
+        groups = set(req.groups)
+        if not groups or not groups <= self.slice_groups:
+            return
+        offered = ", ".join(f"{o.label} of {o.model}" for o in self.slice_offers.values())
+        ask = f"ask for {offered}" if offered else "no slices are offered here; ask an admin"
+        purpose = "a %%distributed pool needs whole GPUs (NCCL runs on whole GPUs). " * (
+            req.purpose == "distributed"
+        )
+        raise policy.Refusal(
+            f"Members of {', '.join(sorted(groups))} take slices of GPUs here, not whole GPUs "
+            f"(c.GpuHub.slice_groups): {purpose}{ask[0].upper() + ask[1:]}.",
+            reason="over_limit",
+            fits=0,
+        )
+
     def offer_for(self, req: AllocationRequest) -> slices.Offer:
         """The offer a slice request asks for; a refusal saying what may be asked otherwise."""
         offer = self.slice_offers.get(req.model or "")
@@ -152,4 +178,4 @@ class SliceRecords:
             plan.grants[entry] = (g,)
             plan.expected[entry] = queueplan.Expected(now, "now")
         for entry in waits:
-            plan.expected.setdefault(entry, queueplan.Expected(None, "unknown"))
+            plan.expected.setdefault(entry, queueplan.Expected(None, "slice"))

@@ -235,9 +235,11 @@ class LedgerBase(CombinedWrites):
         budgets: BudgetRules | None = None,
         sqlite_sync: str = "normal",
         slice_offers: Mapping[str, Offer] | None = None,
+        slice_groups: Iterable[str] = (),
     ):
         self.url = url
         self.slice_offers = dict(slice_offers or {})  # c.GpuHub.gpu_slices, by model (ledger/slices.py)
+        self.slice_groups = frozenset(slice_groups)  # c.GpuHub.slice_groups
         self.config_rules = config_rules or policy.LimitRules()
         self.queue_settings = queue or QueueSettings()
         self.borrow_settings = borrow or BorrowSettings()

@@ -187,7 +187,8 @@ def over_limit_advice(room: int) -> str:
 
 
 def remaining(eff: EffectiveLimit, holdings: Holdings) -> int | None:
-    """How many more GPUs the limit allows; ``None`` when unlimited."""
+    """How many more GPUs the limit allows; ``None`` when unlimited. Where slices are held
+    (``spawner.policy.slices``) what is held and what is left may be a ``Fraction``."""
     if eff.limit.gpu_hours is not None and holdings.gpu_hours >= eff.limit.gpu_hours:
         return 0
     if eff.limit.max_gpus is None:
@@ -237,6 +238,8 @@ def check_request(
     if eff.limit.max_gpus == 0:  # none at all, not even borrowed (borrowing.usable_allowance)
         raise Refusal(zero_limit_message(n, eff), reason="over_limit", fits=0)
     room = remaining(eff, holdings)
+    if room is not None:  # whole GPUs: the part of one that slices held leave is no room for one
+        room = int(room)
     free_now = largest_placeable(free, request.model, request.max_nodes)
     fits = free_now if room is None else min(room, free_now)
     lim = eff.limit

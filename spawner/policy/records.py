@@ -159,9 +159,15 @@ class QueueInfo:
     expected: datetime | None = None
     sure: str = "unknown"
     factors: fairshare.Factors | None = None
+    slice_parts: int | None = None  # one slice of a GPU split in this many parts
+
+    @property
+    def amount(self) -> int | str:
+        """What it waits for: a count of GPUs, or a slice as ``1/4 GPU``."""
+        return f"1/{self.slice_parts} GPU" if self.slice_parts else self.gpu_count
 
     def line(self, now: datetime) -> str:
-        return waitline.wait_line(self.position, self.waiting, self.gpu_count, self.expected, self.sure, now)
+        return waitline.wait_line(self.position, self.waiting, self.amount, self.expected, self.sure, now)
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,30 @@ def parse_share(text: object, model: str, offers: Mapping[str, Offer]) -> Offer:
     return offer
 
 
+def resolve_share(text: object, model: str | None, offers: Mapping[str, Offer]) -> Offer:
+    """The offer a request for a share asks for: of ``model``, or where no model is given,
+    of the one split model whose slice it names. ``ValueError`` saying what to ask otherwise."""
+    if model is not None:
+        return parse_share(text, model, offers)
+    if not offers:
+        raise ValueError("no GPU is split into slices here: ask for whole GPUs")
+    fits = []
+    for offer in offers.values():
+        try:
+            fits.append(parse_share(text, offer.model, offers))
+        except ValueError as e:
+            last = e
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        if len(offers) == 1:
+            raise last
+        split = ", ".join(f"{o.label} of {o.model}" for o in offers.values())
+        raise ValueError(f"{show(text)} is not a slice offered here: ask for one of {split}")
+    models = ", ".join(o.model for o in fits)
+    raise ValueError(f"{show(text)} of a GPU is offered for {models}: choose the GPU model too")
+
+
 @dataclass(frozen=True)
 class GpuUse:
     """One GPU and what holds it: ``whole`` (an allocation has all of it) or the numbers

@@ -39,7 +39,7 @@ def utc_clock(at: datetime) -> str:
 def wait_line(
     position: int | None,
     waiting: int,
-    gpus: int,
+    gpus: int | str,
     expected: datetime | None,
     sure: str,
     now: datetime,
@@ -47,10 +47,12 @@ def wait_line(
     """E.g. ``2nd of 4 waiting for 2 GPUs, expected start about 14:20 (in 12 min; a guess
     from recent run lengths)``; without a ``position`` (one the caller cannot count) just
     ``waiting for 2 GPUs, ...``. Times are naive UTC, and shown in UTC."""
-    head = f"waiting for {_plural(gpus)}"
+    head = f"waiting for {gpus if isinstance(gpus, str) else _plural(gpus)}"
     if position is not None:
         head = f"{ordinal(position)} of {waiting} {head}"
     if expected is None:
+        if sure == "slice":  # gpus: "1/4 GPU"
+            return f"{head}; it starts when a slice frees up (no start time is estimated for slices yet)"
         if sure == "slurm":
             return f"{head}; no estimate from Slurm yet (its backfill pass gives one shortly)"
         return f"{head}; no expected start yet (nothing now running has an end in sight)"
@@ -84,9 +86,10 @@ def queue_heading(position: int, waiting: int) -> str:
     return f"Waiting for GPUs: {ordinal(position)} of {waiting} in the queue"
 
 
-def left_message(gpus: int, reason: str | None) -> str:
+def left_message(gpus: int | str, reason: str | None) -> str:
     """What a start says when its request left the queue without its GPUs: the reason, and,
     unless the reason already says what to do, that a new start waits anew."""
     reason = reason or "it left the queue"
     advice = "" if "start again" in reason else " Start the server again to wait anew."
-    return f"Your request for {_plural(gpus)} no longer waits: {reason}.{advice}"
+    amount = gpus if isinstance(gpus, str) else _plural(gpus)
+    return f"Your request for {amount} no longer waits: {reason}.{advice}"

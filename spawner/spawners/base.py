@@ -30,7 +30,7 @@ from spawner.ledger import Ledger, utcnow
 from spawner.policy import timelimits, waitline
 from spawner.policy.records import AllocationInfo
 from spawner.settings import GpuHub
-from spawner.spawners import form, pending, readiness
+from spawner.spawners import form, pending, readiness, slicing
 from spawner.spawners.refusals import install_log_filter, make_refusal
 
 STATE_KEY = "gpuhub_allocation_id"
@@ -200,7 +200,8 @@ class GpuSpawnerMixin(Configurable):
         return {"on_nodes": self.placement_nodes()}
 
     def gpu_env(self, allocation: AllocationInfo | None) -> dict[str, str]:
-        return {**make_gpu_env(allocation), **self.gpuhub.report_env()}
+        mps = self.gpuhub.inventory == "nvml"  # a slice of a real GPU: held to its share by MPS
+        return {**make_gpu_env(allocation), **slicing.slice_env(allocation, mps), **self.gpuhub.report_env()}
 
     def get_args(self):
         # the server reports its GPUs' use and its kernels' activity (gpu_magics.report.reporter); its
@@ -213,8 +214,12 @@ class GpuSpawnerMixin(Configurable):
 
     async def _render_gpu_form(self, _spawner=None) -> str:
         groups = self._groups()
-        allowance, models = await asyncio.to_thread(
-            lambda: (self.ledger.allowance(self.user.name, groups), self.ledger.models())
+        allowance, models, room = await asyncio.to_thread(
+            lambda: (
+                self.ledger.allowance(self.user.name, groups),
+                self.ledger.models(),
+                self.ledger.slice_room(),
+            )
         )
         return form.render_form(
             allowance,
@@ -223,6 +228,7 @@ class GpuSpawnerMixin(Configurable):
             grace_seconds=self.gpuhub.preempt_grace_seconds,
             asked=self.refused_count(),
             longest=self.longest_session(groups),
+            slices=form.SliceChoice(room, self.gpuhub.slices_only(groups)) if room else None,
         )
 
     def longest_session(self, groups: list[str] | None = None) -> tuple[float | None, str]:
@@ -325,6 +331,9 @@ class GpuSpawnerMixin(Configurable):
                 hours=opts.hours,
                 **extra,
             )
+            kw |= await asyncio.to_thread(
+                lambda: slicing.slice_request(opts.share, opts.model, self.ledger.slice_offers)
+            )
             request = asyncio.ensure_future(
                 self._in_ledger("request", *args, **kw)
                 if queued
@@ -368,7 +377,7 @@ class GpuSpawnerMixin(Configurable):
             while True:
                 if entry.state == "left":
                     raise policy.Refusal(
-                        waitline.left_message(entry.gpu_count, entry.end_reason), reason="left_queue"
+                        waitline.left_message(entry.amount, entry.end_reason), reason="left_queue"
                     )
                 line = entry.line(utcnow())
                 if line != shown:
@@ -429,7 +438,10 @@ class GpuSpawnerMixin(Configurable):
         self.allocation_id = allocation.id if allocation else 0
         # past a wait in the queue the bar stands beyond the queue's part (waitline.QUEUE_PROGRESS)
         at = 55 if self._gpuhub_events and self._gpuhub_events[-1]["progress"] > 20 else 20
-        if allocation and allocation.gpus:
+        if allocation and allocation.slice_parts and allocation.gpus:
+            [g] = allocation.gpus
+            self._progress(at, f"Allocated 1/{g.parts} of GPU {g.whole.label}: {g.label}")
+        elif allocation and allocation.gpus:
             gpus = ", ".join(g.label for g in allocation.gpus)
             self._progress(at, f"Allocated {words.count(len(allocation.gpus), 'GPU')}: {gpus}")
         elif allocation:

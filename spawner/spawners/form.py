@@ -5,6 +5,8 @@
     {"gpus": 2, "gpu_model": "A100"}    # gpu_model optional; "" or absent means any
     {"gpus": 2, "partition": "gpu"}     # Slurm backend only: one of the cluster's partitions
     {"gpus": 1, "hours": 2}             # hours optional: less than the user's longest session
+    {"gpu_share": "1/4"}                # one slice of a GPU, where c.GpuHub.gpu_slices offers it
+                                        # (gpus 1 or absent; gpu_model where several are split)
 
 The form sends strings; the REST API may send numbers. ``parse_gpu_options`` accepts
 both and refuses anything else with a message that says what it takes: the server never
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from html import escape
 from typing import Any
 
@@ -22,12 +25,23 @@ from gpu_magics.common import words
 from spawner.policy import timelimits, values
 from spawner.policy.limits import MAX_COUNT, Refusal, describe_limit
 from spawner.policy.records import Allowance
+from spawner.policy.slices import units_text
 
-OPTION_KEYS = ("gpus", "gpu_model", "hours")
+OPTION_KEYS = ("gpus", "gpu_model", "hours", "gpu_share")
 USAGE = (
-    'gpuhub servers take "gpus" (a whole number, 0 for none) and optionally "gpu_model" and '
-    '"hours" (how long the session may run, up to your longest).'
+    'gpuhub servers take "gpus" (a whole number, 0 for none) and optionally "gpu_model", '
+    '"hours" (how long the session may run, up to your longest) and "gpu_share" (one slice of '
+    'a GPU, e.g. "1/4", where GPUs are split).'
 )
+
+
+@dataclass(frozen=True)
+class SliceChoice:
+    """The slices the form offers: each model's offer with its free and total slices
+    (``Ledger.slice_room``), and whether this user takes slices only (``c.GpuHub.slice_groups``)."""
+
+    room: Mapping[str, tuple[Any, int, int]]
+    only: bool = False
 
 
 @dataclass(frozen=True)
@@ -36,6 +50,7 @@ class GpuOptions:
     model: str | None = None
     partition: str | None = None
     hours: float | None = None  # how long it may run (None: the user's longest session)
+    share: str | None = None  # one slice of a GPU, as asked ("1/4"): resolved against the offers
 
 
 def _single(value: Any) -> Any:
@@ -98,7 +113,16 @@ def parse_gpu_options(
         hours = timelimits.parse_asked_hours(_single(options.get("hours")), "hours")
     except values.BadValue as e:
         raise Refusal(f"{e} {USAGE}", reason="bad_request") from None
-    return GpuOptions(count=count, model=model, partition=partition, hours=hours)
+    share = _label(options.get("gpu_share"), "gpu_share")
+    if share is not None and share.strip() == "0":  # the form's "no GPU" among slices
+        share, count = None, 0
+    elif share is not None and count != 1:
+        raise Refusal(
+            f"gpu_share {values.show(share)} is one slice of one GPU, but gpus is {count}: ask for "
+            "gpus 1 (or leave it out) with a share, or for whole GPUs without one.",
+            reason="bad_request",
+        )
+    return GpuOptions(count=count, model=model, partition=partition, hours=hours, share=share)
 
 
 def options_from_form(formdata: Mapping[str, list[str]]) -> dict[str, Any]:
@@ -215,6 +239,7 @@ def render_form(
     grace_seconds: float | None = None,
     asked: int | None = None,
     longest: tuple[float | None, str] = (None, "default"),
+    slices: SliceChoice | None = None,
 ) -> str:
     """The spawn form's HTML (Bootstrap 5 classes, as JupyterHub 5+ pages use).
 
@@ -230,6 +255,10 @@ def render_form(
 
     ``longest``: the user's longest session in hours (None: no limit) and where it comes from
     (``timelimits.max_hours``); the hours field may ask for less.
+
+    ``slices``: the slices offered (``c.GpuHub.gpu_slices``): a choice of GPU size, whole GPUs
+    or one slice; a user who takes slices only (``c.GpuHub.slice_groups``) chooses a slice or
+    no GPU, and has no count to give.
     """
     # capped by the limit, not by what is free: a request that does not fit now waits its turn
     room = allowance.may_take
@@ -237,6 +266,8 @@ def render_form(
     if asked is not None:
         value = asked
     borrow = borrow_text(allowance, grace_seconds)
+    if slices is not None and slices.only:
+        return "\n".join(slice_field(slices, allowance) + hours_field(*longest))
     parts = [
         '<div class="mb-3" id="gpuhub-form">',
         '  <label for="gpuhub-gpus" class="form-label">GPUs</label>',
@@ -250,6 +281,8 @@ def render_form(
         "  </div>",
         "</div>",
     ]
+    if slices is not None:
+        parts += slice_field(slices, allowance)
     parts += hours_field(*longest)
     if len(models) > 1:
         options = ['    <option value="">Any model</option>'] + [
@@ -280,6 +313,48 @@ def render_form(
             "</div>",
         ]
     return "\n".join(parts)
+
+
+def slice_field(choice: SliceChoice, allowance: Allowance) -> list[str]:
+    """The choice of a GPU size: whole GPUs (the count above) or one slice of a split model,
+    with what isolates a slice; for a user who takes slices only, a slice or no GPU."""
+    first = (
+        '    <option value="0">No GPU</option>'
+        if choice.only
+        else '    <option value="" selected>Whole GPUs (the count above)</option>'
+    )
+    options = [first]
+    for model, (offer, free, total) in choice.room.items():
+        memory = f", {offer.memory_mib / 1024:g} GiB" if offer.memory_mib else ""
+        selected = " selected" if choice.only and len(options) == 1 else ""
+        options.append(
+            f'    <option value="1/{offer.count}" data-model="{escape(model)}" data-free="{free}"{selected}>'
+            f"{escape(offer.label)} of {escape(model)}{memory} ({free} of {total} free)</option>"
+        )
+    only = ""
+    if choice.only:
+        only = (
+            f'<input type="hidden" name="gpus" value="1">'
+            '<p class="form-text" data-gpuhub="slices-only">You take slices of GPUs here, not whole GPUs. '
+            f"You hold {units_text(Fraction(allowance.held))} of "
+            f"{escape(describe_limit(allowance.effective))}.</p>"
+        )
+    return [
+        '<div class="mb-3" id="gpuhub-slices">',
+        '  <label for="gpuhub-share" class="form-label">GPU size</label>',
+        '  <select class="form-select" id="gpuhub-share" name="gpu_share" '
+        'aria-describedby="gpuhub-share-help">',
+        *options,
+        "  </select>",
+        '  <div class="form-text" id="gpuhub-share-help" data-gpuhub="slice-isolation">'
+        + only
+        + "A slice is a part of one GPU shared with other users: it counts as that part of a GPU "
+        "against your limit and in GPU-hours, and waits in the queue when none is free. On NVIDIA "
+        "GPUs each slice runs through CUDA MPS with its own memory limit and share of the compute; "
+        "a fatal GPU fault in one user's work can end the work of the others on that GPU. "
+        "<code>%%distributed</code> needs whole GPUs.</div>",
+        "</div>",
+    ]
 
 
 def hours_field(longest: float | None, source: str) -> list[str]:

@@ -1,0 +1,131 @@
+"""GPU slices for teaching, end to end (issue 34): a real hub and proxy with one simulated A100
+split in quarters and one whole T4, real spawns through the REST API and through the spawn form
+in Chromium.
+
+Four students each start a 1/4-GPU server on the one A100; a fifth waits in the queue with its
+place and starts, on the quarter given back, when one stops; a whole-A100 request waits while
+any quarter is held and starts once all are given back; a student asking for a whole GPU or a
+share that is not one slice is refused with the reason; the servers see their slice."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import expect
+
+from spawner.ledger import Ledger
+
+from .hubtools import DEMO_PASSWORD, Hub, tidy
+
+pytestmark = pytest.mark.hub
+
+STUDENTS = [f"s{i}" for i in range(1, 7)]
+CONFIG = f"""
+c.GpuHub.simulated_gpus = [
+    {{"node": "sim", "count": 1, "model": "Simulated A100", "memory_mib": 40960}},
+    {{"node": "sim", "count": 1, "model": "Simulated T4", "memory_mib": 16384, "first_index": 1}},
+]
+c.GpuHub.gpu_slices = {{"Simulated A100": 4}}
+c.GpuHub.slice_groups = ["students"]
+c.GpuHub.default_limit = 1
+c.GpuHub.group_limits = {{}}
+c.GpuHub.queue_keepalive_seconds = 20
+c.JupyterHub.load_groups = {{"students": {{"users": {STUDENTS!r}}}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_hub(tmp_path_factory):
+    h = Hub(tmp_path_factory.mktemp("slices-hub"), extra_config=CONFIG).start()
+    h.wait_for_broker()
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def hub(shared_hub):
+    """The module's hub; after each test nothing waits and no server runs."""
+    yield shared_hub
+    tidy(shared_hub, stop_servers=True, users=(*STUDENTS, "rita"))
+
+
+@pytest.fixture
+def ledger(hub):
+    ledger = Ledger(hub.ledger_url)
+    yield ledger
+    ledger.close()
+
+
+def slices_held(ledger) -> dict[str, str]:
+    return {g.label: a.user for a in ledger.active() for g in a.gpus}
+
+
+def test_four_students_share_a_gpu_a_fifth_waits_and_a_whole_gpu_waits_for_every_slice(hub, ledger):
+    for user in STUDENTS[:4]:
+        assert hub.spawn(user, {"gpu_share": "1/4"}).status_code in (201, 202)
+    for user in STUDENTS[:4]:
+        hub.wait_ready(user)
+    held = slices_held(ledger)
+    assert sorted(held) == ["sim:0s1", "sim:0s2", "sim:0s3", "sim:0s4"], held
+    env = hub.server_env(held["sim:0s2"])
+    assert (env["CUDA_VISIBLE_DEVICES"], env["GPUHUB_GPUS"], env["GPUHUB_GPU_SLICE"]) == (
+        "0",
+        "sim:0s2",
+        "1/4",
+    )
+    assert (env["GPUHUB_GPU_MEMORY_MIB"], env["GPUHUB_SLICE_MPS"]) == (
+        "10240",
+        "0",
+    )  # simulated: counted only
+
+    # the fifth student waits, with its place; a researcher's whole A100 waits behind it
+    line = hub.spawn_waits("s5", {"gpu_share": "25%"}, "waiting for 1/4 GPU")
+    assert line.startswith("1st of 1 waiting for 1/4 GPU; it starts when a slice frees up"), line
+    line = hub.spawn_waits("rita", {"gpus": 1, "gpu_model": "Simulated A100"}, "waiting for 1 GPU")
+    assert line.startswith("2nd of 2 waiting for 1 GPU"), line
+    r = hub.broker("GET", "queue", hub.user_token("admin"))
+    assert [(q["user"], q["slice_parts"]) for q in r.json()["queue"]] == [("s5", 4), ("rita", None)]
+
+    # a student's whole GPU, and a share that is not one slice, are refused at once
+    r = hub.spawn("s6", {"gpus": 1, "gpu_model": "Simulated T4"})
+    assert r.status_code == 403 and "take slices of GPUs here, not whole GPUs" in r.json()["message"], r.text
+    r = hub.spawn("s6", {"gpu_share": "3/4"})
+    assert r.status_code == 400 and "gpuhub does not round it" in r.json()["message"], r.text
+    assert hub.server("s6") is None and ledger.active(user="s6") == []
+
+    # s2 stops: s5 starts on the quarter given back; rita still waits (three quarters held)
+    s2_slice = next(g for g, u in slices_held(ledger).items() if u == "s2")
+    hub.stop_server("s2")
+    hub.wait_ready("s5")
+    assert slices_held(ledger)[s2_slice] == "s5"
+    assert hub.server_env("s5")["GPUHUB_GPUS"] == s2_slice
+    assert hub.wait_progress("rita", "1st of 1 waiting for 1 GPU")
+    for user in ("s1", "s3", "s4"):
+        hub.stop_server(user)
+    assert ledger.active(user="rita") == []  # s5's quarter is still held
+    hub.stop_server("s5")
+    hub.wait_ready("rita")
+    assert slices_held(ledger) == {"sim:0": "rita"}
+    hub.stop_server("rita")
+
+
+def test_a_student_chooses_a_slice_on_the_spawn_form(hub, ledger, browser):
+    page = browser.new_page()
+    page.goto(f"{hub.url}/hub/login")
+    page.fill("#username_input", "s6")
+    page.fill("#password_input", DEMO_PASSWORD)
+    page.click("#login_submit")
+    page.wait_for_url(lambda url: "/hub/login" not in url)
+    page.goto(f"{hub.url}/hub/spawn")
+    expect(page.locator("[data-gpuhub=slices-only]")).to_contain_text(
+        "You take slices of GPUs here, not whole GPUs. You hold 0 GPUs of a limit of 1 (default)."
+    )
+    assert page.locator("#gpuhub-gpus").count() == 0  # no count of whole GPUs to give
+    options = page.locator("#gpuhub-share option").all_inner_texts()
+    assert options == ["No GPU", "1/4 GPU of Simulated A100, 10 GiB (4 of 4 free)"], options
+    expect(page.locator("[data-gpuhub=slice-isolation]")).to_contain_text("a fatal GPU fault in one user")
+    page.locator("#spawn_form input[type=submit], #spawn_form button[type=submit]").first.click()
+    hub.wait_ready("s6")
+    [a] = ledger.active(user="s6")
+    assert (a.slice_parts, [g.label for g in a.gpus]) == (4, ["sim:0s1"])
+    page.close()
+    hub.stop_server("s6")
