@@ -15,6 +15,7 @@ from playwright.sync_api import expect
 from spawner.ledger import Ledger
 
 from .hubtools import DEMO_PASSWORD, Hub, tidy
+from .kerneltools import run_cell
 
 pytestmark = pytest.mark.hub
 
@@ -129,3 +130,22 @@ def test_a_student_chooses_a_slice_on_the_spawn_form(hub, ledger, browser):
     assert (a.slice_parts, [g.label for g in a.gpus]) == (4, ["sim:0s1"])
     page.close()
     hub.stop_server("s6")
+
+
+def test_a_students_kernel_sees_its_slice_and_a_pool_is_refused_with_the_reason(hub, ledger):
+    assert hub.spawn("s1", {"gpu_share": "1/4"}).status_code in (201, 202)
+    hub.wait_ready("s1")
+    [a] = ledger.active(user="s1")
+    kc = hub.server_kernel("s1")
+    try:
+        status, out = run_cell(kc, "%gpus")
+        assert status == "ok", out
+        assert (
+            f"Server allocation #{a.id}: a 1/4 slice of GPU sim:0 (sim:0s1), 10240 MiB of its memory" in out
+        )
+        status, out = run_cell(kc, "%%distributed --gpus 1\nprint('ran')")
+        assert status == "error" and "ran" not in out, out
+        assert "a %%distributed pool needs whole GPUs (NCCL runs on whole GPUs)" in out, out
+        assert [x.id for x in ledger.active(user="s1")] == [a.id]  # nothing taken, the slice kept
+    finally:
+        kc.stop_channels()

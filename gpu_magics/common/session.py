@@ -2,16 +2,21 @@
 
 The spawner (spawner/spawners/base.py ``make_gpu_env``) sets ``CUDA_VISIBLE_DEVICES`` (PCI bus
 order), ``GPUHUB_ALLOCATION_ID``, ``GPUHUB_GPUS`` (``node:index`` labels), ``GPUHUB_NODE``
-and ``GPUHUB_GPU_MODEL``. Outside gpuhub none of them is set.
+and ``GPUHUB_GPU_MODEL``; on a slice of a GPU (``c.GpuHub.gpu_slices``) also
+``GPUHUB_GPU_SLICE`` (``1/4``) and ``GPUHUB_GPU_MEMORY_MIB`` (its part of the memory), its label
+then ``node:indexsN`` (slice N). Outside gpuhub none of them is set.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpu_magics.common.words import count
+
+_SLICE = re.compile(r"s\d+$")  # a slice's label: node:index then sN
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,19 @@ class ServerGpus:
     gpus: tuple[str, ...]
     cuda_visible_devices: str | None
     model: str | None
+    slice: str | None = None  # "1/4": the server holds that slice of its one GPU
+    slice_memory_mib: int | None = None
+
+    @property
+    def whole_labels(self) -> tuple[str, ...]:
+        """The GPUs themselves (``node:index``): a slice's is the GPU it is a slice of."""
+        return tuple(_SLICE.sub("", g) for g in self.gpus)
+
+    @property
+    def pool_gpus(self) -> tuple[str, ...]:
+        """The server's GPUs a ``%%distributed`` pool or a Dask cluster may run on: none of a
+        slice (a pool runs on whole GPUs; NCCL needs them), which then takes a burst of its own."""
+        return () if self.slice else self.gpus
 
 
 def backend(environ: Mapping[str, str] | None = None) -> str:
@@ -49,6 +67,8 @@ def server_gpus(environ: Mapping[str, str] | None = None) -> ServerGpus:
         gpus=tuple(g for g in env.get("GPUHUB_GPUS", "").split(",") if g) or _slurm_gpus(env),
         cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
         model=env.get("GPUHUB_GPU_MODEL") or None,
+        slice=env.get("GPUHUB_GPU_SLICE") or None,
+        slice_memory_mib=int(mib) if (mib := env.get("GPUHUB_GPU_MEMORY_MIB", "")).isdigit() else None,
     )
 
 
@@ -57,6 +77,17 @@ def describe(s: ServerGpus) -> str:
         return "This kernel does not run on a gpuhub server: no GPUs were allocated to it."
     if not s.gpus:
         return "This server has no GPUs (it was started with 0). Start it again with GPUs to use them."
+    if s.slice:
+        [label] = s.gpus[:1] or ("",)
+        memory = f"{s.slice_memory_mib} MiB of its memory" if s.slice_memory_mib else "its memory unknown"
+        return "\n".join(
+            [
+                f"Server allocation #{s.allocation_id}: a {s.slice} slice of GPU {s.whole_labels[0]} "
+                f"({label}), {memory}, CUDA_VISIBLE_DEVICES={s.cuda_visible_devices or ''}",
+                "  shared with other users' slices; %%distributed and Dask clusters run on whole GPUs "
+                "of a burst, not on a slice.",
+            ]
+        )
     rows = [f"{'GPU':<12}{'CUDA index':<12}MODEL"]
     for i, label in enumerate(s.gpus):
         rows.append(f"{label:<12}{i:<12}{s.model or ''}")

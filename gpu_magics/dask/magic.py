@@ -192,9 +192,9 @@ class DaskMagics(Magics):
             else:
                 own = server_gpus()
                 on_slurm = backend() == "slurm"
-                plan = plan_dask(own.gpus, req.workers, on_slurm, own.cuda_visible_devices)
+                plan = plan_dask(own.pool_gpus, req.workers, on_slurm, own.cuda_visible_devices)
                 make = load_local_cuda_cluster()  # checked before any GPU is taken
-                slots = plan.slots or tuple(self._acquire_burst(req.workers, len(own.gpus)))
+                slots = plan.slots or tuple(self._acquire_burst(req.workers, len(own.pool_gpus)))
                 labels = tuple(s.label for s in slots)
                 options = {"CUDA_VISIBLE_DEVICES": plan.devices or make_devices(slots, (), None)}
             cluster = private = None
@@ -292,5 +292,5 @@ class DaskMagics(Magics):
                     else "gpuhub: no Dask cluster to close."
                 )
             return
-        own = len(server_gpus().gpus)
+        own = len(server_gpus().pool_gpus)
         self.start(parse_request(args.gpus, args.cpu, args.workers, args.name, own))

@@ -221,7 +221,7 @@ def acquire(terms: Terms, gpus: int, old: Burst | None = None) -> tuple[tuple[Sl
     what they lack, on their node. ``old`` (the pool's burst) is kept where it is the size
     needed; else a new burst is asked for while ``old`` is still held (the caller decides
     what a refusal means). Raises UsageError with the broker's reason; nothing is taken."""
-    plan = plan_gpus(server_gpus().gpus, gpus)
+    plan = plan_gpus(server_gpus().pool_gpus, gpus)
     if not plan.burst:
         return plan.own, None
     if (

@@ -207,7 +207,7 @@ class DistributedMagics(CheckpointCommands, Magics):
             check_names(args.autosave, "--autosave")
         self._set_autosave(args.autosave, args.dir)  # a pool replaced below is saved under these
         if args.gpus is None:
-            own = len(server_gpus().gpus)
+            own = len(server_gpus().pool_gpus)
             if not own:
                 raise UsageError("say how many GPUs: %%distributed --gpus N")
             args.gpus = own

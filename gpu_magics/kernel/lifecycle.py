@@ -200,7 +200,7 @@ class Lifecycle:
                     own, burst, launcher = new_gpus(self.terms(), args, on_slurm, kept)
                 except UsageError as e:
                     refusal = getattr(e, "refusal", None)
-                    need = args.gpus if on_slurm else plan_gpus(server_gpus().gpus, args.gpus).burst
+                    need = args.gpus if on_slurm else plan_gpus(server_gpus().pool_gpus, args.gpus).burst
                     if (
                         refusal is None
                         or old is None
@@ -410,7 +410,7 @@ class Lifecycle:
         held_slots = [*self.own, *(self.burst.slots if self.burst is not None else ())]
         used = {spec.slot for spec in pool.specs}
         idle = [slot for slot in held_slots if slot not in used][: args.gpus - pool.size]  # a lost rank's
-        plan = plan_gpus(server_gpus().gpus, args.gpus)
+        plan = plan_gpus(server_gpus().pool_gpus, args.gpus)
         extra_own = [slot for slot in plan.own if slot not in held_slots][: args.gpus - pool.size - len(idle)]
         need = args.gpus - pool.size - len(idle) - len(extra_own)
         added = None

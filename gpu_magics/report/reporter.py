@@ -170,7 +170,8 @@ def _load_jupyter_server_extension(serverapp) -> None:
             "gpuhub: cannot sample this server's GPUs (%s); idle reclaim leaves it alone", e
         )
         return
-    reporter = Reporter(client, own.allocation_id, own.gpus, source, say=serverapp.log.warning)
+    # a slice reports its GPU's readings: the whole GPU's, shared with the other slices on it
+    reporter = Reporter(client, own.allocation_id, own.whole_labels, source, say=serverapp.log.warning)
     interval = _interval(os.environ)
     km = serverapp.kernel_manager
 
