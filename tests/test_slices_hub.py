@@ -9,15 +9,30 @@ share that is not one slice is refused with the reason; the servers see their sl
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from playwright.sync_api import expect
 
 from spawner.ledger import Ledger
 
-from .hubtools import DEMO_PASSWORD, Hub, tidy
+from .hubtools import ADMIN_PASSWORD, DEMO_PASSWORD, Hub, tidy
 from .kerneltools import run_cell
 
 pytestmark = pytest.mark.hub
+
+GPUHUB = Path(sys.executable).parent / "gpuhub"  # the admin's command, as installed
+
+
+def gpuhub(*args: str) -> str:
+    r = subprocess.run([GPUHUB, *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
 
 STUDENTS = [f"s{i}" for i in range(1, 7)]
 CONFIG = f"""
@@ -60,7 +75,35 @@ def slices_held(ledger) -> dict[str, str]:
     return {g.label: a.user for a in ledger.active() for g in a.gpus}
 
 
-def test_four_students_share_a_gpu_a_fifth_waits_and_a_whole_gpu_waits_for_every_slice(hub, ledger):
+def admins_see_the_slices(hub, held: dict[str, str], browser) -> None:
+    """``gpuhub gpus``, the live grid's API and the GPU admin page show the split A100 with each
+    slice's holder; a student's own view shows their slice alone."""
+    [a100, t4] = json.loads(gpuhub("--db-url", hub.ledger_url, "gpus", "--json"))
+    assert a100["holder"] is None and t4["holder"] is None and t4["slices"] == []
+    assert {s["label"]: s["holder"]["user"] for s in a100["slices"]} == held
+    table = gpuhub("--db-url", hub.ledger_url, "gpus")
+    assert "4 of 4 slices held" in table and re.search(r"sim +0s3 +1/4 +s\d", table), table
+    grid = hub.broker("GET", "utilization", hub.user_token("admin")).json()
+    [split] = [g for g in grid["gpus"] if g["index"] == 0]
+    assert {s["label"]: s["holder"]["user"] for s in split["slices"]} == held
+    mine = hub.broker("GET", "utilization", hub.user_token("s1")).json()
+    assert [[s["holder"]["user"] for s in g["slices"]] for g in mine["gpus"]] == [["s1"]]
+    page = browser.new_page()
+    page.goto(f"{hub.url}/hub/login")
+    page.fill("#username_input", "admin")
+    page.fill("#password_input", ADMIN_PASSWORD)
+    page.click("#login_submit")
+    page.wait_for_url(lambda url: "/hub/login" not in url)
+    page.goto(f"{hub.broker_url}/admin")
+    cell = page.locator('.gpu-cell[data-gpu="sim:0"]')
+    expect(cell).to_have_attribute("data-state", "sliced")
+    expect(cell.locator(".gpu-slices-held")).to_have_text("4 of 4 slices held")
+    for label, user in held.items():
+        expect(cell.locator(f'[data-slice="{label}"] .gpu-holder-user')).to_have_text(user)
+    page.close()
+
+
+def test_four_students_share_a_gpu_a_fifth_waits_and_a_whole_gpu_waits_for_every_slice(hub, ledger, browser):
     for user in STUDENTS[:4]:
         assert hub.spawn(user, {"gpu_share": "1/4"}).status_code in (201, 202)
     for user in STUDENTS[:4]:
@@ -77,6 +120,7 @@ def test_four_students_share_a_gpu_a_fifth_waits_and_a_whole_gpu_waits_for_every
         "10240",
         "0",
     )  # simulated: counted only
+    admins_see_the_slices(hub, held, browser)
 
     # the fifth student waits, with its place; a researcher's whole A100 waits behind it
     line = hub.spawn_waits("s5", {"gpu_share": "25%"}, "waiting for 1/4 GPU")

@@ -334,6 +334,17 @@ def utilization_json(table: list[GpuStatus], util: Utilization, fresh_for: float
                     "gpu_count": h.gpu_count,
                     "preemption": preemption_of(h),
                 },
+                # a GPU held in slices: each slice held and its holder (its readings are the
+                # whole GPU's, shared by the slices)
+                "slices": [
+                    {
+                        "part": g.part,
+                        "parts": g.parts,
+                        "label": g.label,
+                        "holder": {"user": h.user, "allocation_id": h.id, "purpose": h.purpose},
+                    }
+                    for g, h in st.slices
+                ],
                 **reading_json(latest),
                 # the holder's own report, where readings come from gpuhub's sampler instead:
                 # shown, never deciding (c.GpuReclaim.readings)
@@ -343,6 +354,8 @@ def utilization_json(table: list[GpuStatus], util: Utilization, fresh_for: float
         )
         if h is not None:
             allocations.setdefault(h.id, h)
+        for _g, sh in st.slices:
+            allocations.setdefault(sh.id, sh)
     alloc_rows, users = [], {}
     for a in allocations.values():
         since = max(epoch(a.started or a.created), now - util.history_seconds)

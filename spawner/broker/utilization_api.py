@@ -79,7 +79,7 @@ class UtilizationHandler(APIHandler):
         broker = self.broker
         table = await broker.run(broker.ledger.gpu_table)
         if not everyone:
-            table = [st for st in table if st.holder is not None and st.holder.user == caller.name]
+            table = [mine for st in table if (mine := st.mine(caller.name)) is not None]
         self.finish(views.utilization_json(table, broker.utilization, broker.reclaim_rules.stale_after))
 
 

@@ -217,10 +217,21 @@ class GpuRecords:
     def gpu_table(self) -> list[GpuStatus]:
         with self._read() as s:
             holders: dict[tuple[str, int], AllocationInfo] = {}
+            split: dict[tuple[str, int], list[tuple[policy.Gpu, AllocationInfo]]] = {}
             for info in self._live_infos(s):
                 for g in info.gpus:
-                    holders[(g.node, g.index)] = info
-            table = [GpuStatus(g, True, holders.get((g.node, g.index))) for g in self._present(s).gpus]
+                    if g.part:
+                        split.setdefault((g.node, g.index), []).append((g, info))
+                    else:
+                        holders[(g.node, g.index)] = info
+
+            def status(g: policy.Gpu, present: bool) -> GpuStatus:
+                key = (g.node, g.index)
+                return GpuStatus(
+                    g, present, holders.get(key), tuple(sorted(split.get(key, ()), key=lambda x: x[0]))
+                )
+
+            table = [status(g, True) for g in self._present(s).gpus]
             absent = s.execute(
                 select(Node.name, GpuRow.index, GpuRow.model, GpuRow.memory_mib, GpuRow.uuid)
                 .join(Node, Node.id == GpuRow.node_id)
@@ -229,7 +240,7 @@ class GpuRecords:
             if not absent:  # the present GPUs are in order already
                 return table
             table += [
-                GpuStatus(policy.Gpu(node, index, model, mem, uuid), False, holders.get((node, index)))
+                status(policy.Gpu(node, index, model, mem, uuid), False)
                 for node, index, model, mem, uuid in absent
             ]
             return sorted(table, key=lambda st: (st.gpu.node, st.gpu.index))

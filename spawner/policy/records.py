@@ -8,7 +8,7 @@ from its rows; :class:`AllocationRequest` is what its admission passes along.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from fractions import Fraction
 
@@ -126,7 +126,16 @@ class Allowance:
 class GpuStatus:
     gpu: Gpu
     present: bool
-    holder: AllocationInfo | None
+    holder: AllocationInfo | None  # the whole GPU's (None where it is free or held in slices)
+    # a GPU held in slices: each slice held (a Gpu with its part) and its holder, by part
+    slices: tuple[tuple[Gpu, AllocationInfo], ...] = ()
+
+    def mine(self, user: str) -> GpuStatus | None:
+        """What ``user`` may see of it: the GPU with only their own holdings (None: none)."""
+        own = tuple((g, h) for g, h in self.slices if h.user == user)
+        if self.holder is not None and self.holder.user == user:
+            return replace(self, slices=())
+        return replace(self, holder=None, slices=own) if own else None
 
 
 @dataclass(frozen=True)

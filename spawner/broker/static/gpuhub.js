@@ -545,7 +545,8 @@ function memoryText(g) {
 
 function gpuCell(g, idle, seconds) {
   const label = `${g.node}:${g.index}`;
-  const state = !g.present ? "absent" : g.holder ? "held" : "free";
+  const slices = g.slices || [];
+  const state = !g.present ? "absent" : g.holder ? "held" : slices.length ? "sliced" : "free";
   const cell = el("div", { class: "card gpu-cell", "data-gpu": label, "data-state": state });
   const body = el("div", { class: "card-body p-2" });
   const head = el("div", { class: "d-flex justify-content-between align-items-start gap-1" });
@@ -566,6 +567,21 @@ function gpuCell(g, idle, seconds) {
       el("span", { class: "gpu-holder-allocation" }, `#${g.holder.allocation_id}`), " ",
       el("span", { class: "gpu-holder-purpose text-muted" }, g.holder.purpose),
     );
+  } else if (slices.length) {
+    // a GPU held in slices: each slice with its holder (its readings are the whole GPU's)
+    const parts = slices[0].parts;
+    holder.append(el("span", { class: "gpu-slices-held text-muted" }, `${slices.length} of ${parts} slices held`));
+    const list = el("ul", { class: "gpu-slices list-unstyled mb-0" });
+    for (const s of slices) {
+      const item = el("li", { class: "gpu-slice", "data-slice": s.label });
+      item.append(
+        el("span", { class: "gpu-slice-label" }, `1/${s.parts} #${s.part}`), " ",
+        el("span", { class: "gpu-holder-user fw-semibold" }, s.holder.user), " ",
+        el("span", { class: "gpu-holder-allocation" }, `#${s.holder.allocation_id}`),
+      );
+      list.append(item);
+    }
+    holder.append(list);
   } else {
     holder.append(el("span", { class: "gpu-holder-free text-success" }, "free"));
   }
@@ -592,7 +608,7 @@ function drawGrid(container, util) {
   }
   const sections = [...nodes.entries()].map(([node, gpus]) => {
     const section = el("section", { class: "gpu-node mb-3", "data-node": node });
-    const free = gpus.filter((g) => g.present && !g.holder).length;
+    const free = gpus.filter((g) => g.present && !g.holder && !(g.slices || []).length).length;
     const title = el("h3", { class: "h6" }, node);
     title.append(" ", el("small", { class: "text-muted" }, `${free} of ${gpus.length} free`));
     const cells = el("div", { class: "d-flex flex-wrap gap-2" });
@@ -603,7 +619,7 @@ function drawGrid(container, util) {
   if (!sections.length) sections.push(el("p", { class: "text-muted" }, "No GPUs."));
   container.replaceChildren(...sections);
   const free = document.querySelector('[data-gpuhub="free"]');
-  if (free) free.textContent = String(util.gpus.filter((g) => g.present && !g.holder).length);
+  if (free) free.textContent = String(util.gpus.filter((g) => g.present && !g.holder && !(g.slices || []).length).length);
 }
 
 function row(cells, attrs = {}) {
@@ -859,10 +875,14 @@ function fillMyUse(me, util) {
       td.replaceChildren(el("span", { class: "text-muted" }, "ended (reload the page)"));
       continue;
     }
-    const gpus = util.gpus.filter((g) => g.holder && g.holder.allocation_id === id);
+    const held = (g) => (g.holder && g.holder.allocation_id === id)
+      || (g.slices || []).some((s) => s.holder.allocation_id === id);
+    const gpus = util.gpus.filter(held);
     const parts = gpus.map((g) => {
+      const slice = (g.slices || []).find((s) => s.holder.allocation_id === id);
+      const label = slice ? `${slice.label} (1/${slice.parts}; the whole GPU's use)` : `${g.node}:${g.index}`;
       const line = el("div", { class: "gpu-use", "data-gpu": `${g.node}:${g.index}` });
-      line.append(el("span", { class: "gpu-label" }, `${g.node}:${g.index}`), " ");
+      line.append(el("span", { class: "gpu-label" }, label), " ");
       if (g.utilization === null || g.utilization === undefined) {
         line.append(el("span", { class: "gpu-no-samples text-muted" }, "no samples yet"));
         return line;
