@@ -83,6 +83,15 @@ def admins_see_the_slices(hub, held: dict[str, str], browser) -> None:
     assert {s["label"]: s["holder"]["user"] for s in a100["slices"]} == held
     table = gpuhub("--db-url", hub.ledger_url, "gpus")
     assert "4 of 4 slices held" in table and re.search(r"sim +0s3 +1/4 +s\d", table), table
+    metrics = hub.broker("GET", "../../metrics", hub.user_token("admin")).text
+    for line in (
+        'gpuhub_gpus{model="Simulated A100",node="sim",state="sliced"} 1.0',
+        'gpuhub_gpus{model="Simulated T4",node="sim",state="free"} 1.0',
+        'gpuhub_gpu_slices{model="Simulated A100",node="sim",size="1/4",state="held"} 4.0',
+        'gpuhub_gpu_slices{model="Simulated A100",node="sim",size="1/4",state="free"} 0.0',
+        'gpuhub_allocated_gpus{purpose="server"} 1.0',  # four quarters
+    ):
+        assert line in metrics, metrics
     grid = hub.broker("GET", "utilization", hub.user_token("admin")).json()
     [split] = [g for g in grid["gpus"] if g["index"] == 0]
     assert {s["label"]: s["holder"]["user"] for s in split["slices"]} == held

@@ -48,15 +48,28 @@ class LedgerCollector:
             "gpuhub_gpus", "GPUs in the inventory by node, model and state", labels=["node", "model", "state"]
         )
         for node, model in sorted({(node, model) for node, model, _ in counts}):
-            for state in ("allocated", "free", "absent"):
+            for state in ("allocated", "sliced", "free", "absent"):
                 gpus.add_metric([node, model, state], counts.get((node, model, state), 0))
         yield gpus
+        room = self.ledger.slice_room_by_node()
+        if room:
+            slices = GaugeMetricFamily(
+                "gpuhub_gpu_slices",
+                "Slices of GPUs (c.GpuHub.gpu_slices) by node, model, size and state (held, free)",
+                labels=["node", "model", "size", "state"],
+            )
+            for (node, model, size), (held_n, free_n) in sorted(room.items()):
+                slices.add_metric([node, model, size, "held"], held_n)
+                slices.add_metric([node, model, size, "free"], free_n)
+            yield slices
 
         allocations = GaugeMetricFamily(
             "gpuhub_allocations", "Live allocations by purpose", labels=["purpose"]
         )
         held = GaugeMetricFamily(
-            "gpuhub_allocated_gpus", "GPUs held by live allocations by purpose", labels=["purpose"]
+            "gpuhub_allocated_gpus",
+            "GPUs held by live allocations by purpose (a slice counts as its share of a GPU)",
+            labels=["purpose"],
         )
         borrowed = GaugeMetricFamily(
             "gpuhub_borrowed_gpus",

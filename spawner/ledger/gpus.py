@@ -178,16 +178,20 @@ class GpuRecords:
         with self._read() as s:
             return sorted({g.model for g in self._inventory(s)})
 
-    def gpu_census(self) -> tuple[dict[tuple[str, str, str], int], dict[str, tuple[int, int, int]]]:
+    def gpu_census(self) -> tuple[dict[tuple[str, str, str], int], dict[str, tuple[int, float, int]]]:
         """What the metrics scrape reads, from one snapshot and without a record per GPU or per
         allocation (ten thousands on a large cluster): the GPUs counted by (node, model, state:
-        ``allocated``, ``free`` or ``absent``), and per purpose the live allocations, the GPUs
-        they name and how many of those are borrowed."""
+        ``allocated``, ``sliced`` (held in slices), ``free`` or ``absent``), and per purpose the
+        live allocations, the GPUs they hold (a slice: its share) and how many of those are
+        borrowed."""
         with self._read() as s:
-            present, held = self._present(s), self._held_gpu_ids(s)
+            present, rows = self._present(s), self._held_rows(s)
+            held = {gpu_id for gpu_id, part, _ in rows if not part}
+            split = {gpu_id for gpu_id, part, _ in rows if part}
             counts: dict[tuple[str, str, str], int] = {}
             for g, gpu_id in zip(present.gpus, present.ids, strict=True):
-                key = (g.node, g.model, "allocated" if gpu_id in held else "free")
+                state = "allocated" if gpu_id in held else "sliced" if gpu_id in split else "free"
+                key = (g.node, g.model, state)
                 counts[key] = counts.get(key, 0) + 1
             absent = (
                 select(Node.name, GpuRow.model).join(Node, Node.id == GpuRow.node_id).where(~GpuRow.present)
@@ -203,15 +207,15 @@ class GpuRecords:
                 )
             }
             named = (
-                select(Allocation.purpose, func.count())
+                select(Allocation.purpose, AllocationGpu.parts, func.count())
                 .select_from(AllocationGpu)
                 .join(Allocation, Allocation.id == AllocationGpu.allocation_id)
                 .where(is_live())
-                .group_by(Allocation.purpose)
+                .group_by(Allocation.purpose, AllocationGpu.parts)
             )
-            for purpose, gpus in s.execute(named):
-                n, _, borrowed = live[purpose]
-                live[purpose] = (n, gpus, borrowed)
+            for purpose, parts, gpus in s.execute(named):
+                n, before, borrowed = live[purpose]
+                live[purpose] = (n, before + (gpus / parts if parts else gpus), borrowed)
         return counts, live
 
     def gpu_table(self) -> list[GpuStatus]:

@@ -57,6 +57,18 @@ class SliceRecords:
                 out[model] = (offer, slices.free_slices(uses, offer), len(uses) * offer.count)
             return out
 
+    def slice_room_by_node(self) -> dict[tuple[str, str, str], tuple[int, int]]:
+        """The metrics' slices: (node, model, size such as ``1/4``) to (held, could start now)."""
+        out: dict[tuple[str, str, str], tuple[int, int]] = {}
+        with self._read() as s:
+            for model, offer in self.slice_offers.items():
+                for u in self.slice_uses_in(s, offer):
+                    key = (u.gpu.node, model, f"1/{offer.count}")
+                    held, free = out.get(key, (0, 0))
+                    room = 0 if u.whole else offer.count - len(u.slices)
+                    out[key] = (held + len(u.slices), free + room)
+        return out
+
     def check_whole_in(self, req: AllocationRequest) -> None:
         """Refuse whole GPUs to a user whose every group takes slices (``c.GpuHub.slice_groups``)."""
         groups = set(req.groups)
