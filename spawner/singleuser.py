@@ -41,6 +41,11 @@ could have made first.
 ``/proxy/<port>/`` to any loopback port, another account's included, on the hub's origin with
 the user's cookies. The launcher turns that extension off (:data:`SERVER_ARGS`).
 
+**A slice's MPS daemon.** On a slice of a real GPU (``GPUHUB_SLICE_MPS=1``) the launcher
+starts the user's own CUDA MPS control daemon for that GPU before the server, in the private
+temporary directory, and quits it at exit: the server and its kernels run as MPS clients held to
+the slice's memory and compute (``spawner.mps_run``). It never runs a slice without it.
+
 **A quiet log.** JupyterHub's request log writes every successful request at INFO, and an
 open JupyterLab polls the server every few seconds (kernels, sessions, terminals, contents):
 hundreds of lines an hour that say nothing. The launcher moves a successful ``GET``/``HEAD``
@@ -291,8 +296,13 @@ def name_ipyparallel_extension() -> bool:
 
 def main() -> None:
     from gpu_magics.common.scratch import private_tmpdir
+    from spawner import mps_run
 
-    private_tmpdir()
+    private = private_tmpdir()
+    try:  # a slice of a real GPU: its MPS daemon, as this user, before the server (spawner/mps_run.py)
+        mps_run.start(os.environ, str(private))
+    except mps_run.MpsError as e:
+        sys.exit(f"gpuhub-singleuser: this server's GPU slice: {e}")
     defer_import()
     defer_lab_registry()
     command = launched_command(sys.argv)
