@@ -3,6 +3,7 @@ settings, and the ledger's energy rows (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 
 import pytest
@@ -159,6 +160,21 @@ def test_the_meter_shares_a_reading_between_the_holder_that_left_and_the_next():
     assert got[0].idle_joules == 0  # one end busy
     got = meter.observe([s(util=1, watts=60)], {key: b}, {}, 5, 180, now=T0 + 35)
     assert got[0].idle_joules == pytest.approx(600) and meter.watts(key, 60, now=T0 + 40) == 60
+
+
+def test_the_holders_of_a_gpus_slices_each_get_their_share_of_its_energy():
+    meter = EnergyMeter()
+    key = ("n1", 0)
+    a, b = replace(info(1, T0 - 100), slice_parts=4), replace(info(2, T0 - 100), slice_parts=4)
+    meter.observe([s(watts=200)], {key: (a, b)}, {}, 5, 180, now=T0)
+    got = {x.allocation_id: x for x in meter.observe([s(watts=200)], {key: (a, b)}, {}, 5, 180, now=T0 + 10)}
+    # 2000 J in 10 s: a quarter each, the half nobody holds goes to nobody
+    assert {i: round(x.joules) for i, x in got.items()} == {1: 500, 2: 500}
+    assert got[1].measured_seconds == pytest.approx(2.5)  # a quarter GPU for 10 s
+    assert meter.holder_user(key) == "alice"
+    ended = {1: datetime.fromtimestamp(T0 + 15, UTC).replace(tzinfo=None)}
+    got = {x.allocation_id: x for x in meter.observe([s(watts=200)], {key: (b,)}, ended, 5, 180, now=T0 + 20)}
+    assert {i: round(x.joules) for i, x in got.items()} == {1: 250, 2: 500}  # a left at +15
 
 
 @pytest.fixture

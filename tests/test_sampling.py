@@ -40,10 +40,16 @@ def alloc(ident):
 
 def test_readings_go_to_the_allocation_that_holds_each_gpu():
     a, b = alloc(1), alloc(2)
-    holders = {("n", 0): a, ("n", 1): b, ("n", 2): a}
-    samples = [Sample("n", i, 10.0 * i, 0, None) for i in range(4)]
+    c = alloc(3)
+    holders = {("n", 0): (a,), ("n", 1): (b,), ("n", 2): (a,), ("n", 4): (b, c)}  # GPU 4 in slices
+    samples = [Sample("n", i, 10.0 * i, 0, None) for i in range(5)]
     got = by_holder(samples, holders)
-    assert [(x and x.id, [s.index for s in ss]) for x, ss in got] == [(1, [0, 2]), (2, [1]), (None, [3])]
+    assert [(x and x.id, [s.index for s in ss]) for x, ss in got] == [
+        (1, [0, 2]),
+        (2, [1, 4]),
+        (None, [3]),
+        (3, [4]),  # each slice's holder has its GPU's reading on its own idle clock
+    ]
     assert by_holder([], holders) == []
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from tornado import web
 
@@ -42,15 +42,27 @@ def own_nodes(readings: str, inventory: str, local_nodes: Iterable[str]) -> froz
     return frozenset(local_nodes)
 
 
+def holders_in(table) -> dict[tuple[str, int], tuple[AllocationInfo, ...]]:
+    """Who holds each GPU of the ledger's ``gpu_table``: its holder, or its slices' holders."""
+    out = {}
+    for st in table:
+        found = (st.holder,) if st.holder is not None else tuple(h for _g, h in st.slices)
+        if found:
+            out[(st.gpu.node, st.gpu.index)] = found
+    return out
+
+
 def by_holder(
-    samples: Iterable[Sample], holders: Mapping[tuple[str, int], AllocationInfo]
+    samples: Iterable[Sample], holders: Mapping[tuple[str, int], Sequence[AllocationInfo]]
 ) -> list[tuple[AllocationInfo | None, list[Sample]]]:
-    """``samples`` grouped by the live allocation that holds each GPU (None: held by nobody),
-    in the order first seen (pure)."""
+    """``samples`` grouped by the live allocations that hold each GPU (None: held by nobody;
+    a GPU held in slices: its reading on each slice holder's clock), in the order first seen
+    (pure)."""
     groups: dict[int | None, tuple[AllocationInfo | None, list[Sample]]] = {}
     for s in samples:
-        a = holders.get((s.node, s.index))
-        groups.setdefault(None if a is None else a.id, (a, []))[1].append(s)
+        found = holders.get((s.node, s.index)) or (None,)
+        for a in found:
+            groups.setdefault(None if a is None else a.id, (a, []))[1].append(s)
     return list(groups.values())
 
 
@@ -58,7 +70,7 @@ def ingest(broker, samples: list[Sample], table) -> int:
     """Store gpuhub's own readings as decisive; the allocations that hold those GPUs (in
     ``table``, the ledger's ``gpu_table`` read for this report) get them on their idle clocks.
     Returns how many allocations were updated."""
-    holders = {(st.gpu.node, st.gpu.index): st.holder for st in table if st.holder is not None}
+    holders = holders_in(table)
     rules = broker.reclaim_rules
     updated = 0
     for a, group in by_holder(samples, holders):
@@ -73,7 +85,7 @@ def ingest(broker, samples: list[Sample], table) -> int:
 async def meter(broker, samples: list[Sample], table) -> int:
     """The energy since each sampled GPU's last reading, written to the ledger for the
     allocations that held it (:mod:`.energy_meter`); returns how many rows changed."""
-    holders = {(st.gpu.node, st.gpu.index): st.holder for st in table if st.holder is not None}
+    holders = holders_in(table)
     broker.energy.note_models(table)
     left = broker.energy.left_holders(samples, holders)
     ended = await broker.run(broker.ledger.ended_times, left) if left else {}
