@@ -1,7 +1,7 @@
 """CUDA MPS for slices on the local backend (pure): the command lines and environments that
-give each slice of a GPU its memory limit and its part of the compute, where the GPU is not in
-MIG mode. No spawner runs them yet (issue 34 is under way); here they are built, so that what a
-slice gets is table-tested without a GPU.
+give each slice of a GPU its memory limit and its part of the compute. The server's launcher
+runs them (``spawner.mps_run``); here they are built, so that what a slice gets is table-tested
+without a GPU.
 
 How MPS is shared, and why one control daemon per user and GPU: an MPS control daemon serves
 one Unix user at a time. A client of another user waits until the running MPS server's clients
