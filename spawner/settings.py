@@ -606,7 +606,7 @@ class GpuHub(SliceSettings):
         if sync and self.db_url not in _SYNCED:  # opened unsynced first (a page): sync now
             inventory.sync(ledger, self)
             _SYNCED.add(self.db_url)
-            ledger.slice_offers = self.slice_offers(ledger.present_gpus())
-        elif not sync and self.gpu_slices and not ledger.slice_offers:
+            # checked against the GPUs just synced: a bad setting stops the hub's spawner and
+            # the broker with the setting named (read-only users, the CLI, need no offers)
             ledger.slice_offers = self.slice_offers(ledger.present_gpus())
         return ledger

@@ -45,6 +45,12 @@ class SliceSettings(Configurable):
     def slice_offers(self, inventory: Iterable[Gpu]) -> dict[str, slices.Offer]:
         """``gpu_slices`` checked against the GPUs the ledger has (a bad value raises
         ``ValueError`` naming the setting)."""
+        if self.gpu_slices and getattr(self, "inventory", "") == "slurm":
+            raise ValueError(
+                f"{slices.SETTING}: slices are offered on the local backend only for now; gpuhub's "
+                "Slurm spawner does not ask for Slurm's gres/shard yet. Leave the setting out on a "
+                "Slurm cluster (docs/slices.md)."
+            )
         return slices.check_gpu_slices(self.gpu_slices, inventory)
 
     def slices_only(self, groups: Iterable[str]) -> bool:

@@ -292,3 +292,35 @@ def test_a_share_without_a_model_names_the_one_split_model_it_fits(text, model, 
     with pytest.raises(ValueError) as e:
         resolve_share(text, model, offers)
     assert want in str(e.value)
+
+
+def test_slices_on_a_slurm_inventory_are_refused_at_start_with_the_setting_named():
+    from spawner.settings import GpuHub
+
+    hub = GpuHub(inventory="slurm", gpu_slices={"A100": 4})
+    with pytest.raises(ValueError) as e:
+        hub.slice_offers(INVENTORY)
+    assert "c.GpuHub.gpu_slices: slices are offered on the local backend only for now" in str(e.value)
+    assert GpuHub(inventory="simulated", gpu_slices={"A100": 4}).slice_offers(INVENTORY) == QUARTERS
+    assert GpuHub(inventory="slurm").slice_offers(INVENTORY) == {}
+
+
+@pytest.mark.parametrize(
+    "setting, why",
+    [
+        ({"Nope": 4}, "c.GpuHub.gpu_slices: no GPU here is of model 'Nope' (the models here: A100)"),
+        ({"A100": 3}, "c.GpuHub.gpu_slices['A100'] = 3: 40960 MiB does not divide into 3 equal slices"),
+    ],
+)
+def test_the_hub_and_broker_refuse_a_bad_slice_setting_when_they_open_the_ledger(tmp_path, setting, why):
+    from spawner.settings import GpuHub
+
+    hub = GpuHub(
+        db_url=f"sqlite:///{tmp_path / 'gpuhub.sqlite'}",
+        inventory="simulated",
+        simulated_gpus=[{"node": "n1", "count": 2, "model": "A100", "memory_mib": 40960}],
+        gpu_slices=setting,
+    )
+    with pytest.raises(ValueError) as e:
+        hub.open_ledger()  # what the hub's spawner and the broker call at start
+    assert why in str(e.value)
