@@ -41,7 +41,10 @@ The showcase: 4 GPUs for users with limits of 3 (alice), 2 (bob and carol, group
   5 minutes before; "Extend by hours" on My GPUs or ``%gpus --extend 1h`` adds up to 2 h in all
   (``extension_max_hours``) when nobody waiting would start later (docs/time-limits.md);
 - energy and cost: a simulated GPU draws 60 W idle and up to 300 W busy; kWh, EUR and CO2e
-  per session on My GPUs, GPU admin, the JupyterLab panel and ``%gpus`` (docs/energy.md).
+  per session on My GPUs, GPU admin, the JupyterLab panel and ``%gpus`` (docs/energy.md);
+- slices: the spawn form also offers a quarter of a GPU (``gpu_slices``); a quarter counts as
+  1/4 GPU against the limit, and four users can share one GPU (docs/slices.md). The GPUs are
+  simulated, so a slice is counted and not held to its share.
 """
 
 import sys
@@ -72,6 +75,7 @@ c.GpuHub.db_url = "sqlite:///gpuhub.sqlite"
 c.GpuHub.default_limit = 1
 c.GpuHub.group_limits = {"students": 2}
 c.GpuHub.user_limits = {"alice": 3}
+c.GpuHub.gpu_slices = {"Simulated A100": 4}  # a quarter of a GPU on the spawn form (docs/slices.md)
 c.GpuHub.group_max_hours = {"students": 8}  # a student's session ends after 8 h (docs/time-limits.md)
 c.GpuHub.extension_max_hours = 2  # ... and may be extended by 2 h in all when nobody waits for it
 # what the GPUs cost (docs/energy.md): a simulated GPU draws 60 W idle, 300 W busy

@@ -152,7 +152,7 @@ load_subconfig({str(self.base_config)!r})
 # sets what it tests, over the defaults
 for section, key in [("GpuHub", "default_borrow"), ("GpuHub", "preempt_grace_seconds"),
                      ("GpuHub", "group_max_hours"), ("GpuHub", "extension_max_hours"),
-                     ("GpuHub", "simulated_load"),
+                     ("GpuHub", "simulated_load"), ("GpuHub", "gpu_slices"),
                      ("GpuReclaim", "warn_after_seconds"), ("GpuReclaim", "reclaim_after_seconds")]:
     c[section].pop(key, None)
 # a test hub: the tests' passwords, and servers as the tests' own user (root in CI), wherever

@@ -62,7 +62,7 @@ def allocation_json(
         "gpu_count": a.gpu_count,
         # one slice of a GPU split in this many parts (null: whole GPUs), and what it counts as
         "slice_parts": a.slice_parts,
-        "units": float(a.units),
+        "units": amount(a.units),
         "borrowed": a.borrowed,
         "backfill": a.backfill,
         "notice_seconds": notice_seconds if (a.borrowed or a.backfill) else None,
@@ -89,6 +89,11 @@ def time_limit_of(a: AllocationInfo, warnings: tuple[float, ...] = ()) -> dict[s
     if a.time_limit_seconds is None:
         return None
     return {"seconds": a.time_limit_seconds, "ends": iso(a.time_ends), "warnings": list(warnings)}
+
+
+def amount(x) -> int | float:
+    """A number of GPUs for JSON: whole ones as an integer, a part of one (slices) as a float."""
+    return int(x) if x == int(x) else float(x)
 
 
 def gpu_json(g) -> dict[str, Any]:
@@ -157,8 +162,8 @@ def me_json(
         "user": user,
         "groups": sorted(groups),
         "limit": {**limit_json(allowance.effective.limit), "source": allowance.effective.source},
-        "held": float(allowance.held),  # in GPUs: a slice is its share
-        "may_take": None if allowance.may_take is None else float(allowance.may_take),
+        "held": amount(allowance.held),  # in GPUs: a slice is its share
+        "may_take": allowance.may_take,
         "fits": allowance.fits,
         "gpu_hours_used": round(allowance.gpu_hours, 4),
         "free": allowance.free,
