@@ -122,7 +122,7 @@ def test_what_is_not_offered_is_refused_with_what_is(open_ledger):
     led = open_ledger(LimitRules(default=Limit(max_gpus=0)))
     cases = [
         (dict(model="T4", slice_parts=4), "bad_request", "slices offered: A100 (1/4 GPU)"),
-        (dict(model="A100", slice_parts=2), "bad_request", "1/2 of a A100 is not offered"),
+        (dict(model="A100", slice_parts=2), "bad_request", "A100 GPUs are not split in 2 here"),
         (dict(model="A100", slice_parts=4, on_nodes=["n9"]), "too_large", "No A100 GPU is on this server"),
         (QUARTER, "over_limit", "your limit is 0 GPUs"),
     ]
@@ -178,3 +178,19 @@ def test_a_slice_group_takes_slices_only_and_never_a_pool(open_ledger):
     assert led.allocate("ann", ["students"], 1, **QUARTER).slice_parts == 4
     # also in a group not listed (a teaching assistant): whole GPUs too
     assert [g.label for g in led.allocate("tom", ["students", "staff"], 1, model="T4").gpus] == ["n1:1"]
+
+
+def test_a_slices_idle_gpu_hours_are_its_share(led):
+    a = led.allocate("s0", [], 1, **QUARTER)
+    r = led.record_reclaim(a.id, 3600.0, "idle for an hour")
+    assert (r.gpus, r.gpu_hours) == (1, pytest.approx(0.25))
+
+
+def test_a_wait_for_a_slice_no_longer_offered_ends_with_the_reason(led):
+    held = [led.allocate(f"s{i}", [], 1, **QUARTER) for i in range(4)]
+    waits = led.request("s4", [], 1, **QUARTER)
+    assert waits.entry is not None and held
+    led.slice_offers = {}  # the hub restarted without c.GpuHub.gpu_slices
+    got = led.wait_turn(waits.entry.id)
+    assert got.entry.state == "left" and got.allocation is None
+    assert "A100 GPUs are no longer split in 4 here (c.GpuHub.gpu_slices)" in got.entry.end_reason

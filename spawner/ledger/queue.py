@@ -148,6 +148,13 @@ class QueueRecords:
         """Why ``e`` can never start under its user's limit as it is now (a limit lowered
         while it waited, by the CLI, the API or the config), or None
         (:func:`spawner.policy.schedule.limit_ends_wait`)."""
+        if e.slice_parts:  # the slice it waits for is no longer offered (the setting changed)
+            offer = self.slice_offers.get(e.model or "")
+            if offer is None or offer.count != e.slice_parts:
+                return (
+                    f"{e.model} GPUs are no longer split in {e.slice_parts} here (c.GpuHub.gpu_slices); "
+                    "start again with what the form offers now"
+                )
         eff = policy.effective_limit(e.user, _groups(e.groups), self._rules(s))
         return queueplan.limit_ends_wait(e.gpu_count, eff)
 

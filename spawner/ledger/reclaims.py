@@ -60,7 +60,8 @@ class ReclaimRecords:
                 server_name=a.server_name,
                 gpus=gpus,
                 idle_seconds=float(idle_seconds),
-                gpu_hours=gpu_hours(gpus, idle_seconds),
+                # a slice's idle GPU-hours are its share of its GPU's
+                gpu_hours=gpu_hours(gpus / a.slice_parts if a.slice_parts else gpus, idle_seconds),
                 reason=reason[:500],
                 created=self.clock(),
             )

@@ -92,7 +92,7 @@ class SliceRecords:
         if offer is None or offer.count != req.slice_parts:
             split = ", ".join(f"{o.model} ({o.label})" for o in self.slice_offers.values()) or "none"
             raise policy.Refusal(
-                f"1/{req.slice_parts} of a {req.model or 'GPU'} is not offered here (slices offered: "
+                f"{req.model or 'GPUs'} GPUs are not split in {req.slice_parts} here (slices offered: "
                 f"{split}). Ask for one of those, or for whole GPUs.",
                 reason="bad_request",
             )
