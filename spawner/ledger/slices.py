@@ -91,9 +91,10 @@ class SliceRecords:
         offer = self.slice_offers.get(req.model or "")
         if offer is None or offer.count != req.slice_parts:
             split = ", ".join(f"{o.model} ({o.label})" for o in self.slice_offers.values()) or "none"
+            what = f"{req.model} GPUs are" if req.model else "A slice names its GPU model: no GPUs are"
             raise policy.Refusal(
-                f"{req.model or 'GPUs'} GPUs are not split in {req.slice_parts} here (slices offered: "
-                f"{split}). Ask for one of those, or for whole GPUs.",
+                f"{what} not split in {req.slice_parts} here (slices offered: {split}). Ask for one of "
+                "those, or for whole GPUs.",
                 reason="bad_request",
             )
         if req.count != 1:
