@@ -72,6 +72,9 @@ def test_four_users_share_a_gpu_in_quarters_a_fifth_waits_and_starts_when_one_st
     assert [(r.part, r.parts) for r in held_rows(db_url)] == [(1, 4), (2, 4), (3, 4), (4, 4)]
     fifth = led.request("s4", ["students"], 1, **QUARTER)
     assert fifth.allocation is None and (fifth.entry.position, fifth.entry.waiting) == (1, 1)
+    # it expects the first quarter held to end (nobody here has a finished run: the default)
+    default_end = START + timedelta(hours=QueueSettings().default_run_hours)
+    assert (fifth.entry.expected, fifth.entry.sure) == (default_end, "default")
     # the other model's GPU is whole and free: it was never split
     assert [g.label for g in led.allocate("t", [], 1).gpus] == ["n1:1"]
     assert led.wait_turn(fifth.entry.id).allocation is None  # nothing ended yet

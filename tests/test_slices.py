@@ -17,6 +17,7 @@ from spawner.policy.slices import (
     Offer,
     SliceWait,
     check_gpu_slices,
+    expected_starts,
     free_slices,
     free_whole,
     grant_slices,
@@ -324,3 +325,19 @@ def test_the_hub_and_broker_refuse_a_bad_slice_setting_when_they_open_the_ledger
     with pytest.raises(ValueError) as e:
         hub.open_ledger()  # what the hub's spawner and the broker call at start
     assert why in str(e.value)
+
+
+T = [f"t{i}" for i in range(5)]  # times, in order
+
+
+@pytest.mark.parametrize(
+    "frees, waiting, want",
+    [
+        ([], 2, [None, None]),  # nothing held ends: no estimate
+        ([(T[2], "guess", 1), (T[1], "limit", 1)], 3, [(T[1], "guess"), (T[2], "guess"), None]),
+        ([(T[3], "default", 4)], 2, [(T[3], "default")] * 2),  # a whole GPU frees four quarters
+        ([(T[0], "firm", 1)], 0, []),
+    ],
+)
+def test_waiting_slices_expect_the_slices_held_to_end_one_each_in_order(frees, waiting, want):
+    assert expected_starts(frees, waiting) == want

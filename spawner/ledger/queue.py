@@ -292,6 +292,9 @@ class QueueRecords:
                 )
             ).all()
         )
+        # when slices free up: each slice held, and each GPU of a split model held whole (all
+        # its slices), by its expected end (the waiting slices' expected starts)
+        frees: dict[str, list[tuple[datetime, str, int]]] = {}
         for a in live:
             gpus = tuple(sorted(_gpu(ag.gpu) for ag in a.gpus if ag.held))
             if not gpus:
@@ -300,13 +303,17 @@ class QueueRecords:
             if ends is None:  # nothing known: its user's run lengths, a guess
                 ends, sure = guessed_end(a, now, runs.get(a.user), default_run)
             held.append(queueplan.Held(gpus, ends, sure))
+            for g in gpus:
+                offer = self.slice_offers.get(g.model)
+                if offer is not None:
+                    frees.setdefault(g.model, []).append((ends, sure, 1 if a.slice_parts else offer.count))
         in_order = [waiting[c.id] for c in ordered]
         plan = queueplan.plan(
             [w for w in in_order if not w.slice_parts], self._inventory(s), held, now, qs.reservations
         )
         order = [c.id for c in ordered]
         if any(w.slice_parts for w in in_order):  # the slices' part of the plan (ledger/slices.py)
-            self.plan_slices_in(s, plan, order, in_order, now)
+            self.plan_slices_in(s, plan, order, in_order, now, frees)
         return _Scene(order, plan, found, self._free(s))
 
     def _cached_scene(self, s: Session, now: datetime) -> _Scene:

@@ -14,7 +14,7 @@ places whole requests, then the waiting slices in the queue's order
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from fractions import Fraction
 
@@ -167,9 +167,12 @@ class SliceRecords:
         order: Sequence[int],
         waiting: Sequence[queueplan.Waiting],
         now: datetime,
+        frees: Mapping[str, Sequence[tuple[datetime, str, int]]] = {},
     ) -> None:
         """Add the waiting slices to ``plan`` (made for the whole requests): those that start
-        now, on the GPUs its grants leave; the others wait with no expected start yet."""
+        now, on the GPUs its grants leave; the others expect to start as slices of their model
+        free up (``frees``: when, how sure, how many), in the queue's order
+        (:func:`spawner.policy.slices.expected_starts`)."""
         waits, uses = {}, {}
         for w in waiting:
             if not w.slice_parts:
@@ -190,5 +193,15 @@ class SliceRecords:
         for entry, g in slices.grant_slices(order, waits, whole_waits, all_uses).items():
             plan.grants[entry] = (g,)
             plan.expected[entry] = queueplan.Expected(now, "now")
+        left = {
+            m: [e for e in order if e in waits and e not in plan.grants and waits[e].offer.model == m]
+            for m in uses
+        }
+        for model, entries in left.items():
+            for entry, when in zip(
+                entries, slices.expected_starts(frees.get(model, ()), len(entries)), strict=True
+            ):
+                if when is not None:
+                    plan.expected[entry] = queueplan.Expected(*when)
         for entry in waits:
             plan.expected.setdefault(entry, queueplan.Expected(None, "slice"))

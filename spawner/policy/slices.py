@@ -277,6 +277,17 @@ def grant_slices(
     return grants
 
 
+def expected_starts(frees, waiting: int) -> list[tuple[object, str] | None]:
+    """When each of ``waiting`` slices (in the queue's order) may start: the slices held that
+    end, earliest first (``frees``: (when, how sure, how many slices it frees)), one each; None
+    for those beyond what anything now held frees. A guess at best: a whole-GPU request may take
+    a GPU that frees, and a slice is not reserved."""
+    out: list[tuple[object, str] | None] = []
+    for when, sure, n in sorted(frees, key=lambda f: f[0]):
+        out += [(when, "guess" if sure in ("firm", "limit") else sure)] * n
+    return (out + [None] * waiting)[:waiting]
+
+
 def slice_gpu(g: Gpu, part: int, count: int) -> Gpu:
     """Slice ``part`` (1 to ``count``) of the GPU ``g``, with its share of the memory."""
     memory = None if g.memory_mib is None else g.memory_mib // count
