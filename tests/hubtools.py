@@ -422,3 +422,14 @@ def tidy(
             r = hub.api("GET", f"/users/{user}")
             if r.status_code == 200 and "" in r.json()["servers"]:
                 hub.stop_server(user)
+
+
+def browser_login(browser, hub: Hub, user: str, password: str = DEMO_PASSWORD):
+    """A new Chromium page logged in to ``hub`` as ``user`` through the login form."""
+    page = browser.new_page()
+    page.goto(f"{hub.url}/hub/login")
+    page.fill("#username_input", user)
+    page.fill("#password_input", password)
+    page.click("#login_submit")
+    page.wait_for_url(lambda url: "/hub/login" not in url)
+    return page

@@ -20,7 +20,7 @@ from playwright.sync_api import expect
 
 from spawner.ledger import Ledger
 
-from .hubtools import ADMIN_PASSWORD, DEMO_PASSWORD, Hub, tidy
+from .hubtools import ADMIN_PASSWORD, Hub, browser_login, tidy
 from .kerneltools import run_cell
 
 pytestmark = pytest.mark.hub
@@ -97,12 +97,7 @@ def admins_see_the_slices(hub, held: dict[str, str], browser) -> None:
     assert {s["label"]: s["holder"]["user"] for s in split["slices"]} == held
     mine = hub.broker("GET", "utilization", hub.user_token("s1")).json()
     assert [[s["holder"]["user"] for s in g["slices"]] for g in mine["gpus"]] == [["s1"]]
-    page = browser.new_page()
-    page.goto(f"{hub.url}/hub/login")
-    page.fill("#username_input", "admin")
-    page.fill("#password_input", ADMIN_PASSWORD)
-    page.click("#login_submit")
-    page.wait_for_url(lambda url: "/hub/login" not in url)
+    page = browser_login(browser, hub, "admin", ADMIN_PASSWORD)
     page.goto(f"{hub.broker_url}/admin")
     cell = page.locator('.gpu-cell[data-gpu="sim:0"]')
     expect(cell).to_have_attribute("data-state", "sliced")
@@ -164,12 +159,7 @@ def test_four_students_share_a_gpu_a_fifth_waits_and_a_whole_gpu_waits_for_every
 
 
 def test_a_student_chooses_a_slice_on_the_spawn_form(hub, ledger, browser):
-    page = browser.new_page()
-    page.goto(f"{hub.url}/hub/login")
-    page.fill("#username_input", "s6")
-    page.fill("#password_input", DEMO_PASSWORD)
-    page.click("#login_submit")
-    page.wait_for_url(lambda url: "/hub/login" not in url)
+    page = browser_login(browser, hub, "s6")
     page.goto(f"{hub.url}/hub/spawn")
     expect(page.locator("[data-gpuhub=slices-only]")).to_contain_text(
         "You take slices of GPUs here, not whole GPUs. You hold 0 GPUs of a limit of 1 (default)."
