@@ -197,3 +197,17 @@ def test_a_wait_for_a_slice_no_longer_offered_ends_with_the_reason(led):
     got = led.wait_turn(waits.entry.id)
     assert got.entry.state == "left" and got.allocation is None
     assert "A100 GPUs are no longer split in 4 here (c.GpuHub.gpu_slices)" in got.entry.end_reason
+
+
+def test_fair_share_counts_a_slice_as_its_share_of_a_gpus_use(led, clock):
+    quarter = led.allocate("ann", [], 1, **QUARTER)
+    whole = led.allocate("bob", [], 1, model="T4")
+    clock.advance(hours=2)
+    led.release(quarter.id)
+    led.release(whole.id)
+    # both wait for the T4 (carol holds it): ann used a quarter for 2 h, bob a whole GPU
+    led.allocate("carol", [], 1, model="T4")
+    waits = {u: led.request(u, [], 1, model="T4").entry for u in ("ann", "bob")}
+    usage = {u: e.factors.usage for u, e in waits.items()}
+    assert usage["ann"] == pytest.approx(usage["bob"] / 4, rel=1e-6) and usage["bob"] > 1.9
+    assert [q.user for q in led.queue()] == ["ann", "bob"]  # the lighter use goes first

@@ -216,6 +216,7 @@ class QueueRecords:
                 Allocation.ended,
                 Allocation.gpu_count,
                 Allocation.id,
+                Allocation.slice_parts,
             )
             .where(or_(Allocation.ended.is_(None), Allocation.ended >= min(cutoff, history)))
             .order_by(Allocation.id.desc())
@@ -223,10 +224,11 @@ class QueueRecords:
         intervals: dict[str, list] = {}
         runs: dict[str, list[queueplan.Run]] = {}
         least = self.queue_settings.min_run_seconds
-        for user, created, started, ended, count, aid in rows:
+        for user, created, started, ended, count, aid, parts in rows:
             start = started or created
             if ended is None or ended >= cutoff:
-                intervals.setdefault(user, []).append((start, ended, count or 0))
+                # a slice's use is its share of a GPU's
+                intervals.setdefault(user, []).append((start, ended, (count or 0) / (parts or 1)))
             if ended is not None and ended >= history:
                 run = queueplan.Run(started, ended, aid in taken)
                 got = runs.setdefault(user, [])
