@@ -4,6 +4,7 @@ stops, a whole-GPU request waits while any slice is held (and a slice while the 
 whole), a slice counts as its share against limits and in GPU-hours, another process's kept
 free GPUs learn of slices, and the database refuses a second holder of one slice."""
 
+import json
 from datetime import datetime, timedelta
 from fractions import Fraction
 
@@ -11,7 +12,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import IntegrityError
 
-from spawner.ledger import Ledger, QueueSettings
+from spawner.ledger import BorrowSettings, Ledger, QueueSettings
+from spawner.policy.borrowing import BorrowRules
 from spawner.policy.limits import Limit, LimitRules, Refusal
 from spawner.policy.placement import Gpu
 from spawner.policy.slices import check_gpu_slices
@@ -84,25 +86,24 @@ def test_four_users_share_a_gpu_in_quarters_a_fifth_waits_and_starts_when_one_st
     assert turn.allocation.slice_parts == 4 and turn.entry.state == "granted"
 
 
-def test_a_whole_gpu_waits_while_any_slice_is_held_and_a_slice_while_it_is_held_whole(led):
+def test_a_whole_gpu_waits_while_any_slice_is_held_drains_it_and_a_slice_waits_while_it_is_held_whole(led):
     one = led.allocate("s0", [], 1, **QUARTER)
     whole = led.request("w", [], 1, model="A100")
     assert whole.allocation is None and whole.entry.position == 1
     with pytest.raises(Refusal) as e:  # not waiting: refused, never placed on the split GPU
         led.allocate("w2", [], 1, model="A100")
     assert e.value.reason == "no_capacity"
-    # a whole request waits ahead: a new slice fills only a GPU already split, so it still starts
-    assert led.allocate("s1", [], 1, **QUARTER).gpus[0].label == "n1:0s2"
+    # the split GPU is reserved for the whole request that waits: a new slice does not refill
+    # it (the GPU drains), even with three of its quarters free
+    later = led.request("s1", [], 1, **QUARTER)
+    assert later.allocation is None and (later.entry.position, later.entry.waiting) == (2, 2)
+    assert led.wait_turn(later.entry.id).allocation is None
     led.release(one.id)
-    assert led.wait_turn(whole.entry.id).allocation is None  # one slice is still held
-    for a in led.active(user="s1"):
-        led.release(a.id)
     granted = led.wait_turn(whole.entry.id).allocation
     assert granted is not None and [g.label for g in granted.gpus] == ["n1:0"] and granted.slice_parts is None
-    waits = led.request("s2", [], 1, **QUARTER)
-    assert waits.allocation is None and waits.entry.position == 1
+    assert led.wait_turn(later.entry.id).allocation is None  # held whole now: no slice of it
     led.release(granted.id)
-    assert led.wait_turn(waits.entry.id).allocation.gpus[0].label == "n1:0s1"
+    assert led.wait_turn(later.entry.id).allocation.gpus[0].label == "n1:0s1"
 
 
 def test_a_slice_counts_as_its_share_against_the_limit_and_in_gpu_hours(led, clock):
@@ -211,3 +212,18 @@ def test_fair_share_counts_a_slice_as_its_share_of_a_gpus_use(led, clock):
     usage = {u: e.factors.usage for u, e in waits.items()}
     assert usage["ann"] == pytest.approx(usage["bob"] / 4, rel=1e-6) and usage["bob"] > 1.9
     assert [q.user for q in led.queue()] == ["ann", "bob"]  # the lighter use goes first
+
+
+def test_a_slice_holder_borrows_whole_gpus_beyond_the_limit_in_whole_numbers(open_ledger):
+    led = open_ledger(LimitRules(default=Limit(max_gpus=2)))
+    led.borrow_settings = BorrowSettings(rules=BorrowRules(default=1))
+    led.sync_inventory([*INV, Gpu("n1", 2, "T4", 16384)])
+    led.allocate("ann", [], 1, **QUARTER)
+    # 2 T4s beside 1/4 of the A100, with a limit of 2: the quarter takes a whole GPU's room
+    # from whole GPUs, so 1 is within the limit and 1 borrowed (never a part of one)
+    both = led.allocate("ann", [], 2, model="T4")
+    assert both.borrowed == 1 and led.allowance("ann", []).held == Fraction(5, 4)
+    assert led.allocate("ann", [], 1, **QUARTER).slice_parts == 4  # 3/2 within the limit now
+    with pytest.raises(Refusal) as e:  # a whole GPU more: beyond the allowance, a refusal JSON can carry
+        led.allocate("ann", [], 1, model="A100")
+    assert json.dumps({"fits": e.value.fits}) and "may borrow at most 1" in e.value.message

@@ -71,6 +71,7 @@ def allocation_view(
         "purpose": a["purpose"],
         "state": a["state"],
         "gpu_count": a.get("gpu_count") or len(a.get("gpus", ())),
+        "slice_parts": a.get("slice_parts"),  # a slice of a GPU split in this many parts
         "nodes": a.get("nodes", []),
         "borrowed": a.get("borrowed", 0),
         "started": a.get("started"),
@@ -95,7 +96,9 @@ def summary(
     read = [g for g in gpus if g["utilization"] is not None]
     mean = round(sum(g["utilization"] for g in read) / len(read)) if read else None
     memory = sum(g["memory_used_mib"] or 0 for g in read) if read else None
-    words = [f"{_gpu_count(len(gpus))}" + (f" {' + '.join(models)}" if models else "")]
+    parts = (server or {}).get("slice_parts")
+    amount = f"1/{parts} GPU" if parts else _gpu_count(len(gpus))  # a slice: its share of the GPU
+    words = [amount + (f" {' + '.join(models)}" if models else "")]
     if gpus:
         words.append("no reading yet" if mean is None else f"{mean} %")
         if memory is not None:

@@ -379,14 +379,15 @@ def utilization_json(table: list[GpuStatus], util: Utilization, fresh_for: float
             }
         )
         u = users.setdefault(a.user, {"user": a.user, "gpus": 0, "_sum": 0.0, "_n": 0})
-        u["gpus"] += len(a.gpus)
+        held = a.units if a.slice_parts else len(a.gpus)  # a slice: its share of a GPU
+        u["gpus"] += held
         if mean is not None:
-            u["_sum"] += mean * len(a.gpus)
-            u["_n"] += len(a.gpus)
+            u["_sum"] += mean * held
+            u["_n"] += held
     user_rows = [
         {
             "user": u["user"],
-            "gpus": u["gpus"],
+            "gpus": amount(u["gpus"]),
             "mean_utilization": round(u["_sum"] / u["_n"], 1) if u["_n"] else None,
         }
         for u in sorted(users.values(), key=lambda u: u["user"])

@@ -50,7 +50,8 @@ def run(args, out) -> int:
                     q.position,
                     q.id,
                     q.user + (" *front" if q.front else ""),
-                    f"{q.gpu_count}" + (f" {q.model}" if q.model else ""),
+                    (f"1/{q.slice_parts}" if q.slice_parts else f"{q.gpu_count}")
+                    + (f" {q.model}" if q.model else ""),
                     q.purpose + (f" {q.server_name}" if q.server_name else ""),
                     minutes_in_words((now - q.created).total_seconds()),
                     expected,
@@ -72,7 +73,9 @@ def run(args, out) -> int:
     if args.action == "cancel":
         ledger.leave_queue(args.entry, "cancelled by an admin (gpuhub queue cancel)")
         print(
-            f"cancelled queue entry {args.entry} ({entry.user}, {words.count(entry.gpu_count, 'GPU')})",
+            f"cancelled queue entry {args.entry} ({entry.user}, "
+            + (entry.amount if entry.slice_parts else words.count(entry.gpu_count, "GPU"))
+            + ")",
             file=out,
         )
         return 0

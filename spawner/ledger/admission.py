@@ -256,12 +256,17 @@ class AdmissionRecords:
                     "(NCCL needs them).",
                     reason="bad_request",
                 )
+            if req.deferred:  # record_gpus would write whole GPUs for it (docs/slices.md)
+                raise policy.Refusal(
+                    "Slices are offered on the local backend only: a backend's scheduler that picks the "
+                    "GPUs (Slurm) is not asked for slices yet. Ask for whole GPUs.",
+                    reason="bad_request",
+                )
             self.check_slice_in(s, req, eff, holdings)
-            if req.deferred:
-                return Admission(allocation=self.book_in(s, req, ()))
             return self._admit_or_queue(s, req, asked, eff, holdings.held, inventory, free)
         borrowed = self.borrowed_part_in(s, req.user, req.groups, eff, holdings, req.count)
-        within = max(0, (eff.limit.max_gpus or 0) - holdings.held)  # what the limit leaves
+        # what the limit leaves of whole GPUs (a part of one held in slices is no room for one)
+        within = int(max(0, (eff.limit.max_gpus or 0) - holdings.held))
         if borrowed:  # beyond the limit, within the allowance: the limit check counts it
             limit = replace(eff.limit, max_gpus=eff.limit.max_gpus + borrowed)
             eff = policy.EffectiveLimit(limit, eff.source)

@@ -12,6 +12,7 @@ preemption's reason. A notice whose request no longer waits is withdrawn instead
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 
@@ -82,15 +83,17 @@ class BorrowingRecords:
 
     def borrowed_part_in(self, s: Session, user, groups, eff, holdings, count: int) -> int:
         """GPUs of a request beyond the limit (0: within it), or a refusal beyond the allowance."""
-        # ``holdings.held`` is what counts against the limit (borrowed GPUs left out)
+        # ``holdings.held`` is what counts against the limit (borrowed GPUs left out); a part of a
+        # GPU held in slices takes a whole GPU's room from whole GPUs (borrowing lends whole ones)
         allowance, source = self.borrow_allowance(user, groups)
         max_gpus = eff.limit.max_gpus
         if not allowance or max_gpus is None or holdings.held + count <= max_gpus:
             return 0
+        held = math.ceil(holdings.held)
         held_borrowed = sum(a.borrowed or 0 for a in self._active(s, user=user))
-        got = borrowing.split(count, holdings.held, 0, max_gpus, allowance - held_borrowed)
+        got = borrowing.split(count, held, 0, max_gpus, allowance - held_borrowed)
         if got is None:
-            most = max(0, max_gpus - holdings.held) + max(0, allowance - held_borrowed)
+            most = max(0, max_gpus - held) + max(0, allowance - held_borrowed)
             also = f" and {held_borrowed} borrowed" if held_borrowed else ""
             raise policy.Refusal(
                 f"You asked for {words.count(count, 'GPU')}, but you hold {holdings.held}{also} of "

@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 from spawner import policy
 from spawner.ledger.models import Allocation, KnownUser, Preemption, QueueEntry, Reclaim
 from spawner.ledger.transactions import _gpu, _info
-from spawner.policy import fairshare, timelimits
+from spawner.policy import fairshare, slices, timelimits
 from spawner.policy import schedule as queueplan
 from spawner.policy.records import Admission, QueueInfo
 
@@ -391,9 +391,13 @@ class QueueRecords:
             if room is not None and Fraction(e.gpu_count, e.slice_parts or 1) > room:
                 self._leave(
                     e,
-                    f"your limit no longer leaves room for it: you hold {holdings.held} "
+                    f"your limit no longer leaves room for it: you hold {slices.plain(holdings.held)} "
                     f"of {policy.describe_limit(eff)}; stop something you hold and start again"
-                    + (f", or start again with {room} or fewer" if room else ""),
+                    + (
+                        f", or start again with {int(room)} or fewer"
+                        if int(room) and not e.slice_parts
+                        else ""
+                    ),
                 )
                 return Admission(entry=entry_info(e))
             spent = self.budget_refusal_in(s, e.user, _groups(e.groups))

@@ -183,9 +183,10 @@ class SliceRecords:
                 continue
             waits[w.id] = slices.SliceWait(w.id, offer, w.on_nodes)
             if offer.model not in uses:
-                granted = {g for gpus in plan.grants.values() for g in gpus}
+                # granted whole now, or reserved for a whole request that waits: no slice there
+                taken = {g for gpus in (*plan.grants.values(), *plan.reserved.values()) for g in gpus}
                 uses[offer.model] = [
-                    slices.GpuUse(u.gpu, whole=True) if u.gpu in granted else u
+                    slices.GpuUse(u.gpu, whole=True) if u.gpu in taken else u
                     for u in self.slice_uses_in(s, offer)
                 ]
         whole_waits = [w.id for w in waiting if not w.slice_parts and w.id not in plan.grants]

@@ -64,6 +64,9 @@ class Plan:
     # granted ahead of these protected (reserved) entries: with no time limits to end it in
     # time, such a grant may be taken back for them at their turn (spawner/policy/borrowing.py)
     ahead_of: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # the GPUs each protected entry is reserved (the binding reservations): a waiting slice
+    # never refills one of them, so a GPU held in slices drains for it (policy.slices)
+    reserved: dict[int, tuple[policy.Gpu, ...]] = field(default_factory=dict)
 
     def position(self, order: Sequence[int], entry_id: int) -> tuple[int, int]:
         """1-based place among those still waiting after this plan's grants, and how many."""
@@ -173,6 +176,7 @@ def plan(
         if len(protected) < reservations:
             binding.reserve(placed, t, t + run, _worse(sure, "guess"))
             protected.append(w.id)
+            out.reserved[w.id] = tuple(placed)
     return out
 
 

@@ -138,7 +138,9 @@ def _allowance_text(a: Allowance) -> str:
     """What the user holds, what the limit still lets them hold, and what is free for them now:
     two facts (the limit's room, the free GPUs) said apart, with what a request of each size does."""
     lim = a.effective.limit
-    held = f'You hold <span data-gpuhub="held">{a.held}</span> GPU{"" if a.held == 1 else "s"}'
+    # in GPUs, a slice as its share (0.25), as the live figures from the broker write it
+    shown = a.held if a.held == int(a.held) else f"{float(a.held):g}"
+    held = f'You hold <span data-gpuhub="held">{shown}</span> GPU{"" if a.held <= 1 and a.held != 0 else "s"}'
     fits = f'<span data-gpuhub="fits">{a.fits}</span>'
     queue = "waits in the queue for GPUs to free up, its place shown"
     beyond = f" (and {_gpus(a.borrowed)} borrowed beyond it)" if a.borrowed else ""

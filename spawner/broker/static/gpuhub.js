@@ -739,7 +739,8 @@ function queueWhat(q) {
 }
 
 function queueGpus(q) {
-  return `${q.gpus}${q.gpu_model ? " " + q.gpu_model : ""}`;
+  const amount = q.slice_parts ? `1/${q.slice_parts}` : `${q.gpus}`;  // a slice: its share of a GPU
+  return `${amount}${q.gpu_model ? " " + q.gpu_model : ""}`;
 }
 
 function expectedEl(q) {
