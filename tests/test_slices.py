@@ -24,6 +24,7 @@ from spawner.policy.slices import (
     parse_share,
     place_slice,
     resolve_share,
+    slice_gpu,
     units,
     units_text,
     uses_of,
@@ -341,3 +342,11 @@ T = [f"t{i}" for i in range(5)]  # times, in order
 )
 def test_waiting_slices_expect_the_slices_held_to_end_one_each_in_order(frees, waiting, want):
     assert expected_starts(frees, waiting) == want
+
+
+def test_a_gpu_reserved_for_a_whole_request_is_refilled_only_by_slices_ahead_of_it():
+    # GPU 0 has a quarter free and is reserved for the whole request 9
+    state = uses((False, (1, 2, 3)), (True, ()))
+    waits = {i: SliceWait(i, Q) for i in (1, 2)}
+    assert grant_slices([1, 9, 2], waits, [9], state, {9: (A100[0],)}) == {1: slice_gpu(A100[0], 4, 4)}
+    assert grant_slices([9, 1, 2], waits, [9], state, {9: (A100[0],)}) == {}  # it drains for 9

@@ -183,15 +183,16 @@ class SliceRecords:
                 continue
             waits[w.id] = slices.SliceWait(w.id, offer, w.on_nodes)
             if offer.model not in uses:
-                # granted whole now, or reserved for a whole request that waits: no slice there
-                taken = {g for gpus in (*plan.grants.values(), *plan.reserved.values()) for g in gpus}
+                # granted whole now: no slice there (one reserved for a whole request is kept
+                # from the slices behind that request: grant_slices)
+                taken = {g for gpus in plan.grants.values() for g in gpus}
                 uses[offer.model] = [
                     slices.GpuUse(u.gpu, whole=True) if u.gpu in taken else u
                     for u in self.slice_uses_in(s, offer)
                 ]
         whole_waits = [w.id for w in waiting if not w.slice_parts and w.id not in plan.grants]
         all_uses = [u for model_uses in uses.values() for u in model_uses]
-        for entry, g in slices.grant_slices(order, waits, whole_waits, all_uses).items():
+        for entry, g in slices.grant_slices(order, waits, whole_waits, all_uses, plan.reserved).items():
             plan.grants[entry] = (g,)
             plan.expected[entry] = queueplan.Expected(now, "now")
         left = {

@@ -244,20 +244,27 @@ class SliceWait:
 
 
 def grant_slices(
-    order: Iterable[int], slice_waits: Mapping[int, SliceWait], whole_waits: Iterable[int], uses: list[GpuUse]
+    order: Iterable[int],
+    slice_waits: Mapping[int, SliceWait],
+    whole_waits: Iterable[int],
+    uses: list[GpuUse],
+    reserved: Mapping[int, Iterable[Gpu]] | None = None,
 ) -> dict[int, Gpu]:
     """Which waiting slices start now (id: the slice, a ``Gpu`` with ``part`` and ``parts``),
     in the queue's ``order``. A slice starts on a GPU already split wherever one has room; it
     splits a free whole GPU only when no whole request waits ahead of it (``whole_waits``: the
-    whole requests not starting now), so that slices never keep a waiting whole request from
-    the GPUs it waits for. ``uses`` are the GPUs after this plan's whole grants."""
-    whole_waits = set(whole_waits)
+    whole requests not starting now), and it never refills a GPU reserved for a whole request
+    ahead of it (``reserved``: the queue plan's reservations, by entry), which then drains; so
+    slices never keep a waiting whole request from the GPUs it waits for. ``uses`` are the
+    GPUs after this plan's whole grants."""
+    whole_waits, reserved = set(whole_waits), reserved or {}
     current = {u.gpu: u for u in uses}
     grants: dict[int, Gpu] = {}
-    whole_ahead = False
+    whole_ahead, blocked = False, set()
     for entry in order:
         if entry in whole_waits:
             whole_ahead = True
+            blocked.update(reserved.get(entry, ()))
             continue
         w = slice_waits.get(entry)
         if w is None:
@@ -265,7 +272,9 @@ def grant_slices(
         room = [
             u
             for u in current.values()
-            if (w.on_nodes is None or u.gpu.node in w.on_nodes) and (u.slices or not whole_ahead)
+            if (w.on_nodes is None or u.gpu.node in w.on_nodes)
+            and u.gpu not in blocked
+            and (u.slices or not whole_ahead)
         ]
         placed = place_slice(room, w.offer)
         if placed is None:
