@@ -178,7 +178,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         }
 
     async def _render_gpu_form(self, _spawner=None) -> str:
-        groups = self._groups()
+        groups, name = self._groups(), self.user.name  # the hub's ORM: on its loop, not in the thread
 
         def facts():
             cluster = self.cluster()
@@ -188,7 +188,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
                 nodes = cluster.partition_nodes(p)
                 per_partition[p] = sum(1 for node in free_nodes if node in nodes)
             most = max((len(n.gpus()) for n in cluster.nodes), default=0)
-            allowance = self.ledger.allowance(self.user.name, groups)
+            allowance = self.ledger.allowance(name, groups)
             return allowance, self.ledger.models(), per_partition, self.chosen_partition(cluster, None), most
 
         allowance, models, per_partition, chosen, most = await asyncio.to_thread(facts)
@@ -244,11 +244,28 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
 
     def render_script(self, opts: form.GpuOptions | None = None) -> str:
         opts = opts or self.parse_options()
-        return self.script_for(
+        return self._render(self._script_inputs(), opts)
+
+    def _script_inputs(self) -> tuple:
+        """What the script takes from the hub's own objects (the user's name, the server's
+        environment and command): read on the hub's event loop, never in a worker thread, where
+        the hub's ORM session may be in the middle of a commit."""
+        env_names = sorted(self.get_env())
+        return (
             self.user.name,
             self.req_homedir,
-            sorted(self.get_env()),
+            env_names,
             [self.batchspawner_singleuser_cmd, *self.cmd, *self.get_args()],
+        )
+
+    def _render(self, inputs: tuple, opts: form.GpuOptions) -> str:
+        """The script from ``_script_inputs`` (blocking: asks ``sinfo``; runs in a thread)."""
+        user, homedir, env_names, command = inputs
+        return self.script_for(
+            user,
+            homedir,
+            env_names,
+            command,
             opts,
             self.chosen_partition(self.cluster(), opts.partition),
             self.job_qos(),
@@ -338,18 +355,18 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
     def _accounting(self) -> SlurmAccounting:
         return SlurmAccounting(config=self.config, log=self.log)
 
-    def _sync_account(self) -> None:
+    def _sync_account(self, name: str, groups: list[str]) -> None:
         """Remember the user's groups and write their limit to Slurm's accounting (adding
-        the user there when first seen) before their first job."""
+        the user there when first seen) before their first job. ``name`` and ``groups`` are
+        read by the caller on the hub's event loop (the hub's ORM is not for worker threads)."""
         ledger = self.ledger
-        groups = self._groups()
-        ledger.note_user(self.user.name, groups)
-        self._accounting().sync(ledger, [self.user.name], {self.user.name: groups})
+        ledger.note_user(name, groups)
+        self._accounting().sync(ledger, [name], {name: groups})
 
     async def submit_batch_script(self):
         opts = self.gpu_options  # checked by the mixin's admission, before anything was taken
         try:
-            await asyncio.to_thread(self._sync_account)
+            await asyncio.to_thread(self._sync_account, self.user.name, self._groups())
         except ValueError as e:  # a bad c.GpuHub share: nothing is submitted, the trait is named
             self.log.error("gpuhub: %s", e)
             raise make_refusal(f"The hub's configuration is wrong: {e}", "gpuhub_config", 500) from None
@@ -357,7 +374,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             # slurmctld may still take the job (a user Slurm knows already): try, and say why
             # if it refuses; gpuhub's own admission has bounded the request either way
             self.log.warning("gpuhub: Slurm accounting not updated for %s: %s", self.user.name, e)
-        text = await asyncio.to_thread(self.render_script, opts)
+        text = await asyncio.to_thread(self._render, self._script_inputs(), opts)
         self.log.debug("gpuhub: batch script of %s:\n%s", self.user.name, text)
         argv = [*self._prefix(), *commands.sbatch_argv(self.allocation_id)]
         self.log.info("gpuhub: submitting %s's server to Slurm: %s", self.user.name, " ".join(argv))
@@ -376,7 +393,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             )
             SlurmAccounting.forget(self.user.name)
             try:
-                await asyncio.to_thread(self._sync_account)
+                await asyncio.to_thread(self._sync_account, self.user.name, self._groups())
                 out = await self._sbatch(argv, text, env)
             except SlurmError as e:
                 raise make_refusal(f"Slurm refused the job: {e}", "slurm_refused", 400) from None

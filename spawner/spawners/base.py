@@ -213,10 +213,10 @@ class GpuSpawnerMixin(Configurable):
         return await self._in_ledger("mark_running", allocation.id, self.backend_job_id())
 
     async def _render_gpu_form(self, _spawner=None) -> str:
-        groups = self._groups()
+        groups, name = self._groups(), self.user.name  # the hub's ORM: on its loop, not in the thread
         allowance, models, room = await asyncio.to_thread(
             lambda: (
-                self.ledger.allowance(self.user.name, groups),
+                self.ledger.allowance(name, groups),
                 self.ledger.models(),
                 self.ledger.slice_room(),
             )
