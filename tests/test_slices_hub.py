@@ -176,7 +176,9 @@ def test_a_student_chooses_a_slice_on_the_spawn_form(hub, ledger, browser):
     hub.stop_server("s6")
 
 
-def test_a_students_kernel_sees_its_slice_and_a_pool_is_refused_with_the_reason(hub, ledger):
+def test_a_students_kernel_and_jupyterlab_see_its_slice_and_a_pool_is_refused_with_the_reason(
+    hub, ledger, browser
+):
     assert hub.spawn("s1", {"gpu_share": "1/4"}).status_code in (201, 202)
     hub.wait_ready("s1")
     [a] = ledger.active(user="s1")
@@ -193,3 +195,12 @@ def test_a_students_kernel_sees_its_slice_and_a_pool_is_refused_with_the_reason(
         assert [x.id for x in ledger.active(user="s1")] == [a.id]  # nothing taken, the slice kept
     finally:
         kc.stop_channels()
+    # JupyterLab's status bar and GPU panel say the slice, not "1 GPU"
+    page = browser_login(browser, hub, "s1")
+    page.goto(f"{hub.url}/user/s1/lab")
+    bar = page.locator(".gpuhub-status")
+    expect(bar).to_contain_text("GPUs: 1/4 GPU Simulated A100", timeout=60_000)
+    bar.click()
+    head = page.locator(f'.gpuhub-alloc[data-allocation="{a.id}"] .gpuhub-alloc-head')
+    expect(head).to_contain_text("a 1/4 GPU slice")
+    page.close()

@@ -42,6 +42,7 @@ export interface AllocationView {
   purpose: 'server' | 'distributed';
   state: string;
   gpu_count: number;
+  slice_parts?: number | null; // a slice of a GPU split in this many parts (c.GpuHub.gpu_slices)
   nodes: string[];
   borrowed: number;
   idle: { state: string; reclaim_in_seconds: number | null; reason: string } | null;

@@ -122,7 +122,8 @@ export class GpuPanel extends Widget {
   }
 
   private allocation(title: string, a: AllocationView, seen: Set<string>, burst: boolean, s: Status): HTMLElement {
-    const head = el('div', { class: 'gpuhub-alloc-head' }, el('strong', {}, `${title}: ${gpuWord(a.gpu_count)}`));
+    const amount = a.slice_parts ? `a 1/${a.slice_parts} GPU slice` : gpuWord(a.gpu_count);
+    const head = el('div', { class: 'gpuhub-alloc-head' }, el('strong', {}, `${title}: ${amount}`));
     if (a.borrowed) {
       head.append(el('span', { class: 'gpuhub-badge gpuhub-borrowed' }, `${a.borrowed} borrowed`));
     }
