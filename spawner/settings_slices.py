@@ -3,7 +3,7 @@ of :class:`spawner.settings.GpuHub`, kept in a module of its own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from traitlets import Dict, List, Unicode
 from traitlets.config import Configurable
@@ -57,7 +57,3 @@ class SliceSettings(Configurable):
         """Whether a user of ``groups`` takes slices only: every group of theirs is listed."""
         groups = set(groups)
         return bool(groups) and groups <= set(self.slice_groups)
-
-
-def offers_text(offers: Mapping[str, slices.Offer]) -> str:
-    return ", ".join(f"{o.label} of {o.model}" for o in offers.values()) or "none"

@@ -43,7 +43,7 @@ class SliceRecords:
         gpus = [
             g for g in present.gpus if g.model == offer.model and (on_nodes is None or g.node in on_nodes)
         ]
-        free = {g for g in gpus if g in set(state.groups.get(g.node, ()))}
+        free = {g for node in {g.node for g in gpus} for g in state.groups.get(node, ())}  # one pass per node
         by_id = present.by_id
         split = {by_id[i]: held for i, held in state.split.items() if i in by_id}
         return slices.uses_of(gpus, free, split, offer.count)

@@ -242,10 +242,6 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
     def _prefix(self) -> list[str]:
         return [part.format(username=self.user.name) for part in shlex.split(self.exec_prefix)]
 
-    def render_script(self, opts: form.GpuOptions | None = None) -> str:
-        opts = opts or self.parse_options()
-        return self._render(self._script_inputs(), opts)
-
     def _script_inputs(self) -> tuple:
         """What the script takes from the hub's own objects (the user's name, the server's
         environment and command): read on the hub's event loop, never in a worker thread, where
