@@ -26,7 +26,8 @@ class SliceSettings(Configurable):
         divide the memory stops the hub at start with this setting named. On the local backend
         a slice's server gets its GPU through CUDA MPS with its memory limit and thread
         percentage where NVML is the inventory (docs/slices.md says what that isolates and what
-        not); simulated GPUs only count. Default: no GPU is split.
+        not); simulated GPUs only count. Not on a Slurm inventory yet: there the setting
+        stops the hub at start with the reason. Default: no GPU is split.
         ``c.GpuHub.gpu_slices = {"A100": 4}``
         """,
     ).tag(config=True)
