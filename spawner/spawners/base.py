@@ -331,9 +331,10 @@ class GpuSpawnerMixin(Configurable):
                 hours=opts.hours,
                 **extra,
             )
-            kw |= await asyncio.to_thread(
-                lambda: slicing.slice_request(opts.share, opts.model, self.ledger.slice_offers)
-            )
+            if opts.share is not None:  # a slice: no thread hop for whole GPUs
+                kw |= await asyncio.to_thread(
+                    lambda: slicing.slice_request(opts.share, opts.model, self.ledger.slice_offers)
+                )
             request = asyncio.ensure_future(
                 self._in_ledger("request", *args, **kw)
                 if queued
