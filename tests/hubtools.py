@@ -6,6 +6,7 @@ ports. Waits are on conditions with deadlines, never fixed sleeps.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import random
@@ -322,6 +323,21 @@ enable_broker(
         r = self.spawn(user, user_options)
         assert r.status_code in (201, 202), r.text
         return self.wait_progress(user, words)
+
+    def refusal(self, r: requests.Response, user: str, name: str = "") -> str:
+        """What refused ``user``'s start that the answer ``r`` began: the 4xx's own message, or,
+        where the refusal came after the hub stopped waiting for the start (the REST API's
+        ``slow_spawn_timeout``, the form's 1 s; a loaded machine), the failed progress event's
+        message. A start that did not fail is an AssertionError."""
+        if r.status_code >= 400:
+            try:
+                return r.json()["message"]
+            except ValueError:
+                return html.unescape(r.text)  # the spawn form, shown again with the reason
+        assert r.status_code in (200, 201, 202), f"{r.status_code} {r.text}"
+        events = list(self.progress(user, name, timeout=90))
+        assert events and events[-1].get("failed"), f"the start did not fail: {events}"
+        return events[-1].get("message", "")
 
     def wait_progress(self, user: str, words: str, name: str = "", timeout: float = 90) -> str:
         """The first progress message of ``user``'s pending spawn that holds ``words``."""
