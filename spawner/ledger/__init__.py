@@ -61,8 +61,9 @@ from spawner.ledger.takeback import TakeBackRecords
 from spawner.ledger.timeup import TimeUpRecords
 from spawner.ledger.transactions import BorrowSettings, LedgerBase, QueueSettings, utcnow
 from spawner.ledger.usage import UsageRecords
+from spawner.policy.records import GpuConflict
 
-__all__ = ["BorrowSettings", "Ledger", "QueueSettings", "utcnow"]
+__all__ = ["BorrowSettings", "GpuConflict", "Ledger", "QueueSettings", "utcnow"]
 
 
 class Ledger(

@@ -256,13 +256,9 @@ class AdmissionRecords:
                     "(NCCL needs them).",
                     reason="bad_request",
                 )
-            if req.deferred:  # record_gpus would write whole GPUs for it (docs/slices.md)
-                raise policy.Refusal(
-                    "Slices are offered on the local backend only: a backend's scheduler that picks the "
-                    "GPUs (Slurm) is not asked for slices yet. Ask for whole GPUs.",
-                    reason="bad_request",
-                )
             self.check_slice_in(s, req, eff, holdings)
+            if req.deferred:  # Slurm's gres/shard: record_gpus writes the part its job gets
+                return Admission(allocation=self.book_in(s, req, ()))
             return self._admit_or_queue(s, req, asked, eff, holdings.held, inventory, free)
         borrowed = self.borrowed_part_in(s, req.user, req.groups, eff, holdings, req.count)
         # what the limit leaves of whole GPUs (a part of one held in slices is no room for one)

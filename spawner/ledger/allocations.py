@@ -22,7 +22,7 @@ from spawner.ledger.models import (
 )
 from spawner.ledger.transactions import _count, _info
 from spawner.policy import timelimits
-from spawner.policy.records import ACTIVE_STATES, AllocationInfo
+from spawner.policy.records import ACTIVE_STATES, AllocationInfo, GpuConflict
 
 _A, _AG = Allocation.__table__, AllocationGpu.__table__
 # a release's one read: the allocation's state, its reclaim's reason, its standing preemption's
@@ -93,22 +93,37 @@ class AllocationRecords:
             return _info(a)
 
     def record_gpus(
-        self, allocation_id: int, gpus: Iterable[tuple[str, int]], backend_job_id: str | None = None
+        self,
+        allocation_id: int,
+        gpus: Iterable[tuple[str, int]],
+        backend_job_id: str | None = None,
+        live_jobs: Iterable[str] | None = None,
     ) -> tuple[AllocationInfo, list[int]]:
-        """Write the GPUs a scheduler gave a deferred allocation, and mark it running.
+        """Write the GPUs a scheduler gave a deferred allocation, and mark it running; a slice
+        (``slice_parts``) gets the lowest part of its GPU that no one holds.
 
         The scheduler is the authority on its own GPUs: if another live allocation of the
         same backend still holds one of them, that allocation's job has ended and its end
         was not seen yet, so it is released here (its id is returned) rather than the
-        GPU being double-booked. Unknown GPUs raise ``LookupError`` (sync the inventory); more
-        GPUs than were admitted raise ``ValueError`` (the job is over the user's limit).
+        GPU being double-booked. Slices of one GPU share it and are kept.
+
+        ``live_jobs``: the backend's jobs that still run (the watcher's listing). A holder of
+        the other kind (a whole GPU given where a slice is held, or a slice where the GPU is
+        held whole) is released only when its job is known to be gone (not in ``live_jobs``):
+        otherwise the scheduler gave one GPU twice (Slurm 22.05, docs/known-issues.md) and
+        :class:`GpuConflict` is raised, nothing written. So is a slice given where every
+        part is held by a live job.
+
+        Unknown GPUs raise ``LookupError`` (sync the inventory); more GPUs than were admitted
+        raise ``ValueError`` (the job is over the user's limit).
         """
         wanted = sorted(set(gpus))
+        live = None if live_jobs is None else {str(j) for j in live_jobs}
         with self._tx() as s:
             a = s.get(Allocation, allocation_id)
             if a is None or a.state not in ACTIVE_STATES:
                 raise LookupError(f"allocation {allocation_id} is not active")
-            if len(wanted) > _count(a):
+            if len(wanted) > _count(a) or (a.slice_parts and len(wanted) != 1):
                 raise ValueError(
                     f"allocation {a.id} was admitted for {_count(a)} GPUs; the job shows {len(wanted)}"
                 )
@@ -118,15 +133,41 @@ class AllocationRecords:
             if missing:
                 raise LookupError(f"GPUs {', '.join(missing)} are not in the ledger's inventory")
             ids = {by_key[k].id for k in wanted}
-            released = []
+            shown = ", ".join(f"{n}:{i}" for n, i in wanted)
+            stale, kept_parts = [], set()
             for other in self._active(s):
-                if other.id == a.id or not ids & {ag.gpu_id for ag in other.gpus if ag.held}:
+                mine = [ag for ag in other.gpus if ag.held and ag.gpu_id in ids]
+                if other.id == a.id or not mine:
                     continue
                 if other.backend != a.backend:
                     raise RuntimeError(
-                        f"GPUs {', '.join(f'{n}:{i}' for n, i in wanted)} are held by allocation "
-                        f"{other.id} of backend {other.backend!r}: two backends share these GPUs"
+                        f"GPUs {shown} are held by allocation {other.id} of backend "
+                        f"{other.backend!r}: two backends share these GPUs"
                     )
+                gone = live is not None and str(other.backend_job_id or "") not in live
+                if bool(a.slice_parts) == bool(other.slice_parts) and (not a.slice_parts or gone):
+                    stale.append(other)  # one kind: Slurm never gives a GPU (or a part) twice
+                elif a.slice_parts and other.slice_parts:
+                    kept_parts.update(ag.part for ag in mine)  # slices of one GPU share it
+                elif gone:
+                    stale.append(other)
+                else:
+                    what = "a slice of it" if other.slice_parts else "it whole"
+                    raise GpuConflict(
+                        f"{a.backend} gave GPU {shown} to job {backend_job_id} while allocation "
+                        f"{other.id} of {other.user} (job {other.backend_job_id}) still holds {what}"
+                    )
+            part = 0
+            if a.slice_parts:
+                free = sorted(set(range(1, a.slice_parts + 1)) - kept_parts)
+                if not free:
+                    raise GpuConflict(
+                        f"{a.backend} gave a 1/{a.slice_parts} slice of GPU {shown} to job "
+                        f"{backend_job_id}, and all {a.slice_parts} of its parts are held by live jobs"
+                    )
+                part = free[0]
+            released = []
+            for other in stale:
                 self._end(other, f"its {other.backend} job ended (GPUs given to job {backend_job_id})")
                 released.append(other.id)
             s.flush()
@@ -134,7 +175,8 @@ class AllocationRecords:
             if current and current != ids:
                 raise RuntimeError(f"allocation {a.id} already holds other GPUs")
             if not current:
-                a.gpus = [AllocationGpu(gpu=by_key[k], held=True) for k in wanted]
+                parts = a.slice_parts or 0
+                a.gpus = [AllocationGpu(gpu=by_key[k], held=True, part=part, parts=parts) for k in wanted]
             a.state = "running"
             a.started = a.started or self.clock()
             if backend_job_id is not None:

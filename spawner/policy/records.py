@@ -261,3 +261,8 @@ class ExtensionInfo:
     seconds: float
     before_seconds: float
     after_seconds: float
+
+
+class GpuConflict(RuntimeError):
+    """A scheduler gave a GPU (or a part of one) that a live job of its own still holds
+    (``Ledger.record_gpus``): nothing was written."""

@@ -53,13 +53,14 @@ class GresEntry:
     count: int
 
 
-def parse_gres(text: str) -> list[GresEntry]:
-    """The GPU entries of a node's GRES string: ``gpu:a100:4(S:0),gpu:2`` -> entries in order."""
+def parse_gres(text: str, name: str = "gpu") -> list[GresEntry]:
+    """The GPU entries of a node's GRES string: ``gpu:a100:4(S:0),gpu:2`` -> entries in order.
+    ``name="shard"``: its ``gres/shard`` entries (``shard:a100:16``, GPU slices)."""
     out = []
     for item in re.split(r",(?![^(]*\))", text or ""):
         item = re.sub(r"\(.*\)$", "", item.strip())
         fields = item.split(":")
-        if fields[0] != "gpu" or len(fields) < 2:
+        if fields[0] != name or len(fields) < 2:
             continue
         count = fields[-1]
         if not count.isdigit():
@@ -74,6 +75,7 @@ class SlurmNode:
     gres: tuple[GresEntry, ...]
     partitions: tuple[str, ...]
     state: str
+    shards: tuple[GresEntry, ...] = ()  # gres/shard, typed as its GPUs (spawner.slurm.shards)
 
     def gpus(self, untyped_model: str = "GPU") -> list[Gpu]:
         """The node's GPUs, indexed as Slurm indexes them (gres.conf order, from 0)."""
@@ -114,11 +116,19 @@ def parse_sinfo(text: str) -> Cluster:
             default = partition
         if partition not in partitions:
             partitions.append(partition)
-        node = nodes.setdefault(name, {"gres": tuple(parse_gres(gres)), "partitions": [], "state": state})
+        node = nodes.setdefault(
+            name,
+            {
+                "gres": tuple(parse_gres(gres)),
+                "partitions": [],
+                "state": state,
+                "shards": tuple(parse_gres(gres, "shard")),
+            },
+        )
         node["partitions"].append(partition)
     return Cluster(
         nodes=tuple(
-            SlurmNode(name, d["gres"], tuple(d["partitions"]), d["state"].rstrip("*~#$@+^-"))
+            SlurmNode(name, d["gres"], tuple(d["partitions"]), d["state"].rstrip("*~#$@+^-"), d["shards"])
             for name, d in sorted(nodes.items())
         ),
         partitions=tuple(sorted(partitions, key=lambda p: (p != default, p))),

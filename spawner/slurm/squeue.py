@@ -127,7 +127,7 @@ def queue_positions(queue: Iterable[QueuedJob], wanted: Iterable[str]) -> dict[s
     return out
 
 
-_GRES_IDX = re.compile(r"gpu(?::[^:(,\s]+)*:\d+\(IDX:([0-9,\-]+)\)", re.ASCII)
+_GRES_IDX = re.compile(r"(?:gpu|shard)(?::[^:(,\s]+)*:\d+\(IDX:([0-9,\-]+)\)", re.ASCII)
 _STATE = re.compile(r"[A-Z][A-Z_]{0,39}", re.ASCII)
 _JOB_ID = re.compile(r"[1-9][0-9]{0,17}", re.ASCII)
 _NODES = re.compile(r"[A-Za-z0-9_.\-\[\],]{0,4096}", re.ASCII)

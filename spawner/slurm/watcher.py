@@ -43,7 +43,7 @@ import time
 from traitlets import Float, List, Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from spawner.policy.records import AllocationInfo
+from spawner.policy.records import AllocationInfo, GpuConflict
 from spawner.slurm import SlurmError, commands, squeue
 from spawner.slurm.reconcile import Action, next_interval, orphans, reconcile
 
@@ -320,6 +320,13 @@ class SlurmWatcher(LoggingConfigurable):
                     self.log.warning("gpuhub Slurm watcher: %s", problem)
         self._problems = listing.problems
 
+    def live_job_ids(self, listing: squeue.Listing | None = None) -> list[str]:
+        """gpuhub's jobs that still run or wait, as the last (or the given) listing shows them;
+        a job it could not read counts as live."""
+        jobs = self.jobs if listing is None else listing.jobs
+        unreadable = self.unreadable if listing is None else listing.unreadable
+        return sorted({j for j, info in jobs.items() if not info.ended} | set(unreadable))
+
     def cancel_prefix(self, user: str) -> list[str]:
         return [part.format(username=user) for part in shlex.split(self.exec_prefix)]
 
@@ -377,13 +384,24 @@ class SlurmWatcher(LoggingConfigurable):
                 return
             if len(gpus) < a.gpu_count:
                 raise SlurmError(f"job {action.job_id} shows {len(gpus)} GPUs, {a.gpu_count} asked for")
+            live = self.live_job_ids()
             try:
-                info, released = await asyncio.to_thread(ledger.record_gpus, a.id, gpus, action.job_id)
-            except LookupError:
-                if self._resync is None:
-                    raise
-                await asyncio.to_thread(self._resync)
-                info, released = await asyncio.to_thread(ledger.record_gpus, a.id, gpus, action.job_id)
+                try:
+                    info, released = await asyncio.to_thread(
+                        ledger.record_gpus, a.id, gpus, action.job_id, live
+                    )
+                except LookupError:
+                    if self._resync is None:
+                        raise
+                    await asyncio.to_thread(self._resync)
+                    info, released = await asyncio.to_thread(
+                        ledger.record_gpus, a.id, gpus, action.job_id, live
+                    )
+            except GpuConflict as e:  # Slurm gave one GPU twice: the job that got it last goes
+                reason = conflict_reason(e)
+                if await self.cancel(a, action.job_id, reason):
+                    await asyncio.to_thread(ledger.release, a.id, reason)
+                return
             self.log.info(
                 "gpuhub: Slurm job %s of %s holds %s",
                 action.job_id,
@@ -405,6 +423,15 @@ class SlurmWatcher(LoggingConfigurable):
             )
         elif action.kind == "cancel":
             await self.cancel(a, action.job_id, action.reason)
+
+
+def conflict_reason(e: Exception) -> str:
+    """What a user is told when Slurm gave their job a GPU another live job still holds."""
+    return (
+        f"Slurm gave this job a GPU that another job still holds ({e}): a Slurm fault with GPU "
+        "shards (docs/known-issues.md). gpuhub ended the job before the server answered, so no "
+        "work of yours ran there; start it again."
+    )
 
 
 BATCHSPAWNER_EXEC_PREFIX = "sudo -E -u {username}"
