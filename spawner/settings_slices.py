@@ -26,8 +26,11 @@ class SliceSettings(Configurable):
         divide the memory stops the hub at start with this setting named. On the local backend
         a slice's server gets its GPU through CUDA MPS with its memory limit and thread
         percentage where NVML is the inventory (docs/slices.md says what that isolates and what
-        not); simulated GPUs only count. Not on a Slurm inventory yet: there the setting
-        stops the hub at start with the reason. Default: no GPU is split.
+        not); simulated GPUs only count. On a Slurm inventory a slice is Slurm's ``gres/shard``
+        (``--gres=shard:a100:K``, K the shards per GPU over this count): every node of the model
+        needs shards (gres.conf), the same number per GPU, which this count divides, or the hub
+        stops at start with the reason; Slurm binds the GPU and fences neither memory nor
+        compute. Default: no GPU is split.
         ``c.GpuHub.gpu_slices = {"A100": 4}``
         """,
     ).tag(config=True)
@@ -44,15 +47,16 @@ class SliceSettings(Configurable):
     ).tag(config=True)
 
     def slice_offers(self, inventory: Iterable[Gpu]) -> dict[str, slices.Offer]:
-        """``gpu_slices`` checked against the GPUs the ledger has (a bad value raises
-        ``ValueError`` naming the setting)."""
-        if self.gpu_slices and getattr(self, "inventory", "") == "slurm":
-            raise ValueError(
-                f"{slices.SETTING}: slices are offered on the local backend only for now; gpuhub's "
-                "Slurm spawner does not ask for Slurm's gres/shard yet. Leave the setting out on a "
-                "Slurm cluster (docs/slices.md)."
-            )
-        return slices.check_gpu_slices(self.gpu_slices, inventory)
+        """``gpu_slices`` checked against the GPUs the ledger has and, on a Slurm inventory,
+        against the shards Slurm gives them (a bad value raises ``ValueError`` naming the
+        setting)."""
+        offers = slices.check_gpu_slices(self.gpu_slices, inventory)
+        if offers and getattr(self, "inventory", "") == "slurm":
+            from spawner.slurm import shards
+            from spawner.slurm.cluster import read_cluster
+
+            shards.check_shards(offers, read_cluster())  # the sinfo the inventory was just read from
+        return offers
 
     def slices_only(self, groups: Iterable[str]) -> bool:
         """Whether a user of ``groups`` takes slices only: every group of theirs is listed."""

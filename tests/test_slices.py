@@ -296,17 +296,6 @@ def test_a_share_without_a_model_names_the_one_split_model_it_fits(text, model, 
     assert want in str(e.value)
 
 
-def test_slices_on_a_slurm_inventory_are_refused_at_start_with_the_setting_named():
-    from spawner.settings import GpuHub
-
-    hub = GpuHub(inventory="slurm", gpu_slices={"A100": 4})
-    with pytest.raises(ValueError) as e:
-        hub.slice_offers(INVENTORY)
-    assert "c.GpuHub.gpu_slices: slices are offered on the local backend only for now" in str(e.value)
-    assert GpuHub(inventory="simulated", gpu_slices={"A100": 4}).slice_offers(INVENTORY) == QUARTERS
-    assert GpuHub(inventory="slurm").slice_offers(INVENTORY) == {}
-
-
 @pytest.mark.parametrize(
     "setting, why",
     [

@@ -295,6 +295,32 @@ def test_plan(max_gpus, current, commands):
     assert accounting.plan({"alice": eff(max_gpus)}, have, "gpuhub") == commands
 
 
+def set_tres(tres):
+    return [*"sacctmgr -i modify user where name=alice account=gpuhub set".split(), f"GrpTRES={tres}"]
+
+
+@pytest.mark.parametrize(
+    "max_gpus, current, per_gpu, commands",
+    [
+        (2, None, 4, [ADD, set_tres("gres/gpu=2,gres/shard=8")]),  # slices: the limit in shards too
+        (None, None, 4, [ADD, set_tres("gres/gpu=-1,gres/shard=-1")]),
+        (2, (2, None, 8), 4, []),
+        (2, (2, None, -1), 4, [set_tres("gres/shard=8")]),
+        (3, (2, None, 8), 4, [set_tres("gres/gpu=3,gres/shard=12")]),
+        (0, (-1, None, -1), 2, [set_tres("gres/gpu=0,gres/shard=0")]),
+        (2, (2, None, 5), None, []),  # nothing split: the shard limit is the operator's
+    ],
+)
+def test_plan_writes_the_limit_in_shards_where_gpus_are_split(max_gpus, current, per_gpu, commands):
+    have = {} if current is None else {"alice": accounting.Association("alice", "gpuhub", *current)}
+    assert accounting.plan({"alice": eff(max_gpus)}, have, "gpuhub", None, per_gpu) == commands
+
+
+def test_parse_associations_reads_the_shard_limit():
+    got = accounting.parse_associations("alice|gpuhub|gres/gpu=2,gres/shard=8\nbob|gpuhub|gres/gpu=1\n")
+    assert (got["alice"].gpus, got["alice"].shards, got["bob"].shards) == (2, 8, -1)
+
+
 @pytest.mark.parametrize(
     "user, account, words",
     [

@@ -50,6 +50,7 @@ class Association:
     account: str
     gpus: int  # GrpTRES gres/gpu, -1 when unset
     fairshare: int | None = None  # the association's Fairshare (None: not read, or "parent")
+    shards: int = UNLIMITED  # GrpTRES gres/shard (GPU slices), -1 when unset
 
 
 ASSOC_FORMAT = "format=user,account,grptres,fairshare"
@@ -64,13 +65,15 @@ def parse_associations(text: str) -> dict[str, Association]:
         if len(fields) not in (3, 4) or not fields[0]:
             continue
         user, account, tres = fields[:3]
-        gpus = UNLIMITED
+        got = {"gres/gpu": UNLIMITED, "gres/shard": UNLIMITED}
         for item in tres.split(","):
             key, _, value = item.partition("=")
-            if key == "gres/gpu" and value.lstrip("-").isdigit():
-                gpus = int(value)
+            if key in got and value.lstrip("-").isdigit():
+                got[key] = int(value)
         share = fields[3].strip() if len(fields) == 4 else ""
-        out[user] = Association(user, account, gpus, int(share) if share.isdigit() else None)
+        out[user] = Association(
+            user, account, got["gres/gpu"], int(share) if share.isdigit() else None, got["gres/shard"]
+        )
     return out
 
 
@@ -94,15 +97,27 @@ def wanted_gpus(eff: EffectiveLimit) -> int:
     return UNLIMITED if eff.limit.max_gpus is None else eff.limit.max_gpus
 
 
+def wanted_shards(eff: EffectiveLimit, shards_per_gpu: int | None) -> int | None:
+    """The association's ``gres/shard`` for a limit of GPUs, where GPUs are split in shards
+    (GPU slices: the limit times each GPU's shards); None where nothing is split."""
+    if not shards_per_gpu:
+        return None
+    gpus = wanted_gpus(eff)
+    return UNLIMITED if gpus == UNLIMITED else gpus * shards_per_gpu
+
+
 def plan(
     limits: Mapping[str, EffectiveLimit],
     current: Mapping[str, Association],
     account: str,
     shares: Mapping[str, int] | None = None,
+    shards_per_gpu: int | None = None,
 ) -> list[list[str]]:
     """The ``sacctmgr`` commands that make Slurm match ``limits`` and ``shares`` (user ->
-    Fairshare; a user missing there keeps the Fairshare Slurm has) (pure). A user or account
-    name that ``sacctmgr`` would misread is a :class:`SlurmError` (no command is planned)."""
+    Fairshare; a user missing there keeps the Fairshare Slurm has) (pure). ``shards_per_gpu``:
+    where GPUs are split in shards (``c.GpuHub.gpu_slices``), the limit in shards too. A user or
+    account name that ``sacctmgr`` would misread is a :class:`SlurmError` (no command is
+    planned)."""
     shares = shares or {}
     sacctmgr_name(account, "account")
     for user in limits:
@@ -113,9 +128,14 @@ def plan(
         have = current.get(user)
         if have is None:
             commands.append(["sacctmgr", "-i", "add", "user", user, f"Account={account}"])
-        changes = []
+        changes, tres = [], []
         if have is None or have.gpus != want:
-            changes.append(f"GrpTRES=gres/gpu={want}")
+            tres.append(f"gres/gpu={want}")
+        shards = wanted_shards(eff, shards_per_gpu)
+        if shards is not None and (have is None or have.shards != shards):
+            tres.append(f"gres/shard={shards}")
+        if tres:
+            changes.append(f"GrpTRES={','.join(tres)}")
         share = shares.get(user)
         if share is not None and (have is None or have.fairshare != share):
             changes.append(f"Fairshare={int(share)}")
@@ -349,6 +369,26 @@ class SlurmAccounting(LoggingConfigurable):
         )
         return parse_associations(out)
 
+    def shards_per_gpu(self) -> int | None:
+        """Each split GPU's shards, where ``c.GpuHub.gpu_slices`` splits any (the most of any
+        sliced model's, as ``sinfo`` says), so that a limit of N GPUs lets N GPUs' worth of
+        shards run; None where no GPU is split."""
+        from spawner.settings import GpuHub
+        from spawner.slurm import shards
+        from spawner.slurm.cluster import read_cluster
+
+        split = GpuHub(config=self.config).gpu_slices
+        if not split:
+            return None
+        per = [
+            have // gpus
+            for node in read_cluster().nodes
+            for model in split
+            for gpus, have in [shards.shards_per_gpu(node, model)]
+            if gpus and have
+        ]
+        return max(per, default=None)
+
     def shares(self) -> Shares:
         """``c.GpuHub``'s fair-share weights, checked: a bad one is a ``ValueError`` naming its
         trait (before anything reaches Slurm)."""
@@ -374,11 +414,13 @@ class SlurmAccounting(LoggingConfigurable):
             except SlurmError as e:
                 refused[user] = str(e)
                 del limits[user]
+        per_gpu = self.shards_per_gpu()
         wanted = {
-            ("user", self.account, u): (wanted_gpus(lim), fairshares.get(u)) for u, lim in limits.items()
+            ("user", self.account, u): (wanted_gpus(lim), fairshares.get(u), wanted_shards(lim, per_gpu))
+            for u, lim in limits.items()
         }
         todo = {u: lim for u, lim in limits.items() if not self._verified(("user", self.account, u), wanted)}
-        commands = plan(todo, self.associations(), self.account, fairshares) if todo else []
+        commands = plan(todo, self.associations(), self.account, fairshares, per_gpu) if todo else []
         checked = [("user", self.account, u) for u in todo]
         if self.borrow_qos:
             wanted[("borrow", self.account)] = borrow = _borrow_qos_inputs(self, ledger)

@@ -27,12 +27,13 @@ from batchspawner import JobStatus, SlurmSpawner
 from jupyterhub.spawner import SpawnException
 from traitlets import Float, Int, List, Unicode, default
 
-from spawner.policy.records import AllocationInfo
-from spawner.slurm import SlurmError, callback, commands, priority, script, sinfo, squeue
+from spawner.policy.records import AllocationInfo, GpuConflict
+from spawner.policy.slices import Offer
+from spawner.slurm import SlurmError, callback, commands, priority, script, shards, sinfo, squeue
 from spawner.slurm.accounting import SlurmAccounting
 from spawner.slurm.cluster import read_cluster
 from spawner.slurm.commands import job_qos
-from spawner.slurm.watcher import get_watcher, run_command
+from spawner.slurm.watcher import conflict_reason, get_watcher, run_command
 from spawner.spawners import form
 from spawner.spawners.base import GpuSpawnerMixin
 from spawner.spawners.refusals import make_refusal
@@ -55,13 +56,27 @@ def _in_hub_loop() -> bool:
 
 def slurm_gpu_env(allocation: AllocationInfo | None) -> dict[str, str]:
     """The gpuhub variables of a Slurm server. Slurm itself sets ``CUDA_VISIBLE_DEVICES``
-    and ``SLURM_JOB_GPUS`` inside the job (the GPUs are not known before it runs)."""
+    and ``SLURM_JOB_GPUS`` inside the job (the GPUs are not known before it runs). A slice
+    (Slurm's shards) is told its share; Slurm fences neither memory nor compute, so no memory
+    size is promised and no MPS daemon is asked for."""
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "GPUHUB_BACKEND": "slurm"}
     if allocation is None:
         env.update(CUDA_VISIBLE_DEVICES="", GPUHUB_ALLOCATION_ID="")
     else:
         env.update(GPUHUB_ALLOCATION_ID=str(allocation.id))
+        if allocation.slice_parts:
+            env.update(GPUHUB_GPU_SLICE=f"1/{allocation.slice_parts}", GPUHUB_SLICE_MPS="0")
     return env
+
+
+def slice_gres(asked: tuple[str, int] | None, cluster: sinfo.Cluster) -> str | None:
+    """The ``--gres`` of a slice (``asked``: its model and parts), in Slurm's shards; None for
+    whole GPUs. ``ValueError`` naming the setting where Slurm's shards cannot make it."""
+    if asked is None:
+        return None
+    model, parts = asked
+    per = shards.check_shards({model: Offer(model, parts)}, cluster, UNTYPED)[model]
+    return shards.slice_gres(model, per, UNTYPED)
 
 
 class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
@@ -257,15 +272,17 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
     def _render(self, inputs: tuple, opts: form.GpuOptions) -> str:
         """The script from ``_script_inputs`` (blocking: asks ``sinfo``; runs in a thread)."""
         user, homedir, env_names, command = inputs
+        cluster = self.cluster()
         return self.script_for(
             user,
             homedir,
             env_names,
             command,
             opts,
-            self.chosen_partition(self.cluster(), opts.partition),
+            self.chosen_partition(cluster, opts.partition),
             self.job_qos(),
             time_limit_seconds=getattr(self.gpu_allocation, "time_limit_seconds", None),
+            gres=slice_gres(getattr(self, "slice_asked", None), cluster),
         )
 
     def script_for(
@@ -278,12 +295,17 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         partition: str,
         qos: str = "",
         time_limit_seconds: float | None = None,
+        gres: str | None = None,
     ) -> str:
         """The server's batch script from explicit inputs (``gpuhub slurm script`` previews it).
         ``qos``: the borrow QOS of a server with borrowed GPUs (``--qos=``, after the admin's
         ``extra_directives``, so it wins over a ``--qos`` there). ``time_limit_seconds``: the
         allocation's time limit (``c.GpuHub.*_max_hours``, or less as asked), the job's
-        ``--time`` in place of ``req_runtime``."""
+        ``--time`` in place of ``req_runtime``. ``gres``: a slice's (``slice_gres``), in place of
+        the whole GPUs ``opts`` asks for."""
+        if gres is None:
+            model = None if opts.model == UNTYPED else opts.model
+            gres = commands.gres_request(opts.count, model) if opts.count else ""
         return script.render(
             self.batch_script,
             command=command,
@@ -293,9 +315,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             output=self.output_template.format(homedir=homedir, username=user),
             homedir=homedir,
             export=script.export_list(dict.fromkeys(env_names, "")),
-            gres=commands.gres_request(opts.count, None if opts.model == UNTYPED else opts.model)
-            if opts.count
-            else "",
+            gres=gres,
             partition=partition,
             cpus=max(1, opts.count * self.cpus_per_gpu),
             memory=self.req_memory,
@@ -490,16 +510,29 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             return await super().mark_started(allocation)
         try:
             try:
-                info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
+                info, _ = await self._record(allocation, gpus)
             except LookupError:
                 await asyncio.to_thread(self.gpuhub.sync_inventory)
-                info, _ = await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
+                info, _ = await self._record(allocation, gpus)
+        except GpuConflict as e:  # the start fails; JupyterHub's stop cancels the job
+            self.log.warning("gpuhub: Slurm job %s of %s: %s", self.job_id, self.user.name, e)
+            raise make_refusal(conflict_reason(e), "gpu_conflict", 503) from None
         except (LookupError, ValueError, SlurmError) as e:
             # the watcher records (or, over the admission, cancels) it at its next cycle
             self.log.warning("gpuhub: GPUs of job %s not recorded now: %s", self.job_id, e)
             return await super().mark_started(allocation)
         self._progress(55, f"Slurm job {self.job_id} holds {', '.join(g.label for g in info.gpus)}")
         return info
+
+    async def _record(self, allocation: AllocationInfo, gpus):
+        """``record_gpus``; where Slurm gave a GPU the ledger shows held by the other kind (whole
+        or sliced), once more with the jobs Slurm lists now, so a holder whose job ended and
+        was not seen yet is released rather than taken for a GPU given twice."""
+        try:
+            return await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id)
+        except GpuConflict:
+            live = self.watcher.live_job_ids(await self.watcher.read_jobs())
+            return await self._in_ledger("record_gpus", allocation.id, gpus, self.job_id, live)
 
     def load_state(self, state):
         super().load_state(state)

@@ -80,6 +80,7 @@ class GpuSpawnerMixin(Configurable):
     _gpuhub_asked: int | None = None  # the count of a start just refused (the form shows it again)
     gpu_allocation = Any(None, allow_none=True, help="The running server's AllocationInfo.")
     gpu_options = Any(None, allow_none=True, help="This start's checked user_options (form.GpuOptions).")
+    slice_asked: tuple[str, int] | None = None  # this start's slice: (model, parts), or None
     _gpuhub_events = List()
     _gpuhub_listeners = Set()
 
@@ -331,10 +332,12 @@ class GpuSpawnerMixin(Configurable):
                 hours=opts.hours,
                 **extra,
             )
+            self.slice_asked = None
             if opts.share is not None:  # a slice: no thread hop for whole GPUs
                 kw |= await asyncio.to_thread(
                     lambda: slicing.slice_request(opts.share, opts.model, self.ledger.slice_offers)
                 )
+                self.slice_asked = (kw["model"], kw["slice_parts"])
             request = asyncio.ensure_future(
                 self._in_ledger("request", *args, **kw)
                 if queued
