@@ -99,3 +99,19 @@ def test_slurm_slices_are_checked_at_the_hubs_start(monkeypatch):
     assert GpuHub(inventory="slurm", gpu_slices={"a100": 4}).slice_offers(inventory)["a100"].count == 4
     with pytest.raises(ValueError, match=r"c\.GpuHub\.gpu_slices splits a100 GPUs in 8"):
         GpuHub(inventory="slurm", gpu_slices={"a100": 8}).slice_offers(inventory)
+
+
+@pytest.mark.parametrize(
+    "gpus, per_gpu, asked, want",
+    [
+        (3, 2, None, 6),
+        (1, 2, ("a100", 4), 1),
+        (1, 8, ("a100", 4), 2),
+        (1, 8, ("a100", 2), 4),
+        (0, 2, None, 1),
+    ],
+)
+def test_a_slices_job_asks_for_its_share_of_the_cpus(gpus, per_gpu, asked, want):
+    from spawner.slurm.spawner import job_cpus
+
+    assert job_cpus(gpus, per_gpu, asked) == want

@@ -201,6 +201,9 @@ def local(at):  # gpuhub writes times in UTC, whatever the machine's zone
     (None, (1, 1, "gpu"),
      "Queued in Slurm as job 42 in partition gpu: 1st of 1 waiting for 2 GPUs; no estimate from Slurm yet"),
     (None, None, "Queued in Slurm as job 42 (Resources)"),  # no position (held, text fallback)
+    # a year ahead is Slurm's "no start time found", never shown as an estimate
+    (datetime(2027, 12, 1, 14, 0), (1, 1, "gpu"),
+     "Queued in Slurm as job 42 in partition gpu: 1st of 1 waiting for 2 GPUs; no estimate from Slurm yet"),
 ])  # fmt: skip
 def test_wait_message(expected, position, words):
     info = JobInfo("42", "PENDING", "Resources", expected=expected)

@@ -154,16 +154,16 @@ class AllocationRecords:
                 else:
                     what = "a slice of it" if other.slice_parts else "it whole"
                     raise GpuConflict(
-                        f"{a.backend} gave GPU {shown} to job {backend_job_id} while allocation "
-                        f"{other.id} of {other.user} (job {other.backend_job_id}) still holds {what}"
+                        f"GPU {shown} went to job {backend_job_id}; job {other.backend_job_id} of "
+                        f"{other.user} holds {what}"
                     )
             part = 0
             if a.slice_parts:
                 free = sorted(set(range(1, a.slice_parts + 1)) - kept_parts)
                 if not free:
                     raise GpuConflict(
-                        f"{a.backend} gave a 1/{a.slice_parts} slice of GPU {shown} to job "
-                        f"{backend_job_id}, and all {a.slice_parts} of its parts are held by live jobs"
+                        f"a 1/{a.slice_parts} slice of GPU {shown} went to job {backend_job_id}; all "
+                        f"{a.slice_parts} of its parts are held by live jobs"
                     )
                 part = free[0]
             released = []

@@ -23,7 +23,7 @@ partition by Slurm's priority (:func:`.squeue.queue_positions`) and Slurm's own 
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from spawner.policy.fairshare import Weights
 from spawner.policy.waitline import wait_line
@@ -76,6 +76,16 @@ def render_priority_conf(weights: Weights, calc_period_minutes: int = 5) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Slurm sets a pending job's start time a year ahead where its scheduler found none (a job that
+# cannot start until running ones end, beyond the backfill window): that is no estimate
+NO_ESTIMATE = timedelta(days=300)
+
+
+def slurm_estimate(expected: datetime | None, now: datetime) -> datetime | None:
+    """Slurm's expected start, or None where it is Slurm's "a year ahead" (none found)."""
+    return expected if expected is not None and expected - now < NO_ESTIMATE else None
+
+
 PLACE_HIDDEN = "your place among other users' jobs is private on this cluster (Slurm's PrivateData)"
 
 
@@ -98,13 +108,13 @@ def wait_message(
     reason = job.reason if job.reason and job.reason != "None" else "waiting"
     if place_hidden:
         partition = job.partition.split(",")[0] or "?"
-        line = wait_line(None, 0, gpus, job.expected, "slurm", now)
+        line = wait_line(None, 0, gpus, slurm_estimate(job.expected, now), "slurm", now)
         return (
             f"Queued in Slurm as {what} {job.job_id} in partition {partition}: {line}; {PLACE_HIDDEN}. "
             f"Slurm's reason: {reason}"
         )
     n, of, partition = position
-    line = wait_line(n, of, gpus, job.expected, "slurm", now)
+    line = wait_line(n, of, gpus, slurm_estimate(job.expected, now), "slurm", now)
     return (
         f"Queued in Slurm as {what} {job.job_id} in partition {partition}: {line}. Slurm's reason: {reason}"
     )

@@ -33,7 +33,7 @@ from spawner.slurm import SlurmError, callback, commands, priority, script, shar
 from spawner.slurm.accounting import SlurmAccounting
 from spawner.slurm.cluster import read_cluster
 from spawner.slurm.commands import job_qos
-from spawner.slurm.watcher import conflict_reason, get_watcher, run_command
+from spawner.slurm.watcher import GAVE_TWICE, conflict_reason, get_watcher, run_command
 from spawner.spawners import form
 from spawner.spawners.base import GpuSpawnerMixin
 from spawner.spawners.refusals import make_refusal
@@ -67,6 +67,13 @@ def slurm_gpu_env(allocation: AllocationInfo | None) -> dict[str, str]:
         if allocation.slice_parts:
             env.update(GPUHUB_GPU_SLICE=f"1/{allocation.slice_parts}", GPUHUB_SLICE_MPS="0")
     return env
+
+
+def job_cpus(gpus: int, per_gpu: int, asked: tuple[str, int] | None = None) -> int:
+    """CPUs of a server's job: ``per_gpu`` for each GPU, a slice its share of them; 1 at least."""
+    if asked is not None:
+        return max(1, per_gpu // asked[1])
+    return max(1, gpus * per_gpu)
 
 
 def slice_gres(asked: tuple[str, int] | None, cluster: sinfo.Cluster) -> str | None:
@@ -282,7 +289,8 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             self.chosen_partition(cluster, opts.partition),
             self.job_qos(),
             time_limit_seconds=getattr(self.gpu_allocation, "time_limit_seconds", None),
-            gres=slice_gres(getattr(self, "slice_asked", None), cluster),
+            slice_asked=self.slice_asked,
+            cluster=cluster,
         )
 
     def script_for(
@@ -295,14 +303,16 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         partition: str,
         qos: str = "",
         time_limit_seconds: float | None = None,
-        gres: str | None = None,
+        slice_asked: tuple[str, int] | None = None,
+        cluster: sinfo.Cluster | None = None,
     ) -> str:
         """The server's batch script from explicit inputs (``gpuhub slurm script`` previews it).
         ``qos``: the borrow QOS of a server with borrowed GPUs (``--qos=``, after the admin's
         ``extra_directives``, so it wins over a ``--qos`` there). ``time_limit_seconds``: the
         allocation's time limit (``c.GpuHub.*_max_hours``, or less as asked), the job's
-        ``--time`` in place of ``req_runtime``. ``gres``: a slice's (``slice_gres``), in place of
-        the whole GPUs ``opts`` asks for."""
+        ``--time`` in place of ``req_runtime``. ``slice_asked``: a slice's model and parts (Slurm's
+        shards of ``cluster``), in place of the whole GPUs ``opts`` asks for."""
+        gres = slice_gres(slice_asked, cluster) if slice_asked else None
         if gres is None:
             model = None if opts.model == UNTYPED else opts.model
             gres = commands.gres_request(opts.count, model) if opts.count else ""
@@ -317,7 +327,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             export=script.export_list(dict.fromkeys(env_names, "")),
             gres=gres,
             partition=partition,
-            cpus=max(1, opts.count * self.cpus_per_gpu),
+            cpus=job_cpus(opts.count, self.cpus_per_gpu, slice_asked),
             memory=self.req_memory,
             runtime=commands.job_time(time_limit_seconds, self.req_runtime),
             account=self.req_account or self._accounting().account_for_jobs,
@@ -337,17 +347,18 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
                     return task.result()
                 self._seen_job = self.job_id or self._seen_job
                 if self.job_id and self._job_ended():
+                    allocation_id = self.allocation_id  # the cancelled start releases it
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task
-                    raise self._ended_error()
+                    raise await self._ended_error(allocation_id)
         except asyncio.CancelledError:
             task.cancel()
             raise
         except RuntimeError as e:
             if "disappeared" not in str(e):  # batchspawner: the job ended while pending
                 raise
-            raise self._ended_error() from None
+            raise await self._ended_error() from None
 
     async def server_alive(self) -> bool:
         return not (self.job_id and self._job_ended())
@@ -356,11 +367,16 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         verdict, info = self.watcher.job(self.job_id)
         return verdict == "gone" or (info is not None and info.ended)
 
-    def _ended_error(self) -> SpawnException:
+    async def _ended_error(self, allocation_id: int = 0) -> SpawnException:
         log = self.output_template.format(homedir=self.req_homedir, username=self.user.name)
         job = self.job_id or self._seen_job  # batchspawner may have cleared the state already
         _, info = self.watcher.job(job) if job else ("", None)
         state = info.state.lower() if info else "gone"
+        allocation_id = allocation_id or self.allocation_id
+        if allocation_id:  # gpuhub ended it (a GPU Slurm gave twice): that reason, as written
+            mine = await self._in_ledger("get", allocation_id)
+            if mine is not None and mine.state == "released" and GAVE_TWICE in (mine.end_reason or ""):
+                return make_refusal(mine.end_reason, "gpu_conflict", 503)
         return make_refusal(
             f"Your server's Slurm job {job} ended before the server started ({state}). "
             f"Its output is in {log} (%j is the job id); tell an admin if it does not say why.",

@@ -399,8 +399,11 @@ class SlurmWatcher(LoggingConfigurable):
                     )
             except GpuConflict as e:  # Slurm gave one GPU twice: the job that got it last goes
                 reason = conflict_reason(e)
-                if await self.cancel(a, action.job_id, reason):
-                    await asyncio.to_thread(ledger.release, a.id, reason)
+                # the reason is written before the job ends, so its spawner tells its user that
+                # reason; a job that is not cancelled now is its released allocation's orphan,
+                # cancelled at the next cycle
+                await asyncio.to_thread(ledger.release, a.id, reason)
+                await self.cancel(a, action.job_id, reason)
                 return
             self.log.info(
                 "gpuhub: Slurm job %s of %s holds %s",
@@ -425,13 +428,18 @@ class SlurmWatcher(LoggingConfigurable):
             await self.cancel(a, action.job_id, action.reason)
 
 
+GAVE_TWICE = "Slurm gave this job a GPU that another job still holds"
+
+
 def conflict_reason(e: Exception) -> str:
-    """What a user is told when Slurm gave their job a GPU another live job still holds."""
-    return (
-        f"Slurm gave this job a GPU that another job still holds ({e}): a Slurm fault with GPU "
-        "shards (docs/known-issues.md). gpuhub ended the job before the server answered, so no "
-        "work of yours ran there; start it again."
+    """What a user is told when Slurm gave their job a GPU another live job still holds (kept
+    within the ledger's 255 characters of a reason)."""
+    tail = (
+        "; a Slurm fault, docs/known-issues.md). It was ended before your server answered: no work "
+        "ran there. Start again."
     )
+    head = f"{GAVE_TWICE} ("
+    return head + str(e)[: 255 - len(head) - len(tail)] + tail
 
 
 BATCHSPAWNER_EXEC_PREFIX = "sudo -E -u {username}"

@@ -20,7 +20,6 @@ import contextlib
 import os
 import sys
 
-from jupyterhub.spawner import SpawnException
 from traitlets import Any, Float, Int, List, Set, default
 from traitlets.config import Configurable
 
@@ -458,10 +457,12 @@ class GpuSpawnerMixin(Configurable):
             try:
                 url = await asyncio.wait_for(super().start(), self.server_start_timeout)
             except TimeoutError:
-                raise SpawnException(
+                raise make_refusal(
                     f"The server did not start within {self.server_start_timeout:g} s of getting its "
                     "GPUs (c.Spawner.start_timeout); its GPUs are released. Try again, or ask an "
-                    "admin to look at the hub's log."
+                    "admin to look at the hub's log.",
+                    "start_timeout",
+                    500,
                 ) from None
             if allocation:
                 self.gpu_allocation = await self.mark_started(allocation)
