@@ -361,9 +361,10 @@ class GpuHub(SliceSettings):
 
     queue_max_wait_hours = Float(
         12.0,
-        help="""The longest a spawn or a burst waits in the queue for GPUs; then it leaves
-        the queue, saying so. JupyterHub's ``c.Spawner.start_timeout`` counts from the end
-        of the wait (the server's own start), not from the click. ``c.GpuHub.queue_max_wait_hours = 4``
+        help="""The longest a spawn or a burst waits in the queue for GPUs (gpuhub's, or
+        Slurm's for a Slurm server); then it leaves the queue, saying so. JupyterHub's
+        ``c.Spawner.start_timeout`` counts from the end of the wait (the server's own start),
+        not from the click. ``c.GpuHub.queue_max_wait_hours = 4``
         """,
     ).tag(config=True)
 

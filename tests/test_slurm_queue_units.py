@@ -330,3 +330,10 @@ def test_the_cli_prints_the_priority_settings_and_names_a_bad_weight(tmp_path, c
     conf.write_text("c.GpuHub.priority_weight_age = -1\n")
     assert cli.main(["--config", str(conf), "slurm", "priority"]) == 2
     assert "c.GpuHub.priority_weight_age must be 0 or more" in capsys.readouterr().err
+
+
+def test_wait_message_of_a_slice_says_its_share():
+    info = JobInfo("42", "PENDING", "Resources", expected=None)
+    assert "1st of 1 waiting for 1/4 GPU; no estimate from Slurm yet" in priority.wait_message(
+        info, (1, 1, "gpu"), "1/4 GPU", NOW
+    )

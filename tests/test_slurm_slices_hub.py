@@ -14,6 +14,7 @@ slice ends, the whole GPU starts there.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -25,6 +26,7 @@ from .slurmtools import job_state, slurm
 
 pytestmark = pytest.mark.hub
 NODE = "gpu-node1"  # the interactive partition's one node
+START_TIMEOUT = 30
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,7 @@ def hub(tmp_path_factory):
         "c.JupyterHub.cleanup_servers = False",
         'c.GpuHub.gpu_slices = {"a100": 4}',
         "c.GpuSlurmSpawner.cpus_per_gpu = 1",  # the node's 8 CPUs are never what a job waits for
+        f"c.Spawner.start_timeout = {START_TIMEOUT}",  # the server's own start; Slurm's queue waits longer
     ])  # fmt: skip
     with slurmtools.slurm_hub(tmp_path_factory.mktemp("slurm-slices-hub"), config) as h:
         yield h
@@ -93,6 +96,11 @@ def test_two_students_share_a_gpu_in_shards_and_a_whole_gpu_never_lands_beside_t
     hub.wait_progress("dave", "Queued in Slurm")
     [dave] = ledger.active(user="dave")
     assert dave.gpus == () and job_state(dave.backend_job_id) == "PENDING"
+    # a wait in Slurm's queue longer than start_timeout is a wait, not a failed start: the
+    # timeout counts from when Slurm runs the job (c.GpuHub.queue_max_wait_hours bounds the wait)
+    time.sleep(START_TIMEOUT + 5)
+    assert job_state(dave.backend_job_id) == "PENDING" and ledger.get(dave.id).state == "starting"
+    assert hub.server("dave") is not None and hub.server("dave")["pending"] == "spawn"
 
     # carol stops. Slurm 22.05.8 now starts dave's job on the GPU bob's slice still runs on;
     # gpuhub does not record it (nothing double-booked), ends the job and says why

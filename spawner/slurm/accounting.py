@@ -294,7 +294,8 @@ class SlurmAccounting(LoggingConfigurable):
 
     enabled = Bool(
         False,
-        help="""Write each user's GPU limit to their Slurm association (``GrpTRES=gres/gpu=N``)
+        help="""Write each user's GPU limit to their Slurm association (``GrpTRES=gres/gpu=N``;
+        where ``c.GpuHub.gpu_slices`` splits GPUs, also ``gres/shard=N`` times a GPU's shards)
         and add users to Slurm's accounting database when first seen. Needs slurmdbd.
         Without it, gpuhub's own admission still bounds everything gpuhub launches, but not
         a user's own ``sbatch``. ``c.SlurmAccounting.enabled = True``""",

@@ -92,7 +92,7 @@ PLACE_HIDDEN = "your place among other users' jobs is private on this cluster (S
 def wait_message(
     job: JobInfo,
     position: tuple[int, int, str] | None,
-    gpus: int,
+    gpus: int | str,
     now: datetime,
     what: str = "job",
     place_hidden: bool = False,

@@ -360,6 +360,40 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
                 raise
             raise await self._ended_error() from None
 
+    async def _backend_start(self) -> str:
+        """batchspawner's start. The admin's ``start_timeout`` counts from when Slurm runs the
+        job: a wait in Slurm's queue is bounded by ``c.GpuHub.queue_max_wait_hours``, as a wait
+        in gpuhub's own queue is, and then ends saying so (the job is cancelled by the stop
+        that follows a failed start)."""
+        loop = asyncio.get_running_loop()
+        submitted, running = loop.time(), None
+        most = self.gpuhub.queue_max_wait_hours * 3600
+        task = asyncio.ensure_future(SlurmSpawner.start(self))
+        try:
+            while True:
+                done, _ = await asyncio.wait([task], timeout=1)
+                if done:
+                    return task.result()
+                info = self.watcher.job(self.job_id)[1] if self.job_id else None
+                if running is None and info is not None and info.running:
+                    running = loop.time()
+                now = loop.time()
+                if running is not None and now - running > self.server_start_timeout:
+                    raise self.start_timeout_error()
+                if running is None and now - submitted > most:
+                    raise make_refusal(
+                        f"Your server waited {most / 3600:g} h in Slurm's queue without starting "
+                        "(c.GpuHub.queue_max_wait_hours); it left the queue and holds nothing. "
+                        "Start it again, or ask for fewer GPUs.",
+                        "queue_timeout",
+                        503,
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
     async def server_alive(self) -> bool:
         return not (self.job_id and self._job_ended())
 
@@ -493,6 +527,8 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             return JobStatus.NOTFOUND
         self.job_status = f"{info.state} {info.nodes[0] if info.nodes else ''}".strip()
         gpus = self.gpu_options.count if self.gpu_options is not None else 0
+        if self.slice_asked is not None:  # "waiting for 1/4 GPU"
+            gpus = f"1/{self.slice_asked[1]} GPU"
         now = datetime.now(UTC).replace(tzinfo=None)
         text = priority.wait_message(info, watcher.positions.get(self.job_id), gpus, now)
         if self._spawn_pending and text != self._last_status:

@@ -20,6 +20,7 @@ import contextlib
 import os
 import sys
 
+from jupyterhub.spawner import SpawnException
 from traitlets import Any, Float, Int, List, Set, default
 from traitlets.config import Configurable
 
@@ -104,13 +105,12 @@ class GpuSpawnerMixin(Configurable):
         # the spawn-pending page that says a start waits in the queue, with its place
         pending.install_templates(getattr(getattr(self, "user", None), "settings", None))
         # JupyterHub gives start() start_timeout seconds from the click. A start that waits
-        # in gpuhub's queue may wait up to c.GpuHub.queue_max_wait_hours before the server
-        # starts: JupyterHub's timer gets that much more, and the admin's start_timeout is
-        # applied to the server's own start (start() above), so a queued spawn is never
-        # timed out behind the queue's back.
+        # in a queue (gpuhub's, or the backend scheduler's: Slurm) may wait up to
+        # c.GpuHub.queue_max_wait_hours before the server starts: JupyterHub's timer gets that
+        # much more, and the admin's start_timeout is applied to the server's own start
+        # (_backend_start), so a queued spawn is never timed out behind the queue's back.
         self.server_start_timeout = float(self.start_timeout)
-        if self.waits_in_gpuhub_queue():
-            self.start_timeout = int(self.start_timeout + self.gpuhub.queue_max_wait_hours * 3600 + 60)
+        self.start_timeout = int(self.start_timeout + self.gpuhub.queue_max_wait_hours * 3600 + 60)
         if self.ready_poll_seconds > 0:
             # start() also waits for the server to answer (http_timeout), which JupyterHub
             # would otherwise do after start(): its timer on start() gets that much more
@@ -454,16 +454,7 @@ class GpuSpawnerMixin(Configurable):
         try:
             # JupyterHub's own timer counts the queue's wait too (see __init__); the admin's
             # start_timeout is for the server's start, so it is applied here, after the wait
-            try:
-                url = await asyncio.wait_for(super().start(), self.server_start_timeout)
-            except TimeoutError:
-                raise make_refusal(
-                    f"The server did not start within {self.server_start_timeout:g} s of getting its "
-                    "GPUs (c.Spawner.start_timeout); its GPUs are released. Try again, or ask an "
-                    "admin to look at the hub's log.",
-                    "start_timeout",
-                    500,
-                ) from None
+            url = await self._backend_start()
             if allocation:
                 self.gpu_allocation = await self.mark_started(allocation)
             self._progress(60, "Server process started; waiting for it to answer")
@@ -473,6 +464,22 @@ class GpuSpawnerMixin(Configurable):
                 await self._release(allocation.id, "server failed to start")
             raise
         return url
+
+    async def _backend_start(self) -> str:
+        """The backend's own start of the server, held to the admin's ``start_timeout``."""
+        try:
+            return await asyncio.wait_for(super().start(), self.server_start_timeout)
+        except TimeoutError:
+            raise self.start_timeout_error() from None
+
+    def start_timeout_error(self) -> SpawnException:
+        return make_refusal(
+            f"The server did not start within {self.server_start_timeout:g} s of getting its "
+            "GPUs (c.Spawner.start_timeout); its GPUs are released. Try again, or ask an "
+            "admin to look at the hub's log.",
+            "start_timeout",
+            500,
+        )
 
     async def _release(self, allocation_id: int, reason: str) -> None:
         if allocation_id:
