@@ -39,6 +39,9 @@ def hub(tmp_path_factory):
     ])  # fmt: skip
     with slurmtools.slurm_hub(tmp_path_factory.mktemp("slurm-slices-hub"), config) as h:
         yield h
+    for user in slurmtools.USERS:  # the shard limits this hub wrote are no other hub's
+        slurm("sacctmgr", "-i", "modify", "user", "where", f"name={user}", "account=gpuhub", "set",
+              "GrpTRES=gres/shard=-1", check=False)  # fmt: skip
 
 
 @pytest.fixture
