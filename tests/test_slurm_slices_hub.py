@@ -20,8 +20,9 @@ import pytest
 
 from spawner.ledger import Ledger
 
-from . import slurmtools
+from . import slurmtools, wskernel
 from .hubtools import wait_for
+from .kerneltools import run_cell
 from .slurmtools import job_state, slurm
 
 pytestmark = pytest.mark.hub
@@ -93,6 +94,18 @@ def test_two_students_share_a_gpu_in_shards_and_a_whole_gpu_never_lands_beside_t
         assert env["SLURM_SHARDS_ON_NODE"] == "1" and env["GPUHUB_GPU_SLICE"] == "1/4"
         # their limit (students: 2 GPUs) reaches Slurm in shards too: 4 per GPU
         assert "gres/gpu=2" in shard_limit(user) and "gres/shard=8" in shard_limit(user)
+
+    # bob's kernel says what he holds
+    kc, _ = wskernel.server_kernel(hub, "bob")
+    try:
+        status, out = run_cell(kc, "%gpus")
+        assert status == "ok", out
+        assert (
+            f"Server allocation #{slices['bob'].id}: a 1/4 slice of GPU {last} ({last}), its memory not "
+            "divided (Slurm's shards fence no memory between their jobs)" in out
+        ), out
+    finally:
+        kc.stop_channels()
 
     # dave asks for a whole GPU of that node: none is whole there; he waits in Slurm's queue
     assert hub.spawn("dave", {"gpus": 1, "partition": "interactive"}).status_code == 202

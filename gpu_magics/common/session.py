@@ -28,6 +28,7 @@ class ServerGpus:
     model: str | None
     slice: str | None = None  # "1/4": the server holds that slice of its one GPU
     slice_memory_mib: int | None = None
+    backend: str = "local"
 
     @property
     def whole_labels(self) -> tuple[str, ...]:
@@ -69,6 +70,7 @@ def server_gpus(environ: Mapping[str, str] | None = None) -> ServerGpus:
         model=env.get("GPUHUB_GPU_MODEL") or None,
         slice=env.get("GPUHUB_GPU_SLICE") or None,
         slice_memory_mib=int(mib) if (mib := env.get("GPUHUB_GPU_MEMORY_MIB", "")).isdigit() else None,
+        backend=backend(env),
     )
 
 
@@ -79,7 +81,12 @@ def describe(s: ServerGpus) -> str:
         return "This server has no GPUs (it was started with 0). Start it again with GPUs to use them."
     if s.slice:
         [label] = s.gpus[:1] or ("",)
-        memory = f"{s.slice_memory_mib} MiB of its memory" if s.slice_memory_mib else "its memory unknown"
+        if s.slice_memory_mib:
+            memory = f"{s.slice_memory_mib} MiB of its memory"
+        elif s.backend == "slurm":  # a Slurm shard
+            memory = "its memory not divided (Slurm's shards fence no memory between their jobs)"
+        else:
+            memory = "its memory unknown"
         return "\n".join(
             [
                 f"Server allocation #{s.allocation_id}: a {s.slice} slice of GPU {s.whole_labels[0]} "
