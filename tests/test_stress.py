@@ -14,22 +14,23 @@ moment. So a grant that passed someone the policy put first (a lost lock, a scen
 outside the write transaction, a new request ranked differently from a waiting one) shows.
 """
 
-import itertools
 import multiprocessing as mp
 import random
 import threading
-from collections import Counter, defaultdict
+from collections import Counter
 from datetime import datetime, timedelta
 
 from sqlalchemy import create_engine, delete, insert, select, update
 
 from spawner.ledger import BorrowSettings, Ledger, QueueSettings
-from spawner.ledger.db import make_engine
 from spawner.ledger.models import Allocation, AllocationGpu, GpuRow, Node, Preemption, QueueEntry
 from spawner.policy.borrowing import BorrowRules, backfill_ids, effective_borrow
 from spawner.policy.fairshare import Shares
 from spawner.policy.limits import Limit, LimitRules, Refusal, effective_limit
 from spawner.policy.placement import Gpu
+
+from . import invariants
+from .invariants import A, E, history, read
 
 INV = [Gpu(f"n{n}", i, "A100") for n in range(3) for i in range(4)]
 RULES = LimitRules(default=Limit(max_gpus=3), groups={"big": Limit(max_gpus=6)})
@@ -43,7 +44,6 @@ QUIET_OPS = 40  # each worker's first operations queue nothing (the hub at night
 # preempted burst's next renewal is refused and the worker releases it
 BORROW = BorrowSettings(rules=BorrowRules(default=2, groups={"big": 1}), grace_seconds=0.0)
 COUNTS = [1, 1, 2, 2, 3, 4]  # GPUs asked for
-FOREVER = datetime.max  # the end of what has not ended
 
 
 def worker(url: str, seed: int, ops: int, results, threads: int = 1) -> None:
@@ -208,30 +208,6 @@ def work(ledger: Ledger, seed: int, ops: int) -> tuple[dict, dict]:
     return dict(n), shapes, gives
 
 
-def read(url: str, *queries):
-    """The rows of each query, all from one snapshot of the ledger (its reader's transaction),
-    times as datetimes on every database."""
-    engine = make_engine(url, writer=False)
-    try:
-        with engine.begin() as conn:
-            return [conn.execute(q).all() for q in queries]
-    finally:
-        engine.dispose()
-
-
-A, AG, E = Allocation, AllocationGpu, QueueEntry
-
-
-def history(url: str):
-    return read(
-        url,
-        select(A.id, A.user, A.created, A.ended, A.state, AG.gpu_id, AG.held, A.borrowed).join(
-            AG, AG.allocation_id == A.id
-        ),
-        select(E.id, E.user, E.gpu_count, E.created, E.ended),
-    )
-
-
 def preemption_problems(url: str) -> list[str]:
     """Preemptions of allocations that borrowed nothing and did not start ahead of the request
     they were taken back for (backfill), or that had ended already."""
@@ -253,59 +229,15 @@ def preemption_problems(url: str) -> list[str]:
     return problems
 
 
+def stress_limits(user: str) -> tuple[int | None, int]:
+    groups = USERS.get(user, [])
+    return effective_limit(user, groups, RULES).limit.max_gpus, effective_borrow(user, groups, BORROW.rules)[
+        0
+    ]
+
+
 def check_invariants(rows, entries=()) -> list[str]:
-    """Replay the history: problems found, empty when the ledger never broke a rule.
-
-    Nobody is ever over their limit, with one exception: GPUs beyond it up to the user's
-    borrowing allowance, by allocations marked borrowed (at least as many marks as GPUs
-    beyond the limit), each admitted while nobody waited in the queue."""
-    problems = []
-    per_gpu = defaultdict(list)
-    allocs = {}
-    for aid, user, created, ended, state, gpu_id, held, borrowed in rows:
-        end = ended or FOREVER
-        per_gpu[gpu_id].append((created, end, aid))
-        allocs.setdefault(aid, [user, created, end, 0, borrowed or 0])[3] += 1
-        if (state == "released") == bool(held):
-            problems.append(f"allocation {aid} is {state} but its GPU {gpu_id} held={held}")
-    for gpu_id, spans in per_gpu.items():
-        spans.sort()
-        for (_s1, e1, a1), (s2, _e2, a2) in itertools.pairwise(spans):
-            if s2 < e1:
-                problems.append(f"GPU {gpu_id} held by {a1} and {a2} at once")
-    # borrowing only while nobody waits: no entry waited at a borrowed admission's moment
-    for aid, (user, created, _end, _n, borrowed) in sorted(allocs.items()):
-        if borrowed:
-            waited = [e for e in entries if e[3] < created and (e[4] is None or e[4] > created)]
-            if waited:
-                problems.append(
-                    f"allocation {aid} ({user}) borrowed {borrowed} GPU(s) at {created} while "
-                    f"{len(waited)} request(s) waited (entry {waited[0][0]})"
-                )
-
-    def replay(spans, what):
-        events = sorted(
-            [(c, 1, u, n, b) for u, c, _e, n, b in spans] + [(e, 0, u, n, b) for u, _c, e, n, b in spans]
-        )
-        count, marks = defaultdict(int), defaultdict(int)
-        for _t, kind, user, n, b in events:  # at equal times ends (0) come before starts (1)
-            count[user] += n if kind else -n
-            marks[user] += b if kind else -b
-            limit = effective_limit(user, USERS.get(user, []), RULES).limit.max_gpus
-            if limit is None or count[user] <= limit:
-                continue
-            allowance = effective_borrow(user, USERS.get(user, []), BORROW.rules)[0]
-            lent = min(allowance, marks[user])  # what the exception allows
-            if count[user] > limit + lent:
-                extra = f" (borrowed {marks[user]} of an allowance of {allowance})" if marks[user] else ""
-                problems.append(f"{user} {what} {count[user]} GPUs, over their limit of {limit}{extra}")
-
-    held_spans = [(u, c, e, n, b) for u, c, e, n, b in allocs.values()]
-    replay(held_spans, "held")
-    # what a user waits for counts against their limit too: held + waiting never passes it
-    waiting_spans = [(u, c, e or FOREVER, n, 0) for _id, u, n, c, e in entries]
-    replay(held_spans + waiting_spans, "held and waited for")
-    return problems
+    return invariants.check_invariants(rows, entries, limits=stress_limits)
 
 
 class Replay:

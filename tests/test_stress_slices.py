@@ -21,7 +21,7 @@ from spawner.policy.limits import Limit, LimitRules, Refusal, effective_limit
 from spawner.policy.placement import Gpu
 from spawner.policy.slices import check_gpu_slices
 
-from .test_stress import read
+from .invariants import read
 
 INV = [Gpu("n0", i, "A100", 40960) for i in range(2)] + [Gpu("n1", i, "T4", 16384) for i in range(3)]
 OFFERS = check_gpu_slices({"A100": 4}, INV)

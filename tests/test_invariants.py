@@ -1,0 +1,43 @@
+"""The run-end check of tests/invariants.py catches each kind of thing left open, on a real
+ledger (SQLite and PostgreSQL): a live allocation, a wait still waiting, and an end with no
+reason given."""
+
+from sqlalchemy import create_engine, update
+
+from spawner.ledger import Ledger
+from spawner.ledger.models import Allocation
+from spawner.policy.limits import Limit, LimitRules
+from spawner.policy.placement import Gpu
+
+from .invariants import check_invariants, history, unfinished
+
+
+def test_unfinished_names_what_a_run_left_open(db_url):
+    led = Ledger(db_url, config_rules=LimitRules(default=Limit(max_gpus=1)))
+    led.sync_inventory([Gpu("n1", 0, "A100")])
+    try:
+        a = led.allocate("alice", [], 1)
+        got = led.request("bob", [], 1)
+        assert got.entry is not None
+        assert unfinished(db_url) == [
+            f"allocation {a.id} of alice is still starting",
+            f"wait {got.entry.id} of bob is still waiting",
+        ]
+        led.release(a.id, "server stopped")
+        led.leave_queue(got.entry.id, "the server was stopped while it waited")
+        assert unfinished(db_url) == []
+        # an end nobody was told the reason of
+        eng = create_engine(db_url)
+        with eng.begin() as conn:
+            conn.execute(update(Allocation).where(Allocation.id == a.id).values(end_reason=""))
+        eng.dispose()
+        assert unfinished(db_url) == [f"allocation {a.id} of alice ended (released) with no reason given"]
+        # and the history's invariants hold for what happened: one holder, within the limit
+        assert check_invariants(*history(db_url), limits=lambda user: (1, 0)) == []
+        assert check_invariants(*history(db_url), limits=lambda user: (0, 0)) == [
+            "alice held 1 GPUs, over their limit of 0",
+            "alice held and waited for 1 GPUs, over their limit of 0",
+            "bob held and waited for 1 GPUs, over their limit of 0",
+        ]
+    finally:
+        led.close()
