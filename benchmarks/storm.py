@@ -53,7 +53,11 @@ def arm(workdir: Path, config: str, users: list[str], window: float, options):
         t = time.perf_counter()
         storm = run_storm(hub, users, window, options, timeout=900)
         took = time.perf_counter() - t
-        stop_all(hub, users, timeout=900)
+        print(summary(workdir.name, storm), flush=True)  # before the stops, which may not end
+        storm.stop_5xx = stop_all(hub, users, timeout=900)
+        print(
+            f"  {workdir.name}: every server stopped; DELETEs that answered 5xx: {storm.stop_5xx}", flush=True
+        )
         return storm, took
     finally:
         hub.stop()

@@ -42,9 +42,10 @@ def test_a_class_start_storm_settles_every_spawn_with_its_place_and_no_5xx(tmp_p
         assert sorted(a.user for a in ledger.active()) == ready
         assert all(len(a.gpus) == 1 for a in ledger.active())
     finally:
-        stop_all(hub, users)
+        stopped_with_5xx = stop_all(hub, users)
         ledger.close()
         hub.stop()
+    assert stopped_with_5xx == 0
     # over the whole history: every start and every wait ended with the reason its user was
     # given; no GPU had two holders; nobody held, or held and waited for, more than 1 GPU
     assert unfinished(hub.ledger_url) == []
