@@ -115,3 +115,18 @@ def test_a_slices_job_asks_for_its_share_of_the_cpus(gpus, per_gpu, asked, want)
     from spawner.slurm.spawner import job_cpus
 
     assert job_cpus(gpus, per_gpu, asked) == want
+
+
+def test_a_slices_script_asks_for_its_shard_and_a_server_without_gpus_for_none():
+    from spawner.slurm.spawner import GpuSlurmSpawner
+    from spawner.spawners import form
+
+    sp = GpuSlurmSpawner()
+    args = ("alice", "/home/alice", ["PATH"], ["gpuhub-singleuser"])
+    quarter = form.GpuOptions(count=1, model=None, partition=None, hours=None, share="1/4")
+    text = sp.script_for(*args, quarter, "gpu", slice_asked=("a100", 4), cluster=TWO)
+    assert "#SBATCH --gres=shard:a100:1\n" in text and "#SBATCH --cpus-per-task=1\n" in text
+    # the same spawner's next start without GPUs (a slice asked before is not this start's)
+    none = form.GpuOptions(count=0, model=None, partition=None, hours=None, share=None)
+    text = sp.script_for(*args, none, "gpu", slice_asked=("a100", 4), cluster=TWO)
+    assert "--gres" not in text and "export CUDA_VISIBLE_DEVICES=" in text

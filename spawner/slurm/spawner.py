@@ -312,6 +312,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         allocation's time limit (``c.GpuHub.*_max_hours``, or less as asked), the job's
         ``--time`` in place of ``req_runtime``. ``slice_asked``: a slice's model and parts (Slurm's
         shards of ``cluster``), in place of the whole GPUs ``opts`` asks for."""
+        slice_asked = slice_asked if opts.count else None  # a server without GPUs asks for no shard
         gres = slice_gres(slice_asked, cluster) if slice_asked else None
         if gres is None:
             model = None if opts.model == UNTYPED else opts.model
@@ -340,14 +341,15 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         self.job_id = ""  # a job of an earlier start is not this one's
         self._seen_job = ""
         task = asyncio.ensure_future(super().start())
+        allocation_id = 0  # kept: the failed start releases its allocation before it is read
         try:
             while True:
                 done, _ = await asyncio.wait([task], timeout=1)
+                allocation_id = self.allocation_id or allocation_id
                 if done:
                     return task.result()
                 self._seen_job = self.job_id or self._seen_job
                 if self.job_id and self._job_ended():
-                    allocation_id = self.allocation_id  # the cancelled start releases it
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task
@@ -358,7 +360,7 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         except RuntimeError as e:
             if "disappeared" not in str(e):  # batchspawner: the job ended while pending
                 raise
-            raise await self._ended_error() from None
+            raise await self._ended_error(allocation_id) from None
 
     async def _backend_start(self) -> str:
         """batchspawner's start. The admin's ``start_timeout`` counts from when Slurm runs the
@@ -375,9 +377,11 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
                 if done:
                     return task.result()
                 info = self.watcher.job(self.job_id)[1] if self.job_id else None
-                if running is None and info is not None and info.running:
-                    running = loop.time()
                 now = loop.time()
+                if running is None and info is not None and info.running:
+                    running = now
+                elif running is not None and info is not None and info.pending:  # requeued: waits again
+                    running, submitted = None, now
                 if running is not None and now - running > self.server_start_timeout:
                     raise self.start_timeout_error()
                 if running is None and now - submitted > most:
@@ -570,6 +574,9 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             self.log.warning("gpuhub: Slurm job %s of %s: %s", self.job_id, self.user.name, e)
             raise make_refusal(conflict_reason(e), "gpu_conflict", 503) from None
         except (LookupError, ValueError, SlurmError) as e:
+            mine = await self._in_ledger("get", allocation.id)
+            if mine is not None and mine.state == "released" and GAVE_TWICE in (mine.end_reason or ""):
+                raise make_refusal(mine.end_reason, "gpu_conflict", 503) from None  # the watcher ended it
             # the watcher records (or, over the admission, cancels) it at its next cycle
             self.log.warning("gpuhub: GPUs of job %s not recorded now: %s", self.job_id, e)
             return await super().mark_started(allocation)

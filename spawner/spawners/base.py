@@ -316,6 +316,7 @@ class GpuSpawnerMixin(Configurable):
 
     async def _admit(self) -> AllocationInfo | None:
         self._forget_stored_options()
+        self.slice_asked = None  # this start's own (the spawner outlives its starts)
         try:
             opts = self.gpu_options = await asyncio.to_thread(self.parse_options)  # may ask the scheduler
             if opts.count == 0:
@@ -331,7 +332,6 @@ class GpuSpawnerMixin(Configurable):
                 hours=opts.hours,
                 **extra,
             )
-            self.slice_asked = None
             if opts.share is not None:  # a slice: no thread hop for whole GPUs
                 kw |= await asyncio.to_thread(
                     lambda: slicing.slice_request(opts.share, opts.model, self.ledger.slice_offers)
