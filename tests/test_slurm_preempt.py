@@ -159,8 +159,12 @@ def test_a_borrowed_engines_job_is_preempted_after_its_engines_saved(cluster):
     detail = slurm("scontrol", "show", "job", borrowed).stdout
     preempted = [w for w in detail.split() if w.startswith("PreemptTime=")]
     assert preempted and preempted[0] not in ("PreemptTime=None", "PreemptTime=Unknown"), detail
-    state = slurm("sacct", "-n", "-X", "-P", "-j", borrowed, "-o", "State").stdout.strip()
-    assert state in ("COMPLETED", "PREEMPTED")
+    # slurmdbd records the job's end a moment after slurmctld ends it: sacct may still say RUNNING
+    def accounted() -> str | None:
+        state = slurm("sacct", "-n", "-X", "-P", "-j", borrowed, "-o", "State").stdout.strip()
+        return state if state != "RUNNING" else None
+
+    assert wait_for(accounted, 30, "sacct to record the job's end") in ("COMPLETED", "PREEMPTED")
 
     # the grace signal reached the engines: rank 0 saved, rank 1 did not write
     output = log.read_text()
