@@ -14,6 +14,7 @@ slice ends, the whole GPU starts there.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -21,7 +22,7 @@ import pytest
 from spawner.ledger import Ledger
 
 from . import slurmtools, wskernel
-from .hubtools import wait_for
+from .hubtools import wait_for, xsrf_from
 from .kerneltools import run_cell
 from .slurmtools import job_state, slurm
 
@@ -74,10 +75,18 @@ def test_two_students_share_a_gpu_in_shards_and_a_whole_gpu_never_lands_beside_t
     alice = {g.label for g in slice_of(ledger, "alice").gpus}
     [last] = {f"{NODE}:{i}" for i in range(4)} - alice
 
-    # bob and carol (students) take a quarter each: both on the last GPU, each its own part
-    for user in ("bob", "carol"):
-        r = hub.spawn(user, {"gpu_share": "1/4", "partition": "interactive"})
-        assert r.status_code in (201, 202), r.text
+    # bob and carol (students) take a quarter each: both on the last GPU, each its own part.
+    # bob through the REST API; carol on the spawn form, which offers the slice and says what
+    # Slurm's shards do not divide
+    r = hub.spawn("bob", {"gpu_share": "1/4", "partition": "interactive"})
+    assert r.status_code in (201, 202), r.text
+    browser = hub.login("carol")
+    page = browser.get(f"{hub.url}/hub/spawn")
+    assert re.search(r"1/4 GPU of a100 \(\d+ of 32 free\)", page.text), page.text  # 8 GPUs in quarters
+    assert "nothing divides its memory or compute" in page.text and "CUDA MPS" not in page.text
+    form = {"gpus": "1", "gpu_share": "1/4", "partition": "interactive", "_xsrf": xsrf_from(page.text)}
+    r = browser.post(f"{hub.url}/hub/spawn", data=form)
+    assert r.status_code == 200 and "/spawn-pending/carol" in r.url, (r.status_code, r.url)
     for user in ("bob", "carol"):
         hub.wait_ready(user, timeout=120)
     slices = {u: slice_of(ledger, u) for u in ("bob", "carol")}

@@ -211,9 +211,10 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
                 per_partition[p] = sum(1 for node in free_nodes if node in nodes)
             most = max((len(n.gpus()) for n in cluster.nodes), default=0)
             allowance = self.ledger.allowance(name, groups)
-            return allowance, self.ledger.models(), per_partition, self.chosen_partition(cluster, None), most
+            chosen = self.chosen_partition(cluster, None)
+            return allowance, self.ledger.models(), per_partition, chosen, most, self.ledger.slice_room()
 
-        allowance, models, per_partition, chosen, most = await asyncio.to_thread(facts)
+        allowance, models, per_partition, chosen, most, slice_room = await asyncio.to_thread(facts)
         # a request may wait in the queue: what the user may take is bounded by the limit only
         room = allowance.may_take if allowance.may_take is not None else most
         allowance = dataclasses.replace(allowance, fits=min(room, most))
@@ -226,6 +227,9 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             grace_seconds=self.gpuhub.preempt_grace_seconds,  # Slurm's GraceTime on the borrow QOS
             asked=self.refused_count(),  # a refused count stays in the field
             longest=self.longest_session(groups),  # the job's --time
+            slices=form.SliceChoice(slice_room, self.gpuhub.slices_only(groups), shards=True)
+            if slice_room
+            else None,
         )
 
     # the job ------------------------------------------------------------------------
@@ -410,11 +414,9 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
         job = self.job_id or self._seen_job  # batchspawner may have cleared the state already
         _, info = self.watcher.job(job) if job else ("", None)
         state = info.state.lower() if info else "gone"
-        allocation_id = allocation_id or self.allocation_id
-        if allocation_id:  # gpuhub ended it (a GPU Slurm gave twice): that reason, as written
-            mine = await self._in_ledger("get", allocation_id)
-            if mine is not None and mine.state == "released" and GAVE_TWICE in (mine.end_reason or ""):
-                return make_refusal(mine.end_reason, "gpu_conflict", 503)
+        gave_twice = await self._gave_twice(allocation_id or self.allocation_id)
+        if gave_twice is not None:
+            return gave_twice
         return make_refusal(
             f"Your server's Slurm job {job} ended before the server started ({state}). "
             f"Its output is in {log} (%j is the job id); tell an admin if it does not say why.",
@@ -574,14 +576,24 @@ class GpuSlurmSpawner(GpuSpawnerMixin, SlurmSpawner):
             self.log.warning("gpuhub: Slurm job %s of %s: %s", self.job_id, self.user.name, e)
             raise make_refusal(conflict_reason(e), "gpu_conflict", 503) from None
         except (LookupError, ValueError, SlurmError) as e:
-            mine = await self._in_ledger("get", allocation.id)
-            if mine is not None and mine.state == "released" and GAVE_TWICE in (mine.end_reason or ""):
-                raise make_refusal(mine.end_reason, "gpu_conflict", 503) from None  # the watcher ended it
+            gave_twice = await self._gave_twice(allocation.id)  # the watcher ended it meanwhile
+            if gave_twice is not None:
+                raise gave_twice from None
             # the watcher records (or, over the admission, cancels) it at its next cycle
             self.log.warning("gpuhub: GPUs of job %s not recorded now: %s", self.job_id, e)
             return await super().mark_started(allocation)
         self._progress(55, f"Slurm job {self.job_id} holds {', '.join(g.label for g in info.gpus)}")
         return info
+
+    async def _gave_twice(self, allocation_id: int) -> SpawnException | None:
+        """The refusal, with the ledger's reason as written, where the watcher ended this start's
+        allocation because Slurm gave its job a GPU another job holds; else None."""
+        if not allocation_id:
+            return None
+        mine = await self._in_ledger("get", allocation_id)
+        if mine is None or mine.state != "released" or GAVE_TWICE not in (mine.end_reason or ""):
+            return None
+        return make_refusal(mine.end_reason, "gpu_conflict", 503)
 
     async def _record(self, allocation: AllocationInfo, gpus):
         """``record_gpus``; where Slurm gave a GPU the ledger shows held by the other kind (whole

@@ -42,6 +42,7 @@ class SliceChoice:
 
     room: Mapping[str, tuple[Any, int, int]]
     only: bool = False
+    shards: bool = False  # Slurm's gres/shard: nothing divides the GPU's memory or compute
 
 
 @dataclass(frozen=True)
@@ -351,10 +352,16 @@ def slice_field(choice: SliceChoice, allowance: Allowance) -> list[str]:
         '  <div class="form-text" id="gpuhub-share-help" data-gpuhub="slice-isolation">'
         + only
         + "A slice is a part of one GPU shared with other users: it counts as that part of a GPU "
-        "against your limit and in GPU-hours, and waits in the queue when none is free. On NVIDIA "
-        "GPUs each slice runs through CUDA MPS with its own memory limit and share of the compute; "
-        "a fatal GPU fault in one user's work can end the work of the others on that GPU. "
-        "<code>%%distributed</code> needs whole GPUs.</div>",
+        "against your limit and in GPU-hours, and waits in the queue when none is free. "
+        + (
+            "Here a slice is one of Slurm's GPU shards: Slurm gives the GPU to your job, but nothing "
+            "divides its memory or compute between the users who share it. "
+            if choice.shards
+            else "On NVIDIA GPUs each slice runs through CUDA MPS with its own memory limit and share "
+            "of the compute; a fatal GPU fault in one user's work can end the work of the others on "
+            "that GPU. "
+        )
+        + "<code>%%distributed</code> needs whole GPUs.</div>",
         "</div>",
     ]
 
