@@ -374,6 +374,7 @@ class SlurmAccounting(LoggingConfigurable):
         """Each split GPU's shards, where ``c.GpuHub.gpu_slices`` splits any (the most of any
         sliced model's, as ``sinfo`` says), so that a limit of N GPUs lets N GPUs' worth of
         shards run; None where no GPU is split."""
+        from spawner.policy.slices import Offer
         from spawner.settings import GpuHub
         from spawner.slurm import shards
         from spawner.slurm.cluster import read_cluster
@@ -381,14 +382,8 @@ class SlurmAccounting(LoggingConfigurable):
         split = GpuHub(config=self.config).gpu_slices
         if not split:
             return None
-        per = [
-            have // gpus
-            for node in read_cluster().nodes
-            for model in split
-            for gpus, have in [shards.shards_per_gpu(node, model)]
-            if gpus and have
-        ]
-        return max(per, default=None)
+        per_slice = shards.check_shards({m: Offer(m, int(n)) for m, n in split.items()}, read_cluster())
+        return max(k * int(split[m]) for m, k in per_slice.items())
 
     def shares(self) -> Shares:
         """``c.GpuHub``'s fair-share weights, checked: a bad one is a ``ValueError`` naming its

@@ -57,13 +57,14 @@ def squeue_text_env(fmt: TextFormat, base: dict[str, str]) -> dict[str, str]:
     return {**base, "SQUEUE_FORMAT": fmt.format}
 
 
-def gres_request(count: int, model: str | None) -> str:
-    """``--gres`` value: ``gpu:a100:2``, or ``gpu:2`` for any type."""
+def gres_request(count: int, model: str | None, name: str = "gpu") -> str:
+    """``--gres`` value: ``gpu:a100:2``, or ``gpu:2`` for any type; ``name="shard"``: Slurm's
+    shards of GPUs of that type (a slice, ``spawner.slurm.shards``)."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"a GPU job needs a count of 1 or more; got {count!r}")
     if model is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", model):
         raise ValueError(f"not a Slurm GPU type: {model!r}")
-    return f"gpu:{model}:{count}" if model else f"gpu:{count}"
+    return f"{name}:{model}:{count}" if model else f"{name}:{count}"
 
 
 def job_qos(borrowed: int, borrow_qos: str) -> str:

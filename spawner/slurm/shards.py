@@ -16,10 +16,10 @@ it fences no memory and no compute between the jobs that share the GPU (time-sli
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 from spawner.policy.slices import SETTING, Offer
+from spawner.slurm.commands import gres_request
 from spawner.slurm.sinfo import Cluster, SlurmNode
 
 
@@ -32,7 +32,7 @@ def _gres_model(model: str, untyped: str) -> str | None:
     return None if model == untyped else model
 
 
-def shards_per_gpu(node: SlurmNode, model: str, untyped: str = "GPU") -> tuple[int, int]:
+def _gpus_and_shards(node: SlurmNode, model: str, untyped: str) -> tuple[int, int]:
     """(GPUs of ``model``, shards of ``model``) on ``node``."""
     t = _gres_model(model, untyped)
     return _count(node.gres, t), _count(node.shards, t)
@@ -47,7 +47,7 @@ def check_shards(offers: Mapping[str, Offer], cluster: Cluster, untyped: str = "
     for model, offer in sorted(offers.items()):
         per: dict[int, list[str]] = {}
         for node in cluster.nodes:
-            gpus, shards = shards_per_gpu(node, model, untyped)
+            gpus, shards = _gpus_and_shards(node, model, untyped)
             if not gpus:
                 continue
             if not shards:
@@ -84,9 +84,4 @@ def check_shards(offers: Mapping[str, Offer], cluster: Cluster, untyped: str = "
 
 def slice_gres(model: str, shards_per_slice: int, untyped: str = "GPU") -> str:
     """``--gres`` value of one slice: ``shard:a100:2`` (``shard:2`` for untyped GPUs)."""
-    if isinstance(shards_per_slice, bool) or not isinstance(shards_per_slice, int) or shards_per_slice < 1:
-        raise ValueError(f"a slice needs 1 shard or more; got {shards_per_slice!r}")
-    t = _gres_model(model, untyped)
-    if t is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", t):
-        raise ValueError(f"not a Slurm GPU type: {t!r}")
-    return f"shard:{t}:{shards_per_slice}" if t else f"shard:{shards_per_slice}"
+    return gres_request(shards_per_slice, _gres_model(model, untyped), "shard")
