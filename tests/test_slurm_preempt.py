@@ -159,6 +159,7 @@ def test_a_borrowed_engines_job_is_preempted_after_its_engines_saved(cluster):
     detail = slurm("scontrol", "show", "job", borrowed).stdout
     preempted = [w for w in detail.split() if w.startswith("PreemptTime=")]
     assert preempted and preempted[0] not in ("PreemptTime=None", "PreemptTime=Unknown"), detail
+
     # slurmdbd records the job's end a moment after slurmctld ends it: sacct may still say RUNNING
     def accounted() -> str | None:
         state = slurm("sacct", "-n", "-X", "-P", "-j", borrowed, "-o", "State").stdout.strip()
