@@ -130,3 +130,19 @@ def test_a_slices_script_asks_for_its_shard_and_a_server_without_gpus_for_none()
     none = form.GpuOptions(count=0, model=None, partition=None, hours=None, share=None)
     text = sp.script_for(*args, none, "gpu", slice_asked=("a100", 4), cluster=TWO)
     assert "--gres" not in text and "export CUDA_VISIBLE_DEVICES=" in text
+
+
+@pytest.mark.parametrize(
+    "answered, words",
+    [
+        (False, "It was ended before your server answered: no work ran there. Start again."),
+        (True, "Your server was stopped with it: what its kernels held in memory is lost. Start again."),
+    ],
+)
+def test_a_gpu_given_twice_says_what_ending_the_job_cost_within_a_ledger_reason(answered, words):
+    from spawner.slurm.watcher import GAVE_TWICE, conflict_reason
+
+    text = conflict_reason(ValueError("GPU n:1 went to job 5; job 4 of bob holds a slice of it"), answered)
+    assert text.startswith(GAVE_TWICE) and text.endswith(words) and "job 4 of bob" in text
+    long = conflict_reason(ValueError("x" * 400), answered)
+    assert len(long) == 255 and long.endswith(words)  # the ledger keeps 255 characters of a reason

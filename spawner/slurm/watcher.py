@@ -398,7 +398,7 @@ class SlurmWatcher(LoggingConfigurable):
                         ledger.record_gpus, a.id, gpus, action.job_id, live
                     )
             except GpuConflict as e:  # Slurm gave one GPU twice: the job that got it last goes
-                reason = conflict_reason(e)
+                reason = conflict_reason(e, answered=a.state == "running")
                 # the reason is written before the job ends, so its spawner tells its user that
                 # reason; a job that is not cancelled now is its released allocation's orphan,
                 # cancelled at the next cycle
@@ -431,13 +431,16 @@ class SlurmWatcher(LoggingConfigurable):
 GAVE_TWICE = "Slurm gave this job a GPU that another job still holds"
 
 
-def conflict_reason(e: Exception) -> str:
+def conflict_reason(e: Exception, answered: bool = False) -> str:
     """What a user is told when Slurm gave their job a GPU another live job still holds (kept
-    within the ledger's 255 characters of a reason)."""
-    tail = (
-        "; a Slurm fault, docs/known-issues.md). It was ended before your server answered: no work "
-        "ran there. Start again."
+    within the ledger's 255 characters of a reason). ``answered``: the server had started (its
+    allocation was running), so what it held in memory is lost with the job."""
+    what = (
+        "Your server was stopped with it: what its kernels held in memory is lost."
+        if answered
+        else "It was ended before your server answered: no work ran there."
     )
+    tail = f"; a Slurm fault, docs/known-issues.md). {what} Start again."
     head = f"{GAVE_TWICE} ("
     return head + str(e)[: 255 - len(head) - len(tail)] + tail
 
