@@ -89,9 +89,15 @@ def test_fair_share_puts_a_light_users_later_job_ahead_of_a_heavy_users(tmp_path
         heavy = sbatch("-A", "gpuhub", "--gres=gpu:4", "--time=5", user=HEAVY)
         wait_for(lambda: job_state(heavy) == "PENDING", 10, "the heavy user's job to wait")
         light = sbatch("-A", "gpuhub", "--gres=gpu:4", "--time=5", user=LIGHT)  # asked later
-        listed = squeue_json()
+
+        # a job's priority is set at its submission and recomputed each PriorityCalcPeriod: the
+        # light user's is the higher once Slurm has weighed both (a fresh-clone run read 272, 272)
+        def ranked():
+            jobs = squeue_json()
+            return jobs if jobs[light]["priority"] > jobs[heavy]["priority"] else None
+
+        listed = wait_for(ranked, 90, "Slurm to rank the light user's job above the heavy user's")
         assert listed[light]["submit_time"] >= listed[heavy]["submit_time"]
-        assert listed[light]["priority"] > listed[heavy]["priority"], (listed[light], listed[heavy])
         queue = squeue.parse_squeue_json(json.dumps({"jobs": list(listed.values())}), ["gpuhub-test"]).queue
         assert squeue.queue_positions(queue, [light, heavy]) == {light: (1, 2, "gpu"), heavy: (2, 2, "gpu")}
 
