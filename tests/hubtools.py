@@ -93,6 +93,22 @@ def kernel_connection_file(kernel_id: str) -> str:
     return kernel_process(kernel_id)[1]
 
 
+def find_process(words: list[str], environ: str = "") -> int:
+    """The one process whose command line has each of ``words`` (and whose environment has
+    ``environ``)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            env = (entry / "environ").read_bytes().decode(errors="replace") if environ else ""
+        except OSError:
+            continue
+        if all(w in cmd for w in words) and environ in env:
+            return int(entry.name)
+    raise AssertionError(f"no process with {words} {environ}".rstrip())
+
+
 def process_environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes()
     return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
@@ -374,6 +390,14 @@ enable_broker(
 
     def server_pid(self, user: str, name: str = "") -> int:
         return int(self.server(user, name)["state"]["pid"])
+
+    def broker_pid(self) -> int:
+        """The hub's broker process (a managed service listening on the hub's broker port)."""
+        return find_process(["spawner.broker"], environ=f":{self.broker_port}")
+
+    def proxy_pid(self) -> int:
+        """The hub's configurable-http-proxy (started by the hub, listening on its port)."""
+        return find_process(["configurable-http-proxy", f"--port {self.port}"])
 
     def server_env(self, user: str, name: str = "") -> dict[str, str]:
         """The environment of the running server process, read from /proc."""

@@ -85,7 +85,8 @@ def test_a_disabled_policy_judges_nothing():
 
 def test_verdict_times_and_reason():
     v = judge(reporting(last=T0 + 1000), RULES, [], T0 + 1000)
-    assert v.state == "warned" and v.idle_seconds == 1000
+    assert (v.state, v.idle_seconds, v.since) == ("warned", 1000, T0)
+    assert judge(reporting(last=T0 + 1030), RULES, [], T0 + 1030).since == T0  # the same spell
     assert v.reclaim_at == T0 + 1000 + RULES.notice  # warned now: full notice from now
     assert v.reason == "its 2 GPUs stayed below 5% utilization with no kernel activity for 17 min"
     v = judge(reporting(last=T0 + 100), RULES, [], T0 + 100)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
@@ -61,21 +60,6 @@ def open_lab(browser, hub, user):
     page.goto(f"{hub.url}/user/{user}/lab")
     expect(page.locator(".gpuhub-status")).to_be_visible(timeout=60_000)
     return page
-
-
-def broker_pid(hub) -> int:
-    """The hub's broker process (a managed service listening on the hub's broker port)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            env = (entry / "environ").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if "spawner.broker" in cmd and f":{hub.broker_port}" in env:
-            return int(entry.name)
-    raise AssertionError("the broker's process was not found")
 
 
 def toasts(page, text: str) -> int:
@@ -153,7 +137,7 @@ def test_lab_shows_this_servers_gpus_their_live_use_and_the_kernels_icon(
     assert r.status_code in (302, 403) and "gpus" not in r.text
 
     # a broker that does not answer: the status bar says so, the page shows no error
-    pid = broker_pid(hub)
+    pid = hub.broker_pid()
     os.kill(pid, signal.SIGSTOP)
     try:
         expect(bar).to_have_text("GPU status unavailable", timeout=30_000)

@@ -232,6 +232,14 @@ def test_an_idle_warning_is_one_event_per_spell_and_a_time_warning_one_per_end()
     assert same["key"] == e["key"]
     [again] = status.events(me(alloc(1, idle=idle)), [], "", NOW + timedelta(hours=1))
     assert again["key"] != e["key"]
+    # the broker's idle_seconds are as of its last sweep: polls either side of a minute's edge
+    # still tell one spell, by the start the broker gives
+    since = {"since": iso(NOW - timedelta(seconds=299))}
+    keys = {
+        status.events(me(alloc(1, idle=idle | since)), [], "", NOW + timedelta(seconds=s))[0]["key"]
+        for s in (0, 1, 59, 61, 119)
+    }
+    assert keys == {f"idle:1:{since['since']}"}
     ends = iso(NOW + timedelta(minutes=30))
     [t] = status.events(me(alloc(1, time_limit={"ends": ends, "seconds": 3600, "warned": True})), [], "", NOW)
     assert (t["key"], t["deadline"]) == (f"time:1:{ends}", ends)

@@ -63,9 +63,11 @@ async def test_a_spawn_cancelled_during_admission_gives_the_gpus_back(make_spawn
     task = asyncio.ensure_future(sp.start())
     await asyncio.to_thread(entered.wait, 10)
     task.cancel()  # JupyterHub's stop or start_timeout, while the ledger is committing
-    proceed.set()
     with pytest.raises(asyncio.CancelledError):
-        await task
+        await task  # at once: JupyterHub's stop answers 500 if a cancelled start is still pending
+    assert not proceed.is_set()
+    proceed.set()
+    await sp._settle_cancelled()
     assert not sp.started
     assert not any(st.holder for st in ledger.gpu_table()), "the cancelled spawn still holds GPUs"
     assert ledger.active() == []
@@ -97,3 +99,72 @@ async def test_a_stale_allocation_is_released_on_the_next_start(make_spawner):
     ledger = sp.ledger
     assert ledger.get(first).state == "released" and ledger.get(first).end_reason == "replaced by a new start"
     assert [a.id for a in ledger.active()] == [again.allocation_id]
+
+
+def hold_every_gpu(ledger):
+    return ledger.allocate("bob", [], 4, purpose="server")
+
+
+async def start_waiting(sp, ledger):
+    """``sp``'s start for 1 GPU, waiting in the queue behind bob's 4 GPUs; its entry."""
+    sp.user_options = {"gpus": 1}
+    sp.gpuhub.queue_poll_seconds = 0.05
+    task = asyncio.ensure_future(sp.start())
+    while not ledger.queue():
+        await asyncio.sleep(0.02)
+    [entry] = ledger.queue()
+    return task, entry.id
+
+
+def blocked(monkeypatch, ledger, method):
+    """Make ``ledger.method`` wait (in its worker thread) until the test lets it go on."""
+    entered, proceed = threading.Event(), threading.Event()
+    real = getattr(ledger, method)
+
+    def slow(*args, **kw):
+        entered.set()
+        proceed.wait(10)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ledger, method, slow)
+    return entered, proceed
+
+
+async def test_a_start_stopped_in_the_queue_ends_at_once_and_leaves_the_queue_after(
+    make_spawner, monkeypatch
+):
+    sp = make_spawner()
+    ledger = await asyncio.to_thread(lambda: sp.ledger)
+    hold_every_gpu(ledger)
+    task, entry = await start_waiting(sp, ledger)
+    entered, proceed = blocked(monkeypatch, ledger, "leave_queue")
+    task.cancel()  # the stop button while it waits
+    with pytest.raises(asyncio.CancelledError):
+        await task  # at once, though the ledger has not written its leaving yet
+    assert ledger.queue_entry(entry).state == "waiting"
+    await asyncio.to_thread(entered.wait, 10)
+    proceed.set()
+    await sp._settle_cancelled()
+    left = ledger.queue_entry(entry)
+    assert (left.state, left.end_reason) == ("left", "the server was stopped while it waited")
+    assert not sp.started
+
+
+async def test_a_grant_in_flight_when_the_start_is_stopped_is_given_back(make_spawner, monkeypatch):
+    sp = make_spawner()
+    ledger = await asyncio.to_thread(lambda: sp.ledger)
+    bobs = hold_every_gpu(ledger)
+    task, entry = await start_waiting(sp, ledger)
+    entered, proceed = blocked(monkeypatch, ledger, "wait_turn")
+    await asyncio.to_thread(entered.wait, 10)
+    ledger.release(bobs.id, "test")  # alice's turn: the ask in flight books her GPU
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    proceed.set()
+    await sp._settle_cancelled()
+    granted = ledger.queue_entry(entry)
+    assert granted.state == "granted", granted
+    assert ledger.get(granted.allocation_id).end_reason == "the server was stopped while it waited"
+    assert ledger.active() == [], "a grant booked for a stopped start was kept"
+    assert not sp.started

@@ -121,6 +121,7 @@ def test_an_idle_server_is_warned_then_stopped_a_busy_and_an_exempt_one_kept(rec
     wait_for(lambda: idle_state(hub, alloc["alice"].id)["state"] == "warned", 30, "alice warned")
     warned = idle_state(hub, alloc["alice"].id)
     assert 0 < warned["reclaim_in_seconds"] <= 12 and "below 5% utilization" in warned["reason"]
+    assert warned["since"].endswith("Z") and idle_state(hub, alloc["alice"].id)["since"] == warned["since"]
     # the owner sees the warning on /me (what %gpus and the user page show)
     me = hub.broker("GET", "me", hub.user_token("alice")).json()
     assert me["allocations"][0]["idle"]["state"] == "warned"

@@ -34,6 +34,15 @@ def _recent(text: str | None, now: datetime) -> bool:
     return bool(text) and _epoch(now) - parse_due(text) <= RECENT_SECONDS
 
 
+def _spell(idle: Mapping[str, Any], now: datetime) -> str:
+    """One spell of idleness: its start as the broker says it. From an older broker that does
+    not, ``idle_seconds`` before ``now`` to the minute (its ``idle_seconds`` are as of its last
+    sweep, so a poll near a minute's edge can then tell the same spell twice)."""
+    if idle.get("since"):
+        return str(idle["since"])
+    return str(int((_epoch(now) - float(idle["idle_seconds"])) // 60))
+
+
 def _gpu_count(n: int) -> str:
     return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
@@ -198,8 +207,7 @@ def events(
             n = len(a["gpus"])
             out.append(
                 {
-                    # one spell of idleness: it began idle_seconds ago (to the minute)
-                    "key": f"idle:{a['id']}:{int((_epoch(now) - float(idle['idle_seconds'])) // 60)}",
+                    "key": f"idle:{a['id']}:{_spell(idle, now)}",
                     "kind": "idle",
                     "level": "warning",
                     "title": f"{_gpu_count(n)} of {target.lower() if a['purpose'] == 'server' else target} "

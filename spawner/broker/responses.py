@@ -286,10 +286,19 @@ def usage_csv(usage: dict[str, Any]) -> str:
 def idle_json(verdict: Verdict | None, now: float) -> dict[str, Any]:
     """An allocation's idle state: ``unknown`` until the broker has judged it."""
     if verdict is None:
-        return {"state": "unknown", "idle_seconds": 0, "reclaim_in_seconds": None, "reason": ""}
+        return {
+            "state": "unknown",
+            "idle_seconds": 0,
+            "since": None,
+            "reclaim_in_seconds": None,
+            "reason": "",
+        }
+    since = None if verdict.since is None else datetime.fromtimestamp(verdict.since, UTC).replace(tzinfo=None)
     return {
         "state": verdict.state,
         "idle_seconds": round(verdict.idle_seconds, 1),
+        # the spell's start, fixed while it lasts (idle_seconds is as of the broker's last look)
+        "since": iso(since),
         "reclaim_in_seconds": None
         if verdict.reclaim_at is None
         else round(max(0.0, verdict.reclaim_at - now), 1),

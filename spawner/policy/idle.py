@@ -75,6 +75,7 @@ class Verdict:
     idle_seconds: float = 0.0
     reclaim_at: float | None = None  # when it will be reclaimed if it stays idle
     reason: str = ""
+    since: float | None = None  # when this spell of idleness began (the clock's seconds)
 
 
 def is_exempt(rules: IdleRules, user: str, groups: Iterable[str]) -> bool:
@@ -118,12 +119,12 @@ def judge(w: Watch, rules: IdleRules, groups: Iterable[str], now: float) -> Verd
     never = w.purpose == "server" and rules.servers == "warn"
     reason = describe_idle(rules, w.gpus, idle)
     if idle < rules.warn_after:
-        return Verdict("active", idle, None if never else reclaim_at)
+        return Verdict("active", idle, None if never else reclaim_at, since=since)
     if warned and now >= reclaim_at and not never:
-        return Verdict("reclaim", idle, reclaim_at, reason)
+        return Verdict("reclaim", idle, reclaim_at, reason, since)
     if not warned:
         reclaim_at = max(reclaim_at, now + rules.notice)
-    return Verdict("warned", idle, None if never else reclaim_at, reason)
+    return Verdict("warned", idle, None if never else reclaim_at, reason, since)
 
 
 def after_samples(w: Watch, busy_gpu: bool, now: float, stale_after: float) -> Watch:

@@ -16,7 +16,6 @@ shows it in the form, the REST API answers it as a 4xx.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
 
@@ -26,12 +25,13 @@ from traitlets.config import Configurable
 
 from gpu_magics.common import words
 from spawner import policy
-from spawner.ledger import Ledger, utcnow
-from spawner.policy import timelimits, waitline
+from spawner.ledger import Ledger
+from spawner.policy import timelimits
 from spawner.policy.records import AllocationInfo
 from spawner.settings import GpuHub
 from spawner.spawners import form, pending, readiness, slicing
 from spawner.spawners.refusals import install_log_filter, make_refusal
+from spawner.spawners.waiting import QueueWaiting
 
 STATE_KEY = "gpuhub_allocation_id"
 REPORTER = "gpu_magics.report.reporter"
@@ -61,7 +61,7 @@ def _options_read_in_start(spawner, user_options) -> None:
     """The default ``apply_user_options``: nothing to do before ``start()``."""
 
 
-class GpuSpawnerMixin(Configurable):
+class GpuSpawnerMixin(QueueWaiting, Configurable):
     """Mix in before a JupyterHub spawner class: ``class S(GpuSpawnerMixin, LocalProcessSpawner)``."""
 
     backend_name = "local"
@@ -346,10 +346,8 @@ class GpuSpawnerMixin(Configurable):
                 got = await asyncio.shield(request)
             except asyncio.CancelledError:
                 # the spawn was cancelled (stop, start_timeout) while the ledger worked:
-                # the worker may still commit, so wait for it and give back what it took
-                with contextlib.suppress(policy.Refusal):
-                    got = await request
-                    await self._give_back(got, "spawn cancelled")
+                # the worker may still commit; what it took is given back after the start ends
+                self._give_back_later("spawn cancelled", request)
                 raise
             if not queued:
                 return got
@@ -361,78 +359,11 @@ class GpuSpawnerMixin(Configurable):
             install_log_filter(self.log)  # before JupyterHub logs this refusal
             raise make_refusal(e.message, e.reason, e.status_code) from None
 
-    async def _give_back(self, got, reason: str) -> None:
-        """Release what a request got (an allocation, or a place in the queue)."""
-        allocation = getattr(got, "allocation", got)
-        entry = getattr(got, "entry", None)
-        if allocation is not None:
-            await self._in_ledger("release", allocation.id, reason)
-        if entry is not None and allocation is None:
-            await self._in_ledger("leave_queue", entry.id, reason)
-
-    async def _wait_in_queue(self, entry) -> AllocationInfo:
-        """Wait in the queue, showing the place and expected start on the spawn page, until
-        the ledger grants the GPUs; a stop (the page's button, an admin) leaves the queue."""
-        self.queue_entry_id = entry.id
-        poll = self.gpuhub.queue_poll_seconds
-        shown = None
-        try:
-            while True:
-                if entry.state == "left":
-                    raise policy.Refusal(
-                        waitline.left_message(entry.amount, entry.end_reason), reason="left_queue"
-                    )
-                line = entry.line(utcnow())
-                if line != shown:
-                    self._progress(
-                        waitline.queue_progress(entry.position, entry.waiting),
-                        line,
-                        heading=waitline.queue_heading(entry.position, entry.waiting),
-                        position=entry.position,
-                        waiting=entry.waiting,
-                    )
-                    shown = line
-                if self._gpuhub_stopped:
-                    raise asyncio.CancelledError()
-                await asyncio.sleep(poll)
-                if self._gpuhub_stopped:
-                    raise asyncio.CancelledError()
-                got = await asyncio.shield(asyncio.ensure_future(self._in_ledger("wait_turn", entry.id)))
-                if got.allocation is not None:
-                    if self._gpuhub_stopped:  # stopped while the grant was written
-                        await self._in_ledger("release", got.allocation.id, "server stopped while it waited")
-                        raise asyncio.CancelledError()
-                    waited = (got.allocation.created - entry.created).total_seconds()
-                    self._progress(
-                        52,
-                        f"Your turn came after {waited:.0f} s in the queue",
-                        heading="Your GPUs are free: your server is starting up",
-                    )
-                    return got.allocation
-                entry = got.entry
-        except asyncio.CancelledError:
-            # JupyterHub cancels the start when the server is stopped (the spawn page's stop
-            # button, an admin) and never calls stop() for a server that has no process yet
-            await asyncio.shield(
-                asyncio.ensure_future(
-                    self._in_ledger("leave_queue", entry.id, "the server was stopped while it waited")
-                )
-            )
-            raise
-        except Exception:
-            await asyncio.shield(
-                asyncio.ensure_future(
-                    self._in_ledger("leave_queue", entry.id, "the spawn failed while it waited")
-                )
-            )
-            raise
-        finally:
-            self.queue_entry_id = 0
-
     async def start(self):
         self._gpuhub_events = []
         self._gpuhub_stopped = False
         self._gpuhub_asked = None  # set again if this start is refused
+        await self._settle_cancelled()  # a cancelled start before this one gave back what it got
         if self.allocation_id:  # left over from a start that never reached stop()
             await self._release(self.allocation_id, "replaced by a new start")
         self._progress(5, "Checking your GPU allowance")
