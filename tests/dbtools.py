@@ -79,6 +79,18 @@ def postgres_database() -> Iterator[str]:
             conn.exec_driver_sql(f"DROP SCHEMA {name} CASCADE")
 
 
+def end_connections(application_name: str) -> int:
+    """End every connection of a database from :func:`postgres_database` (named after it), as a
+    restart of the server does to its clients; how many there were."""
+    with _admin().connect() as conn:
+        return len(
+            conn.execute(
+                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :n"),
+                {"n": application_name},
+            ).all()
+        )
+
+
 @contextmanager
 def ledger_database(backend: str, tmp_path: Path) -> Iterator[str]:
     """The URL of a fresh, empty ledger database on ``backend`` ("sqlite" or "postgresql")."""

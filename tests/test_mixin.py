@@ -1,6 +1,8 @@
 """The spawner mixin's lifecycle on a real ledger, with the hub-side parts stubbed."""
 
 import asyncio
+import signal
+import subprocess
 import threading
 from types import SimpleNamespace
 
@@ -168,3 +170,37 @@ async def test_a_grant_in_flight_when_the_start_is_stopped_is_given_back(make_sp
     assert ledger.get(granted.allocation_id).end_reason == "the server was stopped while it waited"
     assert ledger.active() == [], "a grant booked for a stopped start was kept"
     assert not sp.started
+
+
+class HangingStop(StubBackend):
+    """A backend whose stop waits (a server slow to end its kernels)."""
+
+    async def stop(self, now=False):
+        await asyncio.Event().wait()
+
+
+class GpuHanging(LocalGpuMixin, HangingStop):
+    pid = 0
+
+
+async def test_a_stop_cut_short_ends_the_server_before_its_gpus_are_given_back(make_spawner):
+    """The hub shutting down cancels a stop in flight: the server must not keep running on
+    GPUs the ledger gives back (a soak's hub restart left one running, found by tests/test_soak.py)."""
+    sp = make_spawner()
+    hanging = GpuHanging(config=sp.config, user=sp.user, hub=sp.hub)
+    hanging.user_options = {"gpus": 1}
+    await hanging.start()
+    server = subprocess.Popen(["sleep", "60"])
+    try:
+        hanging.pid = server.pid
+        stop = asyncio.ensure_future(hanging.stop())
+        await asyncio.sleep(0.2)  # in the backend's stop
+        assert hanging.ledger.active() != []
+        stop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stop
+        assert server.wait(10) == -signal.SIGKILL
+        assert hanging.ledger.active() == []
+    finally:
+        server.kill()
+        server.wait()

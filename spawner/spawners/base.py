@@ -259,6 +259,10 @@ class GpuSpawnerMixin(QueueWaiting, Configurable):
         """Whether the started server may still answer (backends: its process, its job)."""
         return True
 
+    def end_server_now(self) -> None:
+        """End the server at once, without waiting (backends: SIGKILL its process): a stop
+        cut short gives its GPUs back, so the server must not outlive it."""
+
     async def _wait_answering(self, started) -> None:
         """Return once the started server answers (see :mod:`.readiness`); a server that is
         gone, or silent for ``http_timeout``, fails the start (its GPUs are released)."""
@@ -441,6 +445,11 @@ class GpuSpawnerMixin(QueueWaiting, Configurable):
             )
         try:
             await super().stop(now=now)
+        except asyncio.CancelledError:
+            # cut short: the hub shutting down cancels what still runs. Its GPUs are given
+            # back below, so a server still running would keep them in use unseen
+            self.end_server_now()
+            raise
         finally:
             await self._release_server(allocation_id, "server stopped")
 

@@ -14,6 +14,9 @@ dead one through ``poll()``.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -76,6 +79,13 @@ class LocalGpuMixin(GpuSpawnerMixin):
 
     async def server_alive(self) -> bool:
         return bool(getattr(self, "pid", 0)) and pid_alive(self.pid)
+
+    def end_server_now(self) -> None:
+        pid = getattr(self, "pid", 0)
+        if pid and pid_alive(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                self.log.warning("Server %s: its stop was cut short; SIGKILLed %s", self._log_name, pid)
 
     async def _signal(self, sig):
         if sig == 0:  # LocalProcessSpawner.poll's liveness check: count zombies as dead

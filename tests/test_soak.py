@@ -1,0 +1,47 @@
+"""A soak, short (issue 35; ``benchmarks/soak.py`` is the long one): 10 users on a real hub
+with 4 simulated GPUs for 80 s, while the broker, the proxy, a server and the hub are killed or
+restarted, a server is paused, and (on PostgreSQL) the ledger's database drops every connection
+(``tests/soaktools.py``). Afterwards: every allocation and wait ended with its reason, no GPU had
+two holders, nobody was over their limit beyond their borrowing allowance, no answer was a 500
+(nor a 502-504 outside a fault), the killed server's GPUs came back, and nothing of the hub is
+left running.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from .dbtools import ledger_database
+from .hubtools import Hub
+from .soaktools import Soak, config
+
+pytestmark = pytest.mark.hub
+GPUS, USERS, SECONDS = 4, 10, 80.0
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_soak_with_faults_loses_nothing_and_breaks_no_rule(backend, tmp_path):
+    users = [f"u{i:02d}" for i in range(USERS)]
+    lab, target = users[: USERS // 2], users[-1]
+    with ledger_database(backend, tmp_path) as url:
+        hub = Hub(tmp_path / "hub", extra_config=config(GPUS, lab, target), ledger_url=url).start()
+        soak = Soak(hub, users, lab, target, SECONDS, seed=35)
+        soak.database = make_url(url).query.get("application_name", "") if backend == "postgresql" else ""
+        try:
+            hub.wait_for_broker()
+            for user in users:
+                hub.ensure_user(user)
+            soak.run()
+        finally:
+            soak.shutdown()
+        figures = soak.figures()
+        print(figures)
+        assert soak.problems() == []
+        # it did what it says: every fault ran, with something to hit; users got GPUs and waited
+        assert [f.name for f in soak.faults] == list(soak.schedule)
+        assert all("no ready server" not in f.detail for f in soak.faults), figures["faults"]
+        assert figures["allocations"] > USERS and figures["waits"] > 0 and figures["bursts granted"] > 0, (
+            figures
+        )
+        assert soak.kills, "no server was killed"
