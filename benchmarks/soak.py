@@ -36,11 +36,11 @@ def main() -> None:
     minutes = float(sys.argv[3]) if len(sys.argv) > 3 else 30.0
     backend = sys.argv[4] if len(sys.argv) > 4 else "sqlite"
     users = [f"u{i:03d}" for i in range(n)]
-    lab, target = users[: n // 2], users[-1]
+    lab, target = [*users[: n // 2], "r000"], users[-1]
     schedule = FAULTS * max(1, math.ceil(minutes / 5))
     with tempfile.TemporaryDirectory() as d, ledger_database(backend, Path(d)) as url:
         hub = Hub(Path(d) / "hub", extra_config=config(gpus, lab, target), ledger_url=url).start(timeout=180)
-        soak = Soak(hub, users, lab, target, minutes * 60, seed=35, schedule=schedule)
+        soak = Soak(hub, users, lab, target, minutes * 60, seed=35, schedule=schedule, researcher="r000")
         if backend == "postgresql":
             soak.database = make_url(url).query.get("application_name", "")
         t = time.perf_counter()

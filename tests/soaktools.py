@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -111,6 +112,9 @@ class Soak:
     kills: list[tuple[datetime, str, int]] = field(default_factory=list)  # (when, user, allocation)
     until: float = 0.0
     stop_5xx: int = 0
+    researcher: str = ""  # a lab member training in a %%distributed pool all along (none: "")
+    research: list[str] = field(default_factory=list)  # what the researcher saw go wrong
+    cells: int = 0  # the researcher's training cells that ran
     leftover: list[str] = field(default_factory=list)  # what still ran after the shutdown
 
     # one answer ------------------------------------------------------------------------
@@ -178,9 +182,48 @@ class Soak:
                 self.call("admin", "limit", "DELETE", f"limits/user/{self.admin_target}", token)
             time.sleep(rng.uniform(5, 10))
 
+    def train(self, kc) -> None:
+        """The researcher: a 2-rank pool on the server's own 2 GPUs with ``--autosave``, one
+        training step per cell all along (each rank's state checked after each), then
+        ``%distributed shutdown`` (which autosaves), a new pool, and a restore whose bytes must be
+        the last step's, on every rank."""
+        from .kerneltools import run_cell
+
+        d = self.hub.dir / "research-checkpoints"
+        steps = 0
+
+        def cell(code: str, timeout: float = 120) -> str:
+            status, out = run_cell(kc, code, timeout=timeout)
+            if status != "ok":
+                self.research.append(f"cell {code.splitlines()[0]!r} failed: {out[-300:]}")
+            return out
+
+        def ranks_hold(out: str, n: int, when: str) -> None:
+            seen = sorted(re.findall(r"W (\d+) (-?\d+)", out))
+            if seen != [("0", str(n)), ("1", str(n))]:
+                self.research.append(f"{when}: the ranks hold {seen}, not step {n} on both")
+
+        cell(f"%%distributed --gpus 2 --timeout 60 --autosave w --dir {d}\nimport torch\nw = torch.zeros(4)")
+        for _ in range(1000):
+            if time.monotonic() >= self.until - 15 or self.research:
+                break
+            out = cell("%%distributed --timeout 60\nw += 1\nprint('W', rank, int(w[0]), flush=True)")
+            steps += 1
+            ranks_hold(out, steps, f"step {steps}")
+            self.cells += 1
+            time.sleep(1)
+        out = cell("%distributed shutdown")
+        if "autosaved before %distributed shutdown" not in out:
+            self.research.append(f"the shutdown did not say it autosaved: {out[-300:]}")
+        cell("%%distributed --gpus 2 --timeout 60\nimport torch\nw = torch.full((4,), -1.0)")
+        cell(f"%distributed restore w --dir {d}")
+        ranks_hold(cell("%%distributed\nprint('W', rank, int(w[0]), flush=True)"), steps, "restored")
+        cell("%distributed shutdown")
+
     # the faults --------------------------------------------------------------------------
 
-    def _ready_servers(self) -> list[tuple[str, int]]:
+    def _ready_servers(self, ledger: Ledger) -> list[tuple[str, int]]:
+        """Users' ready servers (not the researcher's), those holding GPUs first."""
         out = []
         for user in self.users:
             try:
@@ -189,7 +232,8 @@ class Soak:
                 continue
             if s and s.get("ready") and s.get("state", {}).get("pid"):
                 out.append((user, int(s["state"]["pid"])))
-        return out
+        holding = {a.user for a in ledger.active(purpose="server") if a.gpus}
+        return [r for r in out if r[0] in holding] or out
 
     def inject(self, name: str, ledger: Ledger, rng: random.Random) -> Fault:
         f = Fault(name, time.monotonic())
@@ -211,7 +255,7 @@ class Soak:
             self.hub.wait_for_broker(120)
             f.detail = "hub stopped (SIGTERM) and started again"
         elif name in ("server_kill", "server_pause"):
-            ready = self._ready_servers()
+            ready = self._ready_servers(ledger)
             if not ready:
                 f.detail = "no ready server to hit"
             else:
@@ -243,11 +287,18 @@ class Soak:
         tokens = {u: self.hub.user_token(u) for u in self.users}
         admin = self.hub.user_token("admin")
         ledger = Ledger(self.hub.ledger_url)
+        kc = None
+        if self.researcher:  # first, so that its server does not wait behind the others
+            assert self.hub.spawn(self.researcher, {"gpus": 2}).status_code in (201, 202)
+            self.hub.wait_ready(self.researcher, timeout=120)
+            kc = self.hub.server_kernel(self.researcher)
         self.until = time.monotonic() + self.duration
         threads = [
             threading.Thread(target=self.user, args=(u, tokens[u], random.Random(rng.random())), daemon=True)
             for u in self.users
         ] + [threading.Thread(target=self.admin, args=(admin, random.Random(rng.random())), daemon=True)]
+        if kc is not None:
+            threads.append(threading.Thread(target=self.train, args=(kc,), daemon=True))
         for th in threads:
             th.start()
         try:
@@ -257,14 +308,16 @@ class Soak:
                 self.inject(name, ledger, rng)
         finally:
             for th in threads:
-                th.join(max(1.0, self.until - time.monotonic() + 120))
+                th.join(max(1.0, self.until - time.monotonic() + 180))
+            if kc is not None:
+                kc.stop_channels()
             ledger.close()
 
     def shutdown(self) -> None:
         """Stop every server (a waiting one leaves the queue), then the hub; what is still
         running after that is killed, and the problems say so."""
         try:
-            self.stop_5xx = stop_all(self.hub, self.users)
+            self.stop_5xx = stop_all(self.hub, self.users + ([self.researcher] if self.researcher else []))
         finally:
             self.hub.stop()
             left = left_running(self.hub)
@@ -281,6 +334,7 @@ class Soak:
         url = self.hub.ledger_url
         out = list(unfinished(url))
         out += check_invariants(*history(url), limits=limits_of(self.lab, self.admin_target))
+        out += [f"the researcher's pool: {p}" for p in self.research]
         out += [
             f"{a.who}'s {a.what} answered {a.status}: {a.body[:120]}" for a in self.answers if self.wrong(a)
         ]
@@ -323,6 +377,7 @@ class Soak:
                 "waits": len(entries),
                 "preemptions": len(ledger.preemptions(since=since)),
                 "reclaims": len(ledger.reclaims(since=since)),
+                "training cells": self.cells,
                 "faults": [
                     f"{f.name}: {f.detail} ({(f.end or f.start) - f.start:.1f} s)" for f in self.faults
                 ],

@@ -204,3 +204,39 @@ async def test_a_stop_cut_short_ends_the_server_before_its_gpus_are_given_back(m
     finally:
         server.kill()
         server.wait()
+
+
+class HangingStart(StubBackend):
+    """A backend whose server process is up but whose start has not returned yet."""
+
+    process: subprocess.Popen | None = None
+
+    async def start(self):
+        self.process = subprocess.Popen(["sleep", "60"])
+        self.pid = self.process.pid
+        await asyncio.Event().wait()
+
+
+class GpuHangingStart(LocalGpuMixin, HangingStart):
+    pid = 0
+
+
+async def test_a_start_cut_short_ends_the_server_it_began_before_its_gpus_are_given_back(make_spawner):
+    sp = make_spawner()
+    starting = GpuHangingStart(config=sp.config, user=sp.user, hub=sp.hub)
+    starting.user_options = {"gpus": 1}
+    start = asyncio.ensure_future(starting.start())
+    try:
+        while starting.process is None:
+            await asyncio.sleep(0.05)
+        assert starting.ledger.active() != []
+        start.cancel()  # the hub shutting down while the server starts
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        assert starting.process.wait(10) == -signal.SIGKILL
+        await starting._settle_cancelled()
+        assert starting.ledger.active() == []
+    finally:
+        if starting.process is not None:
+            starting.process.kill()
+            starting.process.wait()

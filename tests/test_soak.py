@@ -23,10 +23,10 @@ GPUS, USERS, SECONDS = 4, 10, 80.0
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_a_soak_with_faults_loses_nothing_and_breaks_no_rule(backend, tmp_path):
     users = [f"u{i:02d}" for i in range(USERS)]
-    lab, target = users[: USERS // 2], users[-1]
+    lab, target = [*users[: USERS // 2], "r00"], users[-1]
     with ledger_database(backend, tmp_path) as url:
         hub = Hub(tmp_path / "hub", extra_config=config(GPUS, lab, target), ledger_url=url).start()
-        soak = Soak(hub, users, lab, target, SECONDS, seed=35)
+        soak = Soak(hub, users, lab, target, SECONDS, seed=35, researcher="r00")
         soak.database = make_url(url).query.get("application_name", "") if backend == "postgresql" else ""
         try:
             hub.wait_for_broker()
@@ -45,3 +45,4 @@ def test_a_soak_with_faults_loses_nothing_and_breaks_no_rule(backend, tmp_path):
             figures
         )
         assert soak.kills, "no server was killed"
+        assert soak.cells > 0, "the researcher trained nothing"

@@ -394,6 +394,15 @@ class GpuSpawnerMixin(QueueWaiting, Configurable):
                 self.gpu_allocation = await self.mark_started(allocation)
             self._progress(60, "Server process started; waiting for it to answer")
             await self._wait_answering(url)
+        except asyncio.CancelledError:
+            # stopped while it started (JupyterHub's stop() follows), or the hub shutting down
+            # (nothing follows): the server must not outlive the GPUs given back, after the
+            # start has ended (JupyterHub answers 500 if the start is not over in 1 s)
+            self.end_server_now()
+            if allocation:
+                self.allocation_id, self.gpu_allocation = 0, None
+                self._give_back_later("server stopped while it started", allocation=allocation)
+            raise
         except BaseException:
             if allocation:
                 await self._release(allocation.id, "server failed to start")
@@ -438,12 +447,12 @@ class GpuSpawnerMixin(QueueWaiting, Configurable):
     async def stop(self, now=False):
         allocation_id = self.allocation_id
         self._gpuhub_stopped = True
-        if self.waits_in_gpuhub_queue():  # a start still waiting in the queue leaves it
-            # (by server, not by entry id: a cancelled start may have dropped its id already)
-            await self._in_ledger(
-                "leave_queue_of", self.user.name, self.name, "the server was stopped while it waited"
-            )
         try:
+            if self.waits_in_gpuhub_queue():  # a start still waiting in the queue leaves it
+                # (by server, not by entry id: a cancelled start may have dropped its id already)
+                await self._in_ledger(
+                    "leave_queue_of", self.user.name, self.name, "the server was stopped while it waited"
+                )
             await super().stop(now=now)
         except asyncio.CancelledError:
             # cut short: the hub shutting down cancels what still runs. Its GPUs are given

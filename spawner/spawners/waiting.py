@@ -5,9 +5,10 @@ JupyterHub stops a start that is still pending by cancelling it, waiting one sec
 answering 500 ("pending spawn") if the start has not ended by then (jupyterhub 6.1.1,
 ``DELETE /users/NAME/server``). A cancelled start therefore ends at once, and what it still
 owes the ledger (leaving the queue; giving back GPUs that a ledger call in flight may yet
-book) is done after it, in the background: under a class-start storm each ledger call waits
-behind hundreds of others. The spawner's next start waits for that to finish first, so a
-server never waits twice in the queue nor holds GPUs from a start that was stopped.
+book, or that a server cut short while it started held) is done after it, in the background:
+under a class-start storm each ledger call waits behind hundreds of others. The spawner's next
+start waits for that to finish first, so a server never waits twice in the queue nor holds
+GPUs from a start that was stopped.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ class QueueWaiting:
         if entry is not None and allocation is None:
             await self._in_ledger("leave_queue", entry.id, reason)
 
-    def _give_back_later(self, reason: str, pending: asyncio.Future | None = None, entry_id: int = 0) -> None:
+    def _give_back_later(
+        self, reason: str, pending: asyncio.Future | None = None, entry_id: int = 0, allocation=None
+    ) -> None:
         """After a cancelled start: wait for the ledger call still in flight (``pending``),
-        give back what it got, or leave the queue entry ``entry_id``."""
+        give back what it got, or leave the queue entry ``entry_id``, or release ``allocation``."""
 
         async def finish():
-            got = None
+            got = allocation
             if pending is not None:
                 with contextlib.suppress(policy.Refusal):
                     got = await pending
