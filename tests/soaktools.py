@@ -166,7 +166,7 @@ class Soak:
                     r = self.call(name, "renew", "POST", f"allocations/{aid}/renew", token, json={})
                     if r is not None and r.status_code == 409:  # preempted, reclaimed or released
                         del bursts[aid]
-            time.sleep(rng.uniform(0.5, 2.0))
+            time.sleep(rng.uniform(1.0, 3.0))
         for aid in bursts:  # the user's session ends: what it still holds is given back
             self.call(name, "give back", "DELETE", f"allocations/{aid}", token)
 
@@ -205,7 +205,7 @@ class Soak:
 
         cell(f"%%distributed --gpus 2 --timeout 60 --autosave w --dir {d}\nimport torch\nw = torch.zeros(4)")
         for _ in range(1000):
-            if time.monotonic() >= self.until - 15 or self.research:
+            if time.monotonic() >= self.until - 30 or self.research:
                 break
             out = cell("%%distributed --timeout 60\nw += 1\nprint('W', rank, int(w[0]), flush=True)")
             steps += 1

@@ -131,8 +131,9 @@ def run_storm(
 def stop_all(hub, users: list[str], timeout: float = 300) -> int:
     """Stop every user's server (a waiting spawn leaves the queue), in parallel, and wait until
     none is left; a server still there is asked again. Returns how many DELETEs answered 500 or
-    more (jupyterhub 6.1.1 answers 500 where a start it interrupts is still pending a second
-    later)."""
+    more (the goal: none; jupyterhub 6.1.1 answers 500 where a start it interrupts is still
+    pending a second later, which gpuhub's cancelled starts no longer are:
+    ``spawner/spawners/waiting.py``)."""
     errors = 0
 
     def stop(user: str) -> None:

@@ -18,6 +18,7 @@ from gpu_magics.kernel import preemption as preemptionmod
 from gpu_magics.kernel.acquire import (
     OTHER_SETTINGS,
     GpuPlan,
+    kept_settings,
     may_retry_after_release,
     plan_gpus,
     refuse_discard,
@@ -666,3 +667,22 @@ def test_gpus_says_a_notice_once_at_a_utc_time_and_a_reclaim_as_a_stamp():
     ), text
     assert "Your server was reclaimed at 2025-12-03 07:30:00 UTC: idle." in text
     assert "GPU(s)" not in text and "T07" not in text
+
+
+KEY = ((3, None, None), "gloo", 60.0)  # a pool of 3 GPUs, gloo, a 60 s timeout
+POOL = {"gpus": 3, "nodes": None, "gpus_per_node": None, "backend": "gloo", "timeout": 60.0}
+
+
+@pytest.mark.parametrize(
+    "typed, key, kept",
+    [
+        ({}, KEY, POOL),
+        ({"gpus": None, "timeout": None, "autosave": ["w"]}, KEY, POOL),  # autosave is no pool setting
+        ({"timeout": 30.0}, KEY, None),  # a setting typed: the cell's settings decide
+        ({"gpus": 3}, KEY, None),
+        ({"backend": "nccl"}, KEY, None),
+        ({}, None, None),  # no pool: the defaults
+    ],
+)
+def test_a_bare_cell_keeps_the_warm_pools_settings(typed, key, kept):
+    assert kept_settings(typed, key) == kept

@@ -104,6 +104,9 @@ def test_a_resize_refusal_quotes_what_was_typed_and_lists_only_the_users_data(tm
             "w = 1",
             "%%distributed --gpus 1\nw",  # 1
             "%%distributed --gpus 2 --timeout 60\nw",  # 2
+            "%%distributed --gpus 2 --timeout 60 --restart\nw = 2",  # 3
+            "%%distributed\nimport os\nprint(w, os.getpid())",  # 4: bare: the warm pool as it is
+            "%%distributed --gpus 2 --timeout 60\nprint(w, os.getpid())",  # 5
         ],
         own_gpus_env(tmp_path, "t:0,t:1"),
         timeout=120,
@@ -120,3 +123,7 @@ def test_a_resize_refusal_quotes_what_was_typed_and_lists_only_the_users_data(tm
         "UsageError: %%distributed --gpus 2 --timeout 60 needs new engines (the pool runs --gpus 2 "
         "with the default timeout of 300 s), and the pool holds your variables (step, w)"
     ), said
+    # a cell that types no setting runs on the warm pool, whatever its --timeout: same processes
+    for i in (3, 4, 5):
+        assert cells[i].error is None and not cells[i].stderr, cells[i]
+    assert cells[4].stdout == cells[5].stdout and cells[4].stdout.count("2 ") == 2, cells[4]

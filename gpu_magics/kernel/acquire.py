@@ -4,6 +4,7 @@ The rules, pure functions:
 
 - :func:`plan_gpus`: ``--gpus N`` uses the server's own GPUs first; beyond them only the
   difference is a burst, on the same node (engines run on this machine, local backend).
+- :func:`kept_settings`: a cell that types no pool setting runs on the warm pool as it is.
 - :func:`why_new_engines`: whether the next cell can run on the warm pool, and if not why.
 - :func:`refuse_discard`: a change that needs new engines never throws away a pool that holds
   the user's variables unless ``--restart`` or autosave says so.
@@ -57,6 +58,25 @@ def plan_gpus(server_gpus: Sequence[str], wanted: int) -> GpuPlan:
     node = min(by_node, key=lambda n: (-len(by_node[n]), n))
     mine = by_node[node][:wanted]
     return GpuPlan(tuple(mine), wanted - len(mine), node if wanted > len(mine) else None)
+
+
+POOL_SETTINGS = ("gpus", "nodes", "gpus_per_node", "backend", "timeout")
+
+
+def kept_settings(typed: dict, key) -> dict | None:
+    """A cell that types none of the pool's settings runs on the warm pool as it is: the
+    pool's settings for it (None where the cell types one, or there is no pool). Without this a
+    bare ``%%distributed`` after ``--timeout 60`` asked for the default timeout, new engines."""
+    if key is None or any(typed.get(name) is not None for name in POOL_SETTINGS):
+        return None
+    (gpus, nodes, per_node), backend_name, timeout = key
+    return {
+        "gpus": gpus,
+        "nodes": nodes,
+        "gpus_per_node": per_node,
+        "backend": backend_name,
+        "timeout": timeout,
+    }
 
 
 def why_new_engines(

@@ -29,6 +29,7 @@ from traitlets import Bool, Float
 from gpu_magics.common.checkpoint import DEFAULT_DIR
 from gpu_magics.common.session import backend, server_gpus
 from gpu_magics.common.words import count
+from gpu_magics.kernel.acquire import kept_settings
 from gpu_magics.kernel.arguments import COUNT, SECONDS, parse_line
 from gpu_magics.kernel.burst import Burst
 from gpu_magics.kernel.checkpoints import CheckpointCommands, check_names
@@ -206,6 +207,9 @@ class DistributedMagics(CheckpointCommands, Magics):
         if args.autosave:
             check_names(args.autosave, "--autosave")
         self._set_autosave(args.autosave, args.dir)  # a pool replaced below is saved under these
+        kept = kept_settings(vars(args), self.lifecycle.key if self.lifecycle.pool is not None else None)
+        for name, value in (kept or {}).items():  # a bare cell: the warm pool as it is
+            setattr(args, name, value)
         if args.gpus is None:
             own = len(server_gpus().pool_gpus)
             if not own:
