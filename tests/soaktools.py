@@ -44,7 +44,8 @@ from .stormtools import stop_all
 
 LEASE = 15.0  # seconds a burst lives without renewal (c.GpuBroker.lease_seconds)
 SETTLE = 20.0  # after a fault's service is back, what it may still answer as unavailable
-KILLED_SERVER_ENDS = 60.0  # a SIGKILLed server's GPUs come back within this (the hub's poll, 1 s)
+KILLED_SERVER_ENDS = 60.0
+KEEPALIVE = 30.0  # c.GpuHub.queue_keepalive_seconds: a wait lost with its spawn ends this much later  # a SIGKILLed server's GPUs come back within this (the hub's poll, 1 s)
 FAULTS = ("broker", "server_kill", "proxy", "server_pause", "hub", "database")
 
 
@@ -59,7 +60,7 @@ c.GpuHub.group_limits = {{"lab": 2}}
 c.GpuHub.group_borrow = {{"lab": 1}}
 c.GpuHub.preempt_grace_seconds = 5
 c.GpuHub.queue_poll_seconds = 1
-c.GpuHub.queue_keepalive_seconds = 30
+c.GpuHub.queue_keepalive_seconds = {KEEPALIVE}
 c.GpuReclaim.warn_after_seconds = 15
 c.GpuReclaim.reclaim_after_seconds = 30
 c.GpuBroker.lease_seconds = {LEASE}
@@ -318,6 +319,14 @@ class Soak:
         running after that is killed, and the problems say so."""
         try:
             self.stop_5xx = stop_all(self.hub, self.users + ([self.researcher] if self.researcher else []))
+            # a wait whose spawn a hub restart lost ends at the keepalive (the broker's sweep)
+            ledger = Ledger(self.hub.ledger_url)
+            try:
+                deadline = time.monotonic() + KEEPALIVE + 15
+                while ledger.queue() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+            finally:
+                ledger.close()
         finally:
             self.hub.stop()
             left = left_running(self.hub)

@@ -262,6 +262,26 @@ def test_a_waiter_asking_after_the_keepalive_finds_its_entry_ended(open_ledger, 
     assert led.queue() == []
 
 
+def test_the_sweep_ends_a_wait_nobody_asks_about_with_nobody_else_asking(open_ledger, clock):
+    """A waiter lost to a hub restart never asks again; nothing else may ask either (an idle
+    hub): the broker's sweep ends its entry a keepalive later, with the reason; and a wait past
+    the longest allowed (36 s here), asked about or not."""
+    led = open_ledger(keepalive_seconds=30, max_wait_hours=0.01)
+    led.allocate("alice", [], 4)
+    carol = led.request("carol", [], 1).entry
+    bob = led.request("bob", [], 1).entry
+    clock.advance(seconds=20)
+    led.wait_turn(bob.id)
+    assert led.end_stale_waits() == []  # within the keepalive: both still wait
+    clock.advance(seconds=11)
+    assert led.end_stale_waits() == [carol.id]
+    assert "not asked about for 30 s" in led.queue_entry(carol.id).end_reason
+    assert [q.user for q in led.queue()] == ["bob"]
+    clock.advance(seconds=9)  # bob asked 20 s ago, but has waited 40 s
+    assert led.end_stale_waits() == [bob.id] and led.queue() == []
+    assert "waited the longest allowed" in led.queue_entry(bob.id).end_reason
+
+
 def test_a_request_waits_at_most_the_max_wait(open_ledger, clock):
     led = open_ledger(keepalive_seconds=3600, max_wait_hours=0.5)
     led.allocate("alice", [], 4)

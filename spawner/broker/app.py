@@ -107,6 +107,9 @@ async def main() -> None:
         expired = await asyncio.to_thread(ledger.expire_leases)
         if expired:
             log.info("released expired leases: %s", ", ".join(map(str, expired)))
+        ended = await asyncio.to_thread(ledger.end_stale_waits)
+        if ended:
+            log.info("ended waits nobody asked about: %s", ", ".join(map(str, ended)))
         try:
             await preempter.check()
         except Exception:  # one bad pass must not end the sweeps

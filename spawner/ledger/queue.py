@@ -407,6 +407,22 @@ class QueueRecords:
             allocation = self.grant_in(s, e, gpus, now, scene.plan.ahead_of.get(e.id, ()))
             return Admission(allocation=allocation, entry=entry_info(e))
 
+    def end_stale_waits(self) -> list[int]:
+        """End the waits nobody asked about for the keepalive (their spawn was lost to a hub
+        restart, their kernel died) or past the longest wait, without waiting for another ask
+        to end them: the broker's sweep. Their ids; a read alone where there is none."""
+        qs = self.queue_settings
+        with self._read() as s:
+            now = self.clock()
+            stale = or_(
+                QueueEntry.seen < now - timedelta(seconds=qs.keepalive_seconds),
+                QueueEntry.created < now - timedelta(hours=qs.max_wait_hours),
+            )
+            if s.scalar(select(QueueEntry.id).where(QueueEntry.state == "waiting", stale).limit(1)) is None:
+                return []
+        with self._tx() as s:
+            return self.end_stale_in(s, self.clock())
+
     def leave_queue(self, entry_id: int, reason: str = "left the queue") -> bool:
         """End a waiting entry (stop button, Ctrl-C, an admin). False when it no longer waits."""
         with self._tx() as s:
