@@ -44,8 +44,8 @@ from .stormtools import stop_all
 
 LEASE = 15.0  # seconds a burst lives without renewal (c.GpuBroker.lease_seconds)
 SETTLE = 20.0  # after a fault's service is back, what it may still answer as unavailable
-KILLED_SERVER_ENDS = 60.0
-KEEPALIVE = 30.0  # c.GpuHub.queue_keepalive_seconds: a wait lost with its spawn ends this much later  # a SIGKILLed server's GPUs come back within this (the hub's poll, 1 s)
+KILLED_SERVER_ENDS = 60.0  # a SIGKILLed server's GPUs come back within this (the hub's poll, 1 s)
+KEEPALIVE = 30.0  # c.GpuHub.queue_keepalive_seconds: a wait lost with its spawn ends this later
 FAULTS = ("broker", "server_kill", "proxy", "server_pause", "hub", "database")
 
 
