@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import case, func, select
 
 from spawner.ledger.db import make_engine
 from spawner.ledger.models import Allocation, AllocationGpu, QueueEntry
@@ -41,9 +41,14 @@ A, AG, E = Allocation, AllocationGpu, QueueEntry
 
 
 def history(url: str):
+    """Each allocation's GPUs with the span it held them, and each wait. A local allocation
+    holds its GPUs from its creation (booked then); a Slurm one from its start, when Slurm
+    placed the job and the watcher wrote the GPUs Slurm gave it (it was created when the job
+    was submitted, and waited in Slurm's queue holding nothing)."""
+    held_from = case((A.backend == "slurm", func.coalesce(A.started, A.created)), else_=A.created)
     return read(
         url,
-        select(A.id, A.user, A.created, A.ended, A.state, AG.gpu_id, AG.held, A.borrowed).join(
+        select(A.id, A.user, held_from, A.ended, A.state, AG.gpu_id, AG.held, A.borrowed).join(
             AG, AG.allocation_id == A.id
         ),
         select(E.id, E.user, E.gpu_count, E.created, E.ended),

@@ -28,6 +28,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -47,17 +48,24 @@ SETTLE = 20.0  # after a fault's service is back, what it may still answer as un
 KILLED_SERVER_ENDS = 60.0  # a SIGKILLed server's GPUs come back within this (the hub's poll, 1 s)
 KEEPALIVE = 30.0  # c.GpuHub.queue_keepalive_seconds: a wait lost with its spawn ends this later
 FAULTS = ("broker", "server_kill", "proxy", "server_pause", "hub", "database")
+SLURM_FAULTS = ("broker", "server_kill", "slurmctld", "hub")  # the Slurm test cluster's soak
 
 
-def config(gpus: int, lab: list[str], admin_target: str) -> str:
+def config(gpus: int, lab: list[str], admin_target: str, slurm: bool = False) -> str:
+    """The soak's hub: ``gpus`` simulated GPUs (on Slurm: the test cluster's), limits of 1 and
+    2 for the lab, which may borrow 1 more on the local backend."""
+    local = f"""
+c.GpuHub.simulated_gpus = [{{"count": {gpus}, "model": "Simulated A100", "memory_mib": 40960}}]
+c.GpuHub.group_borrow = {{"lab": 1}}
+c.Spawner.http_timeout = 120
+"""
     return f"""
 c.JupyterHub.cleanup_servers = False  # a hub restart keeps the servers
 c.JupyterHub.concurrent_spawn_limit = 0
 c.JupyterHub.load_groups = {{"lab": {{"users": {lab!r}}}}}
-c.GpuHub.simulated_gpus = [{{"count": {gpus}, "model": "Simulated A100", "memory_mib": 40960}}]
 c.GpuHub.default_limit = 1
 c.GpuHub.group_limits = {{"lab": 2}}
-c.GpuHub.group_borrow = {{"lab": 1}}
+c.GpuHub.user_limits = {{}}
 c.GpuHub.preempt_grace_seconds = 5
 c.GpuHub.queue_poll_seconds = 1
 c.GpuHub.queue_keepalive_seconds = {KEEPALIVE}
@@ -65,8 +73,7 @@ c.GpuReclaim.warn_after_seconds = 15
 c.GpuReclaim.reclaim_after_seconds = 30
 c.GpuBroker.lease_seconds = {LEASE}
 c.Spawner.start_timeout = 120
-c.Spawner.http_timeout = 120
-"""
+""" + ("" if slurm else local)
 
 
 def limits_of(lab: list[str], admin_target: str):
@@ -113,6 +120,7 @@ class Soak:
     kills: list[tuple[datetime, str, int]] = field(default_factory=list)  # (when, user, allocation)
     until: float = 0.0
     stop_5xx: int = 0
+    slurm: bool = False  # the hub's servers are jobs of the Slurm test cluster
     researcher: str = ""  # a lab member training in a %%distributed pool all along (none: "")
     research: list[str] = field(default_factory=list)  # what the researcher saw go wrong
     cells: int = 0  # the researcher's training cells that ran
@@ -229,10 +237,10 @@ class Soak:
         for user in self.users:
             try:
                 s = self.hub.server(user)
-            except requests.RequestException:
+                if s and s.get("ready"):
+                    out.append((user, self.hub.server_pid(user)))  # on Slurm: in its job
+            except (requests.RequestException, AssertionError, KeyError, TypeError, ValueError):
                 continue
-            if s and s.get("ready") and s.get("state", {}).get("pid"):
-                out.append((user, int(s["state"]["pid"])))
         holding = {a.user for a in ledger.active(purpose="server") if a.gpus}
         return [r for r in out if r[0] in holding] or out
 
@@ -271,6 +279,15 @@ class Soak:
                     time.sleep(8)
                     os.kill(pid, signal.SIGCONT)
                     f.detail = f"{user}'s server {pid} stopped (SIGSTOP) for 8 s"
+        elif name == "slurmctld":
+            from . import slurmtools
+
+            pid = int((slurmtools.STATE_DIR / "run" / "slurmctld.pid").read_text())
+            os.kill(pid, signal.SIGTERM)
+            down = slurmtools.slurm
+            wait_for(lambda: down("squeue", "-h", check=False).returncode != 0, 30, "slurmctld to stop")
+            subprocess.run([str(slurmtools.SCRIPT), "start"], check=True, capture_output=True)
+            f.detail = f"slurmctld {pid} stopped (SIGTERM) and started again"
         elif name == "database":
             if not self.database:
                 f.detail = "SQLite: no database server to restart"
@@ -319,6 +336,15 @@ class Soak:
         running after that is killed, and the problems say so."""
         try:
             self.stop_5xx = stop_all(self.hub, self.users + ([self.researcher] if self.researcher else []))
+            if self.slurm:  # every server's job ends with it
+                from .slurmtools import slurm
+
+                def jobs() -> list[str]:
+                    return slurm("squeue", "-h", "-o", "%i %u %T").stdout.split("\n")
+
+                with contextlib.suppress(AssertionError):
+                    wait_for(lambda: jobs() == [""], 60, "every job to end")
+                self.leftover += [f"Slurm job {j}" for j in jobs() if j]
             # a wait whose spawn a hub restart lost ends at the keepalive (the broker's sweep)
             ledger = Ledger(self.hub.ledger_url)
             try:
@@ -330,7 +356,7 @@ class Soak:
         finally:
             self.hub.stop()
             left = left_running(self.hub)
-            self.leftover = [f"{pid} {command_line(pid)}" for pid in left]
+            self.leftover += [f"{pid} {command_line(pid)}" for pid in left]
             for pid in left:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
@@ -419,7 +445,7 @@ def _answers(url: str) -> bool:
 
 def left_running(hub: Hub) -> list[int]:
     """Processes of this hub still alive (its servers, broker and proxy know its port)."""
-    marks = (f"127.0.0.1:{hub.hub_port}", f":{hub.broker_port}", f"127.0.0.1:{hub.proxy_api_port}")
+    marks = (f":{hub.hub_port}/hub/api", f":{hub.broker_port}", f"127.0.0.1:{hub.proxy_api_port}")
     out = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

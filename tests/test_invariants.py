@@ -41,3 +41,29 @@ def test_unfinished_names_what_a_run_left_open(db_url):
         ]
     finally:
         led.close()
+
+
+def test_a_slurm_allocation_holds_its_gpus_from_when_slurm_placed_its_job(db_url):
+    """Submitted while another job ran on the one GPU, placed there once it ended: one holder
+    at a time. Placed before the other's end (forged): two."""
+    led = Ledger(db_url, config_rules=LimitRules(default=Limit(max_gpus=1)))
+    led.sync_inventory([Gpu("n1", 0, "A100")])
+    try:
+        first = led.allocate("alice", [], 1, deferred=True, backend="slurm")
+        led.record_gpus(first.id, [("n1", 0)], "5")
+        second = led.allocate("bob", [], 1, deferred=True, backend="slurm")  # pending in Slurm
+        led.release(first.id, "Slurm job 5 ended (cancelled)")
+        led.record_gpus(second.id, [("n1", 0)], "6")
+        led.release(second.id, "Slurm job 6 ended (completed)")
+        assert check_invariants(*history(db_url), limits=lambda user: (1, 0)) == []
+        alice = led.get(first.id)
+        meanwhile = alice.created + (alice.ended - alice.created) / 2
+        eng = create_engine(db_url)
+        with eng.begin() as conn:  # bob's job started while alice's still held the GPU
+            conn.execute(update(Allocation).where(Allocation.id == second.id).values(started=meanwhile))
+        eng.dispose()
+        assert check_invariants(*history(db_url), limits=lambda user: (1, 0)) == [
+            f"GPU 1 held by {first.id} and {second.id} at once"
+        ]
+    finally:
+        led.close()
