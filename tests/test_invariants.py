@@ -57,7 +57,7 @@ def test_a_slurm_allocation_holds_its_gpus_from_when_slurm_placed_its_job(db_url
         led.release(second.id, "Slurm job 6 ended (completed)")
         assert check_invariants(*history(db_url), limits=lambda user: (1, 0)) == []
         alice = led.get(first.id)
-        meanwhile = alice.created + (alice.ended - alice.created) / 2
+        meanwhile = alice.started + (alice.ended - alice.started) / 2
         eng = create_engine(db_url)
         with eng.begin() as conn:  # bob's job started while alice's still held the GPU
             conn.execute(update(Allocation).where(Allocation.id == second.id).values(started=meanwhile))
