@@ -90,7 +90,27 @@ def pytest_xdist_make_scheduler(config, log):
     return ModulesAndSlurm(config, log)
 
 
+# the longest modules besides the Slurm chain (seconds on 2 cores, from the suite's durations):
+# handed out first, so that no worker starts one of them while the others are finishing
+LONG_MODULES = (
+    "test_soak.py",  # 200
+    "test_time_limits_hub.py",  # 170
+    "test_lab_hub.py",  # 130
+    "test_reclaim_hub.py",  # 110
+    "test_checkpoint_sharded.py",  # 100
+    "test_distributed_hub.py",  # 90
+    "test_queue_hub.py",  # 80
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """The Slurm tests come first, so that their long chain starts at once while the other
-    workers share the rest (xdist hands out the modules in this order)."""
-    items.sort(key=lambda item: not slurm_test(item.nodeid))  # stable: the order within each kept
+    workers share the rest (xdist hands out the modules in this order), the longest of the rest
+    next (``LONG_MODULES``)."""
+
+    def order(item) -> tuple[bool, int]:
+        module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        long = LONG_MODULES.index(module) if module in LONG_MODULES else len(LONG_MODULES)
+        return (not slurm_test(item.nodeid), long)
+
+    items.sort(key=order)  # stable: the order within each kept
