@@ -157,7 +157,7 @@ async def test_a_grant_in_flight_when_the_start_is_stopped_is_given_back(make_sp
     ledger = await asyncio.to_thread(lambda: sp.ledger)
     bobs = hold_every_gpu(ledger)
     task, entry = await start_waiting(sp, ledger)
-    entered, proceed = blocked(monkeypatch, ledger, "wait_turn")
+    entered, proceed = blocked(monkeypatch, ledger, "wait_turns")
     await asyncio.to_thread(entered.wait, 10)
     ledger.release(bobs.id, "test")  # alice's turn: the ask in flight books her GPU
     task.cancel()
@@ -240,3 +240,46 @@ async def test_a_start_cut_short_ends_the_server_it_began_before_its_gpus_are_gi
         if starting.process is not None:
             starting.process.kill()
             starting.process.wait()
+
+
+async def test_a_hubs_waiting_starts_ask_the_ledger_together_once_a_poll(make_spawner, monkeypatch):
+    """Five starts waiting at once: one ledger call a round for all of them (a storm's hundred
+    waiters made a hundred reads a second), and each still gets its own place; when GPUs free,
+    the head of the queue starts."""
+    first = make_spawner()
+    ledger = await asyncio.to_thread(lambda: first.ledger)
+    bobs = hold_every_gpu(ledger)
+    calls = []
+    real = ledger.wait_turns
+
+    def counted(ids):
+        calls.append(sorted(ids))
+        return real(ids)
+
+    monkeypatch.setattr(ledger, "wait_turns", counted)
+    spawners, tasks = [], []
+    for i in range(5):
+        sp = first if i == 0 else make_spawner()
+        sp.user = SimpleNamespace(name=f"s{i}", groups=[], url=f"/user/s{i}/")
+        sp.user_options = {"gpus": 1}
+        sp.gpuhub.queue_poll_seconds = 0.2
+        spawners.append(sp)
+        tasks.append(asyncio.ensure_future(sp.start()))
+        while len(ledger.queue()) < i + 1:
+            await asyncio.sleep(0.02)
+    calls.clear()
+    while len(calls) < 3:
+        await asyncio.sleep(0.05)
+    entries = {q.user: q.id for q in ledger.queue()}
+    assert calls[1:3] == [sorted(entries.values())] * 2  # every waiter in each round's one call
+    places = [ev for ev in spawners[4]._gpuhub_events if "waiting" in ev.get("message", "")]
+    assert "5th of 5 waiting" in places[-1]["message"], places[-1]
+    ledger.release(bobs.id, "test")  # 4 GPUs free: the first four start, in the queue's order
+    _, pending = await asyncio.wait(tasks[:4], timeout=30)
+    assert not pending and all(sp.started for sp in spawners[:4])
+    assert [q.user for q in ledger.queue()] == ["s4"]
+    tasks[4].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[4]
+    await spawners[4]._settle_cancelled()
+    assert ledger.queue() == []

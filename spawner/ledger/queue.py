@@ -350,6 +350,38 @@ class QueueRecords:
             s.info["changed"] = bool(waiting)  # an entry past its keepalive is kept: a decision
             return len(waiting)
 
+    def _still_waiting_in(self, s: Session, e: QueueEntry, now: datetime) -> Admission | None:
+        """The answer to a waiter whose entry simply waits on (asked about lately, still able
+        to fit, not started by the plan now), read without the lock; None: ask with it."""
+        fresh = e.seen >= now - timedelta(seconds=self.queue_settings.keepalive_seconds / 3)
+        if e.state == "waiting" and fresh and self.never_fits_in(s, e) is None:
+            scene = self._cached_scene(s, now)
+            if e.id not in scene.plan.grants:
+                return Admission(entry=scene.info(entry_info(e)))
+        return None
+
+    def wait_turns(self, entry_ids: Iterable[int]) -> dict[int, Admission | Exception]:
+        """:meth:`wait_turn` for many waiters at once (a hub's waiting spawns, one poller): those
+        that simply wait on are answered from one read; the others each as :meth:`wait_turn`.
+        Each answer, or the error that entry's ask raised."""
+        out: dict[int, Admission | Exception] = {}
+        asks = []
+        with self._read() as s:
+            now = self.clock()
+            for entry_id in entry_ids:
+                e = s.get(QueueEntry, entry_id)
+                quick = None if e is None else self._still_waiting_in(s, e, now)
+                if quick is None:
+                    asks.append(entry_id)
+                else:
+                    out[entry_id] = quick
+        for entry_id in asks:
+            try:
+                out[entry_id] = self.wait_turn(entry_id)
+            except Exception as e:  # that waiter's, not the others'
+                out[entry_id] = e
+        return out
+
     def wait_turn(self, entry_id: int) -> Admission:
         """The waiter's question: has my turn come? Books the GPUs when it has.
 
@@ -359,12 +391,9 @@ class QueueRecords:
             e = s.get(QueueEntry, entry_id)
             if e is None:
                 raise LookupError(f"queue entry {entry_id} does not exist")
-            now = self.clock()
-            fresh = e.seen >= now - timedelta(seconds=self.queue_settings.keepalive_seconds / 3)
-            if e.state == "waiting" and fresh and self.never_fits_in(s, e) is None:
-                scene = self._cached_scene(s, now)
-                if entry_id not in scene.plan.grants:
-                    return Admission(entry=scene.info(entry_info(e)))
+            quick = self._still_waiting_in(s, e, self.clock())
+            if quick is not None:
+                return quick
         with self._tx() as s:
             now = self.clock()
             self.expire_in(s)

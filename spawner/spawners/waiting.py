@@ -20,6 +20,7 @@ from spawner import policy
 from spawner.ledger import utcnow
 from spawner.policy import waitline
 from spawner.policy.records import AllocationInfo
+from spawner.spawners.queuepoll import poller_for
 
 STOPPED_WAITING = "the server was stopped while it waited"
 _RUNNING: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
@@ -102,11 +103,11 @@ class QueueWaiting:
                     shown = line
                 if self._gpuhub_stopped:
                     raise asyncio.CancelledError()
-                await asyncio.sleep(poll)
-                if self._gpuhub_stopped:
-                    raise asyncio.CancelledError()
-                asking = asyncio.ensure_future(self._in_ledger("wait_turn", entry.id))
+                # the hub's one poller asks for every waiting start at once, each poll
+                asking = poller_for(self.ledger, poll).ask(entry.id)
                 got = await asyncio.shield(asking)
+                if self._gpuhub_stopped and got.allocation is None:
+                    raise asyncio.CancelledError()
                 asking = None
                 if got.allocation is not None:
                     if self._gpuhub_stopped:  # stopped while the grant was written
