@@ -361,6 +361,25 @@ class Soak:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
 
+    def run_checked(self) -> dict:
+        """A test's soak: :meth:`run` and :meth:`shutdown`; then no problem, every fault ran
+        with something to hit, users got GPUs and a server was killed. Its figures."""
+        try:
+            self.hub.wait_for_broker()
+            for user in self.users:
+                self.hub.ensure_user(user)
+            self.run()
+        finally:
+            self.shutdown()
+        figures = self.figures()
+        print(figures)
+        problems = self.problems()
+        assert problems == [], "\n".join(problems)
+        assert [f.name for f in self.faults] == list(self.schedule)
+        assert all("no ready server" not in f.detail for f in self.faults), figures["faults"]
+        assert figures["allocations"] > 0 and self.kills, figures
+        return figures
+
     # after it ------------------------------------------------------------------------------
 
     def problems(self) -> list[str]:

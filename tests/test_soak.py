@@ -31,20 +31,6 @@ def test_a_soak_with_faults_loses_nothing_and_breaks_no_rule(backend, tmp_path):
         hub = Hub(tmp_path / "hub", extra_config=config(GPUS, lab, target), ledger_url=url).start()
         soak = Soak(hub, users, lab, target, SECONDS, seed=35, researcher="r00")
         soak.database = make_url(url).query.get("application_name", "") if backend == "postgresql" else ""
-        try:
-            hub.wait_for_broker()
-            for user in users:
-                hub.ensure_user(user)
-            soak.run()
-        finally:
-            soak.shutdown()
-        figures = soak.figures()
-        print(figures)
-        problems = soak.problems()
-        assert problems == [], "\n".join(problems)
-        # it did what it says: every fault ran, with something to hit; users got GPUs and waited
-        assert [f.name for f in soak.faults] == list(soak.schedule)
-        assert all("no ready server" not in f.detail for f in soak.faults), figures["faults"]
-        assert figures["allocations"] > 0 and figures["waits"] > 0, figures
-        assert soak.kills, "no server was killed"
+        figures = soak.run_checked()
+        assert figures["waits"] > 0, figures  # the queue was used
         assert soak.cells > 0, "the researcher trained nothing"
