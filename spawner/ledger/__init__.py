@@ -26,7 +26,9 @@ the underscored ones are the transactions' and the inventory's own machinery):
 - ``allocations`` (``AllocationRecords``): an allocation's life after admission, and
   ``expire_in`` (leases run out; every writer calls it first).
 - ``queue`` (``QueueRecords``): waiting; ``scene_in`` (the queue's order and plan),
-  ``live_waiting_in``/``end_stale_in`` (entries that still wait).
+  ``live_waiting_in``/``end_stale_in`` (entries that still wait); ``asking``
+  (``QueueAsking``): a waiter's ``wait_turn`` (``wait_turns``: a hub's waiters at once),
+  ``resume_waiting``, and the sweep's ``end_stale_waits``.
 - ``borrowing`` (``BorrowingRecords``): ``borrow_allowance``, ``borrowed_part_in`` and
   ``borrow_now_in`` (admission beyond the limit), notices, ``preempt_reason_in``;
   ``borrowing_reads`` (``BorrowingReads``): what the pages show of it.
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 from spawner.ledger.admission import AdmissionRecords
 from spawner.ledger.allocations import AllocationRecords
+from spawner.ledger.asking import QueueAsking
 from spawner.ledger.borrowing import BorrowingRecords
 from spawner.ledger.borrowing_reads import BorrowingReads
 from spawner.ledger.energy import EnergyRecords
@@ -69,6 +72,7 @@ __all__ = ["BorrowSettings", "GpuConflict", "Ledger", "QueueSettings", "utcnow"]
 class Ledger(
     AdmissionRecords,
     AllocationRecords,
+    QueueAsking,
     QueueRecords,
     BorrowingRecords,
     BorrowingReads,

@@ -7,7 +7,7 @@ form, ``_admit_in`` decides in the writing transaction (the limit, what could ev
 deferred booking, borrowing beyond the limit: ``BorrowingRecords.borrow_now_in``), and
 ``_admit_or_queue`` books it where the queue's plan starts it now, or queues it, or refuses it
 with the queue named. :meth:`~AdmissionRecords.grant_in` books a queue entry whose turn has come
-(``QueueRecords.wait_turn``); :meth:`~AdmissionRecords.book_in` writes every allocation made.
+(``QueueAsking.wait_turn``); :meth:`~AdmissionRecords.book_in` writes every allocation made.
 The decisions are :mod:`spawner.policy`'s.
 """
 
