@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import random
 import re
 import signal
@@ -124,6 +125,7 @@ class Soak:
     researcher: str = ""  # a lab member training in a %%distributed pool all along (none: "")
     research: list[str] = field(default_factory=list)  # what the researcher saw go wrong
     cells: int = 0  # the researcher's training cells that ran
+    interrupts: int = 0  # and the cells interrupted among them
     leftover: list[str] = field(default_factory=list)  # what still ran after the shutdown
 
     # one answer ------------------------------------------------------------------------
@@ -193,7 +195,8 @@ class Soak:
 
     def train(self, kc) -> None:
         """The researcher: a 2-rank pool on the server's own 2 GPUs with ``--autosave``, one
-        training step per cell all along (each rank's state checked after each), then
+        training step per cell all along (each rank's state checked after each), every tenth
+        cell one that sleeps and is interrupted (the stop button: the state is kept), then
         ``%distributed shutdown`` (which autosaves), a new pool, and a restore whose bytes must be
         the last step's, on every rank."""
         from .kerneltools import run_cell
@@ -220,6 +223,8 @@ class Soak:
             steps += 1
             ranks_hold(out, steps, f"step {steps}")
             self.cells += 1
+            if steps % 10 == 5:
+                self.interrupt_a_cell(kc)
             time.sleep(1)
         out = cell("%distributed shutdown")
         if "autosaved before %distributed shutdown" not in out:
@@ -228,6 +233,32 @@ class Soak:
         cell(f"%distributed restore w --dir {d}")
         ranks_hold(cell("%%distributed\nprint('W', rank, int(w[0]), flush=True)"), steps, "restored")
         cell("%distributed shutdown")
+
+    def interrupt_a_cell(self, kc) -> None:
+        """A cell that sleeps on both ranks, interrupted through the server's REST API (as
+        JupyterLab's stop button): it must end with a KeyboardInterrupt, not hang or die."""
+        sent = kc.execute(
+            "%%distributed --timeout 60\nimport time\nprint('SLEEPING', rank, flush=True)\ntime.sleep(90)"
+        )
+        shown, deadline = "", time.monotonic() + 60
+        while shown.count("SLEEPING") < 2 and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                msg = kc.get_iopub_msg(timeout=1)
+                if msg["parent_header"].get("msg_id") == sent and msg["msg_type"] == "stream":
+                    shown += msg["content"]["text"]
+        kernel = os.path.basename(kc.connection_file).removeprefix("kernel-").removesuffix(".json")
+        r = self.hub.api_url_request("POST", f"/user/{self.researcher}/api/kernels/{kernel}/interrupt")
+        if r.status_code != 204:
+            self.research.append(f"the interrupt answered {r.status_code}: {r.text[:200]}")
+        while time.monotonic() < deadline + 60:
+            with contextlib.suppress(queue.Empty):
+                reply = kc.get_shell_msg(timeout=1)
+                if reply["parent_header"].get("msg_id") == sent:
+                    if reply["content"].get("ename") != "KeyboardInterrupt":
+                        self.research.append(f"the interrupted cell ended {reply['content']}"[:300])
+                    self.interrupts += 1
+                    return
+        self.research.append("the interrupted cell never ended")
 
     # the faults --------------------------------------------------------------------------
 
@@ -432,6 +463,7 @@ class Soak:
                 "preemptions": len(ledger.preemptions(since=since)),
                 "reclaims": len(ledger.reclaims(since=since)),
                 "training cells": self.cells,
+                "interrupted cells": self.interrupts,
                 "faults": [
                     f"{f.name}: {f.detail} ({(f.end or f.start) - f.start:.1f} s)" for f in self.faults
                 ],

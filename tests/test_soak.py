@@ -2,7 +2,7 @@
 on a real hub with 4 simulated GPUs for 80 s, while the broker, the proxy, a server and the hub
 are killed or restarted, a server is paused, and (on PostgreSQL) the ledger's database drops
 every connection (``tests/soaktools.py``). The researcher trains in a 2-rank ``--autosave`` pool
-all along, then shuts it down and restores into a new one.
+all along, interrupting a cell now and then, then shuts it down and restores into a new one.
 
 Afterwards: every allocation and wait ended with its reason, no GPU had two holders, nobody was
 over their limit beyond their borrowing allowance, no answer was a 500 (nor a 502-504 outside a
@@ -33,4 +33,4 @@ def test_a_soak_with_faults_loses_nothing_and_breaks_no_rule(backend, tmp_path):
         soak.database = make_url(url).query.get("application_name", "") if backend == "postgresql" else ""
         figures = soak.run_checked()
         assert figures["waits"] > 0, figures  # the queue was used
-        assert soak.cells > 0, "the researcher trained nothing"
+        assert soak.cells > 0 and soak.interrupts > 0, "the researcher trained nothing, or stopped no cell"
