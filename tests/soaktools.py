@@ -126,6 +126,7 @@ class Soak:
     research: list[str] = field(default_factory=list)  # what the researcher saw go wrong
     cells: int = 0  # the researcher's training cells that ran
     interrupts: int = 0  # and the cells interrupted among them
+    crashed: list[str] = field(default_factory=list)  # a scripted actor's thread that raised
     leftover: list[str] = field(default_factory=list)  # what still ran after the shutdown
 
     # one answer ------------------------------------------------------------------------
@@ -247,7 +248,19 @@ class Soak:
                 if msg["parent_header"].get("msg_id") == sent and msg["msg_type"] == "stream":
                     shown += msg["content"]["text"]
         kernel = os.path.basename(kc.connection_file).removeprefix("kernel-").removesuffix(".json")
-        r = self.hub.api_url_request("POST", f"/user/{self.researcher}/api/kernels/{kernel}/interrupt")
+        path = f"/user/{self.researcher}/api/kernels/{kernel}/interrupt"
+        for _ in range(60):  # the proxy or the hub may be down (a fault): pressed again
+            try:
+                r = self.hub.api_url_request("POST", path)
+            except requests.RequestException:
+                time.sleep(1)
+                continue
+            if r.status_code < 500:
+                break
+            time.sleep(1)
+        else:
+            self.research.append("the interrupt could not be sent for 60 s")
+            return
         if r.status_code != 204:
             self.research.append(f"the interrupt answered {r.status_code}: {r.text[:200]}")
         while time.monotonic() < deadline + 60:
@@ -343,11 +356,17 @@ class Soak:
             kc = self.hub.server_kernel(self.researcher)
         self.until = time.monotonic() + self.duration
         threads = [
-            threading.Thread(target=self.user, args=(u, tokens[u], random.Random(rng.random())), daemon=True)
+            threading.Thread(
+                target=self.guarded(self.user), args=(u, tokens[u], random.Random(rng.random())), daemon=True
+            )
             for u in self.users
-        ] + [threading.Thread(target=self.admin, args=(admin, random.Random(rng.random())), daemon=True)]
+        ] + [
+            threading.Thread(
+                target=self.guarded(self.admin), args=(admin, random.Random(rng.random())), daemon=True
+            )
+        ]
         if kc is not None:
-            threads.append(threading.Thread(target=self.train, args=(kc,), daemon=True))
+            threads.append(threading.Thread(target=self.guarded(self.train), args=(kc,), daemon=True))
         for th in threads:
             th.start()
         try:
@@ -361,6 +380,18 @@ class Soak:
             if kc is not None:
                 kc.stop_channels()
             ledger.close()
+
+    def guarded(self, actor):
+        """``actor`` for a thread: what it raises is a problem of the run, not a thread that
+        ends unseen (and the checks of what it would have done after, skipped)."""
+
+        def run(*args):
+            try:
+                actor(*args)
+            except Exception as e:
+                self.crashed.append(f"{actor.__name__}{args[:1]}: {e!r}"[:400])
+
+        return run
 
     def shutdown(self) -> None:
         """Stop every server (a waiting one leaves the queue), then the hub; what is still
@@ -420,6 +451,7 @@ class Soak:
         out = list(unfinished(url))
         out += check_invariants(*history(url), limits=limits_of(self.lab, self.admin_target))
         out += [f"the researcher's pool: {p}" for p in self.research]
+        out += [f"a scripted actor stopped on an error: {c}" for c in self.crashed]
         out += [
             f"{a.who}'s {a.what} answered {a.status}: {a.body[:120]}" for a in self.answers if self.wrong(a)
         ]

@@ -56,6 +56,7 @@ def test_a_killed_server_whose_gpus_stayed_held_and_what_is_left_are_problems(tm
         s.leftover = ["4242 python -m spawner.singleuser"]
         s.research = ["step 3: the ranks hold [('0', '3')], not step 3 on both"]
         s.stop_5xx = 2
+        s.guarded(lambda who: 1 / 0)("alice")
         problems = s.problems()
         assert f"allocation {held.id} of alice is still starting" in problems
         assert f"alice's killed server's allocation {held.id} ended at None (killed {killed})" in problems
@@ -63,6 +64,10 @@ def test_a_killed_server_whose_gpus_stayed_held_and_what_is_left_are_problems(tm
         assert "still running after the hub stopped: 4242 python -m spawner.singleuser" in problems
         assert "the researcher's pool: step 3: the ranks hold [('0', '3')], not step 3 on both" in problems
         assert "2 stops after the run answered 500 or more" in problems
+        assert (
+            "a scripted actor stopped on an error: <lambda>('alice',): ZeroDivisionError('division by zero')"
+            in problems
+        )
         # a kill whose GPUs came back later than the bound
         s.kills = [(killed - timedelta(minutes=5), "alice", freed.id)]
         assert any(f"allocation {freed.id} ended at" in p for p in s.problems())
