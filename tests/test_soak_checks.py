@@ -21,6 +21,7 @@ def soak(url: str = "", faults=()) -> Soak:
 
 
 HUB_DOWN = Fault("hub", start=100.0, end=110.0)
+BROKER_DOWN = Fault("broker", start=200.0, end=210.0)
 
 
 @pytest.mark.parametrize(
@@ -29,17 +30,20 @@ HUB_DOWN = Fault("hub", start=100.0, end=110.0)
         (Answer(50.0, "alice", "start", 201, "{}"), False),
         (Answer(50.0, "alice", "start", 403, '{"message": "over your limit"}'), False),
         (Answer(50.0, "alice", "start", 403, ""), True),  # a refusal without its reason
-        (Answer(105.0, "alice", "start", 500, "Internal Server Error"), True),  # a 500, even in a fault
+        (Answer(105.0, "alice", "start", 500, "Internal Server Error"), False),  # JupyterHub stopping
+        (Answer(105.0, "alice", "burst", 500, "Internal error", broker=True), True),  # the broker's: never
+        (Answer(115.0, "alice", "start", 500, "Internal Server Error"), True),  # the hub is up again
         (Answer(105.0, "alice", "model", 503, "Service Unavailable"), False),  # the hub was down
         (Answer(105.0, "alice", "model", 0, "connection refused"), False),
         (Answer(110.0 + SETTLE - 1, "alice", "model", 502, "Bad Gateway"), False),  # settling
         (Answer(110.0 + SETTLE + 1, "alice", "model", 502, "Bad Gateway"), True),  # after it
         (Answer(50.0, "alice", "model", 0, "connection refused"), True),  # no fault then
         (Answer(50.0, "alice", "burst", 507, "Insufficient Storage"), True),
+        (Answer(205.0, "alice", "model", 500, "Internal Server Error"), True),  # only the hub's own stop
     ],
 )
 def test_an_answer_no_user_should_get_is_a_problem(answer, wrong):
-    assert soak(faults=[HUB_DOWN]).wrong(answer) is wrong
+    assert soak(faults=[HUB_DOWN, BROKER_DOWN]).wrong(answer) is wrong
 
 
 def test_a_killed_server_whose_gpus_stayed_held_and_what_is_left_are_problems(tmp_path):

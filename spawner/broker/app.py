@@ -98,7 +98,7 @@ async def main() -> None:
 
     broker.accounting = SlurmAccounting(config=hub_settings.config)
     url = urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101"))
-    make_app(broker).listen(url.port, url.hostname)
+    server = make_app(broker).listen(url.port, url.hostname)
 
     preempter = Preempter(broker)
     timekeeper = TimeKeeper(broker)
@@ -151,4 +151,10 @@ async def main() -> None:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("gpuhub broker stopping")
+    broker.stopping = True
+    server.stop()  # no new requests; those in flight finish on the ledger before it closes
+    if not await broker.drained(5.0):
+        log.warning(
+            "gpuhub broker: %s request(s) still in flight after 5 s; stopping anyway", broker.in_flight
+        )
     ledger.close()

@@ -48,6 +48,8 @@ class Broker:
         self.reclaim_rules = IdleRules()  # c.GpuReclaim
         self.readings = "sampler"  # c.GpuReclaim.readings: whose readings decide reclaims
         self._groups: dict[str, tuple[float, list[str]]] = {}
+        self.in_flight = 0  # requests being answered
+        self.stopping = False  # SIGTERM came: what is in flight finishes, nothing new starts
         self.refused_readings: dict[str, int] = {}  # impossible readings left out, per field
         self._refused_from: set[str] = set()
 
@@ -61,6 +63,13 @@ class Broker:
                 log.warning(
                     "%s reported an impossible %s of GPU %s (%r): left out", whose, field, label, value
                 )
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait until no request is being answered (at most ``timeout`` s): whether none is."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.in_flight
 
     async def run(self, fn, *args, **kw):
         """Ledger calls are short blocking transactions: keep them off the event loop."""
@@ -90,13 +99,24 @@ class BaseHandler(HubOAuthenticated, web.RequestHandler):
     def initialize(self, broker: Broker):
         self.broker = broker
 
+    def count_in(self) -> None:
+        """This request is in flight until ``on_finish``: the broker's stop lets it finish."""
+        self.broker.in_flight += 1
+        self._in_flight = True
+
     async def prepare(self):
+        self.count_in()
         # authenticate asynchronously (the synchronous default would block the loop)
         try:
             model = await self.hub_auth.get_user(self, sync=False)
             self._hub_auth_user_cache = self.check_hub_user(model) if model else None
         except UserNotAllowed:
             self._hub_auth_user_cache = None
+
+    def on_finish(self):
+        if getattr(self, "_in_flight", False):
+            self._in_flight = False
+            self.broker.in_flight -= 1
 
     @property
     def caller(self) -> Caller | None:
@@ -154,7 +174,11 @@ class APIHandler(BaseHandler):
     def write_error(self, status_code: int, **kwargs):
         exc = kwargs.get("exc_info", (None, None))[1]
         message = getattr(exc, "log_message", None) or self._reason
-        if status_code >= 500:
+        if status_code >= 500 and self.broker.stopping:  # the broker's own stop broke it
+            status_code = 503
+            self.set_status(503)
+            message = "The GPU service is restarting; try again in a moment."
+        elif status_code >= 500:
             message = "Internal error in the gpuhub broker; the hub admin can find it in its log."
         reason = {400: "bad_request", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
         self.finish({"status": status_code, "reason": reason.get(status_code, "error"), "message": message})
