@@ -313,7 +313,12 @@ class Soak:
             self.hub.wait_for_broker(120)
             f.detail = "hub stopped (SIGTERM) and started again"
         elif name in ("server_kill", "server_pause"):
-            ready = self._ready_servers(ledger)
+            ready = []
+            for _ in range(60):  # up to 30 s for a user's server to be up (after another fault)
+                ready = self._ready_servers(ledger)
+                if ready:
+                    break
+                time.sleep(0.5)
             if not ready:
                 f.detail = "no ready server to hit"
             else:

@@ -1,5 +1,5 @@
-"""A soak, short (issue 35; ``benchmarks/soak.py`` is the long one): 8 users and a researcher
-on a real hub with 4 simulated GPUs for 80 s, while the broker, the proxy, a server and the hub
+"""A soak, short (issue 35; ``benchmarks/soak.py`` is the long one): 6 users and a researcher
+on a real hub with 4 simulated GPUs for 50 s, while the broker, the proxy, a server and the hub
 are killed or restarted, a server is paused, and (on PostgreSQL) the ledger's database drops
 every connection (``tests/soaktools.py``). The researcher trains in a 2-rank ``--autosave`` pool
 all along, interrupting a cell now and then, then shuts it down and restores into a new one.
@@ -20,7 +20,7 @@ from .hubtools import Hub
 from .soaktools import Soak, config
 
 pytestmark = pytest.mark.hub
-GPUS, USERS, SECONDS = 4, 8, 80.0
+GPUS, USERS, SECONDS = 4, 6, 50.0
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
