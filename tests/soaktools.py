@@ -280,8 +280,8 @@ class Soak:
 
     # the faults --------------------------------------------------------------------------
 
-    def _ready_servers(self, ledger: Ledger) -> list[tuple[str, int]]:
-        """Users' ready servers (not the researcher's), those holding GPUs first."""
+    def _ready_servers(self, ledger: Ledger, holding_only: bool = False) -> list[tuple[str, int]]:
+        """Users' ready servers (not the researcher's), those holding GPUs first (only those)."""
         out = []
         for user in self.users:
             try:
@@ -291,7 +291,7 @@ class Soak:
             except (requests.RequestException, AssertionError, KeyError, TypeError, ValueError):
                 continue
         holding = {a.user for a in ledger.active(purpose="server") if a.gpus}
-        return [r for r in out if r[0] in holding] or out
+        return [r for r in out if r[0] in holding] or ([] if holding_only else out)
 
     def inject(self, name: str, ledger: Ledger, rng: random.Random) -> Fault:
         f = Fault(name, time.monotonic())
@@ -314,8 +314,8 @@ class Soak:
             f.detail = "hub stopped (SIGTERM) and started again"
         elif name in ("server_kill", "server_pause"):
             ready = []
-            for _ in range(60):  # up to 30 s for a user's server to be up (after another fault)
-                ready = self._ready_servers(ledger)
+            for i in range(60):  # up to 30 s for a user's server holding GPUs (any, after 20 s)
+                ready = self._ready_servers(ledger, holding_only=i < 40)
                 if ready:
                     break
                 time.sleep(0.5)

@@ -1,7 +1,7 @@
 """A soak, short (issue 35; ``benchmarks/soak.py`` is the long one): 6 users and a researcher
 on a real hub with 4 simulated GPUs for 50 s, while the broker, the proxy, a server and the hub
-are killed or restarted, a server is paused, and (on PostgreSQL) the ledger's database drops
-every connection (``tests/soaktools.py``). The researcher trains in a 2-rank ``--autosave`` pool
+are killed or restarted, a server is paused, and the ledger's PostgreSQL database drops every
+connection (``tests/soaktools.py``). The researcher trains in a 2-rank ``--autosave`` pool
 all along, interrupting a cell now and then, then shuts it down and restores into a new one.
 
 Afterwards: every allocation and wait ended with its reason, no GPU had two holders, nobody was
@@ -23,7 +23,9 @@ pytestmark = pytest.mark.hub
 GPUS, USERS, SECONDS = 4, 6, 50.0
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+# PostgreSQL, whose connections the soak ends too; SQLite's soak is benchmarks/soak.py's (the
+# suite's 20 minutes on 2 cores have no room for both: docs/reliability.md)
+@pytest.mark.parametrize("backend", ["postgresql"])
 def test_a_soak_with_faults_loses_nothing_and_breaks_no_rule(backend, tmp_path):
     users = [f"u{i:02d}" for i in range(USERS)]
     lab, target = [*users[: USERS // 2], "r00"], users[-1]
