@@ -23,7 +23,6 @@ class QueuePoller:
         self.poll_seconds = poll_seconds
         self.asks: dict[int, list[asyncio.Future]] = {}
         self.task: asyncio.Task | None = None
-        self.rounds = 0  # ledger calls made (one per round)
 
     def ask(self, entry_id: int) -> asyncio.Future:
         """The ledger's answer for ``entry_id`` (an ``Admission``) at the next round, within
@@ -38,7 +37,6 @@ class QueuePoller:
         while self.asks:
             await asyncio.sleep(self.poll_seconds)
             asks, self.asks = self.asks, {}
-            self.rounds += 1
             try:
                 answers = await asyncio.to_thread(self.ledger.wait_turns, list(asks))
             except Exception as e:  # the ledger could not be read at all: every ask's error
